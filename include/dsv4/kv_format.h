@@ -1,0 +1,69 @@
+// KV-cache row formats in their real byte layouts (SPEC §7, shared/golden/kvfmt/README.md) and
+// the page geometry that places rows in pages.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dsv4 {
+
+enum class KvRowFormat : uint8_t {
+  bf16,            // 512 (or 128 for index keys) raw bf16 values
+  fp8_per_tensor,  // e4m3 values of x / tensor_scale, no per-row scales
+  v41_fp8,         // V4.1 window rows: 512 e4m3 + 16 ue8m0 (32-channel tiles) = 528 B
+  v41_fp4,         // V4.1 compressed rows: 256 B e2m1 + 32 e4m3 scales (16-channel tiles) = 288 B
+  fp8_ds_mla,      // V4.0: 448 e4m3 NoPE + 64 bf16 RoPE + 7 ue8m0 + 1 pad = 584 B
+  index_mxfp4,     // index keys: 64 B e2m1 + 4 ue8m0 (32-channel tiles) = 68 B
+  index_fp8,       // index keys: 128 e4m3 + one fp32 power-of-two scale = 132 B
+};
+const char* kv_row_format_name(KvRowFormat f);
+KvRowFormat parse_kv_row_format(const std::string& name);
+
+// Where a row's scale bytes live: after all data rows of the page (vLLM, vLLM's FlashMLA fork) or
+// right after the row's data (deepseek-ai FlashMLA's V4.1 records).
+enum class PagePlacement : uint8_t { segregated, interleaved };
+
+struct RowLayout {
+  int64_t dims = 0;         // channels per row (512, or index_head_dim for index keys)
+  int64_t data_bytes = 0;   // bytes of values per row
+  int64_t scale_bytes = 0;  // bytes of scales per row (incl. padding bytes inside the scale row)
+  int64_t alignment = 1;    // page stride is rounded up to a multiple of this
+  int64_t row_bytes() const { return data_bytes + scale_bytes; }
+};
+RowLayout row_layout(KvRowFormat f, int64_t dims);
+
+struct PageGeometry {
+  KvRowFormat format = KvRowFormat::bf16;
+  PagePlacement placement = PagePlacement::segregated;
+  RowLayout row;
+  int64_t rows_per_page = 0;
+  int64_t page_stride = 0;  // bytes from one page to the next
+  int64_t data_offset(int64_t row_in_page) const;
+  int64_t scale_offset(int64_t row_in_page) const;
+};
+PageGeometry page_geometry(KvRowFormat f, int64_t dims, int64_t rows_per_page,
+                           PagePlacement placement = PagePlacement::segregated);
+
+// Encodes n rows x [n, dims] (fp32) into the pages at `slots` (slot = page * rows_per_page + row;
+// slot < 0 is skipped). `tensor_scale` is used by fp8_per_tensor only.
+void encode_rows(const PageGeometry& g, const float* x, int64_t n, const int64_t* slots,
+                 std::byte* pages, float tensor_scale = 1.0f);
+// Decodes n rows from `slots` into out [n, dims] (fp32). Values are exactly the dequantized ones.
+void decode_rows(const PageGeometry& g, const std::byte* pages, const int64_t* slots, int64_t n,
+                 float* out, float tensor_scale = 1.0f);
+
+// Named sets of formats for the three caches, as the CLI's --kv-format takes them:
+// "v4.1-native" (v41_fp8 / v41_fp4 / index_mxfp4), "fp8_ds_mla" (fp8_ds_mla / fp8_ds_mla /
+// index_fp8), "bf16" (bf16 / bf16 / bf16), "fp8" (fp8_per_tensor / fp8_per_tensor / index_fp8).
+struct KvFormatSet {
+  std::string name;
+  KvRowFormat window;
+  KvRowFormat compressed;
+  KvRowFormat index_keys;
+};
+KvFormatSet kv_format_set(const std::string& name);
+std::vector<std::string> kv_format_set_names();
+
+}  // namespace dsv4
