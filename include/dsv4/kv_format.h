@@ -46,6 +46,10 @@ struct PageGeometry {
 PageGeometry page_geometry(KvRowFormat f, int64_t dims, int64_t rows_per_page,
                            PagePlacement placement = PagePlacement::segregated);
 
+// Rows per page the cache manager and `dsv4 plan` use for a format (vLLM's choices on SM90:
+// 32-token window pages for v41_fp8, 64 rows otherwise).
+int64_t default_rows_per_page(KvRowFormat f);
+
 // Encodes n rows x [n, dims] (fp32) into the pages at `slots` (slot = page * rows_per_page + row;
 // slot < 0 is skipped). `tensor_scale` is used by fp8_per_tensor only.
 void encode_rows(const PageGeometry& g, const float* x, int64_t n, const int64_t* slots,
