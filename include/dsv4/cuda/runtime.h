@@ -1,0 +1,120 @@
+// CUDA runtime plumbing shared by the kernels, the engine and the tests: error checks that throw
+// dsv4::Error, an owning device buffer, a stream and a cuBLASLt handle (RAII wrappers), and the
+// paged-cache description every cache-reading or cache-writing operation takes.
+//
+// The run_<op> functions of include/dsv4/cuda/*.h never allocate device memory and never
+// synchronize, so a sequence of them can be captured into a CUDA graph. Their scratch memory is a
+// caller-owned workspace of <op>_workspace_bytes(params) bytes (256-byte aligned).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "dsv4/error.h"
+#include "dsv4/kv_format.h"
+#include "dsv4/tensor.h"
+
+struct cublasLtContext;  // cublasLt.h: typedef struct cublasLtContext* cublasLtHandle_t
+
+namespace dsv4::cuda {
+
+// Throws "dsv4: cuda: <expression> failed at <file>:<line>: <error name>: <error string>".
+void check_status(cudaError_t status, const char* expression, const char* file, int line);
+
+// Number of usable CUDA devices; 0 when there is no driver or no device (never throws).
+int device_count();
+
+// Throws "dsv4: <op>: kernel launch failed: ..." when the last launch on this thread failed
+// (bad configuration, too much shared memory). Does not synchronize.
+void check_launch(const char* op);
+
+// Owning device memory (cudaMalloc / cudaFree). Move-only.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  // A contiguous cuda view of the buffer; the shape's bytes must fit in the buffer.
+  TensorView view(DType dtype, const std::vector<int64_t>& shape) const;
+
+  // Synchronous copies of the first `bytes` bytes (on the legacy default stream).
+  void upload(const void* host, size_t bytes);
+  void download(void* host, size_t bytes) const;
+  // Sets every byte (synchronous); tests poison outputs with 0xff (a NaN in every float format).
+  void fill_bytes(uint8_t value);
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  int device_ = 0;
+};
+
+// A device copy of a host tensor, and the host copy of a device view (synchronous).
+DeviceBuffer to_device(const HostTensor& host);
+HostTensor to_host(const TensorView& device_view);
+
+// An owning non-blocking stream.
+class Stream {
+ public:
+  Stream();
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return stream_; }
+  // Waits for the stream; throws the first asynchronous error with `op` in the message.
+  void synchronize(const char* op = "stream") const;
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// An owning cuBLASLt handle for the current device.
+class BlasLt {
+ public:
+  BlasLt();
+  ~BlasLt();
+  BlasLt(const BlasLt&) = delete;
+  BlasLt& operator=(const BlasLt&) = delete;
+  cublasLtContext* get() const { return handle_; }
+
+ private:
+  cublasLtContext* handle_ = nullptr;
+};
+
+// A paged KV cache as the kernels see it (SPEC §7, kv_format.h). Row i of sequence s lives in page
+// block_table[s][(i / rows_per_page) % block_table.size(1)] at row i % rows_per_page; the modulo
+// lets an engine keep a window cache as a ring of pages (it must then hold every row still read).
+// Rows whose page id is negative or >= pages.size(0) are skipped by readers and writers.
+struct PagedCache {
+  TensorView pages;           // [num_pages, geometry.page_stride] u8
+  TensorView block_table;     // [num_sequences, blocks_per_sequence] i32
+  PageGeometry geometry;      // format, placement, row layout, rows per page, page stride
+  float tensor_scale = 1.0f;  // fp8_per_tensor only: stored value = e4m3(x / tensor_scale)
+};
+
+// Optional tensors of a params struct are absent when left as a default TensorView{}.
+inline bool is_present(const TensorView& v) { return v.rank > 0 || v.data != nullptr; }
+
+// Workspace carving: 256-byte aligned sub-ranges of one caller-owned buffer.
+inline constexpr size_t kWorkspaceAlignment = 256;
+inline constexpr size_t align_workspace(size_t bytes) {
+  return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+}
+
+// Throws "dsv4: <op>: the workspace is null" or "... is not 256-byte aligned".
+void check_workspace(const char* op, const void* workspace);
+
+}  // namespace dsv4::cuda
+
+// DSV4_CUDA_CHECK(cudaMemsetAsync(...)); throws dsv4::Error on failure.
+#define DSV4_CUDA_CHECK(expression) ::dsv4::cuda::check_status((expression), #expression, __FILE__, __LINE__)
