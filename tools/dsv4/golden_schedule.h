@@ -1,0 +1,83 @@
+// The golden "calls" format (tests/data/golden/README.upstream.md) that `dsv4 replay` reads and
+// writes and `dsv4 compare` compares: a schedule of forward calls over B sequences that all sit
+// at the same positions, with each layer's input and output per call.
+//
+//   calls.{c}.position_ids           i64 [S_c]            absolute positions of call c's tokens
+//   calls.{c}.layers.{l}.hidden_in   f32 [B, S_c, hidden] input of layer l's attention
+//   calls.{c}.layers.{l}.attn_out    f32 [B, S_c, hidden] its output
+//   calls.{c}.layers.{l}.topk        i64 / i32 [B, S_c, k] picks of an index layer, -1 = none
+//   calls.{c}.layers.{l}.topk_pos    i32 [B, S_c, k]      V4.1 reference picks, -1 = none
+//   calls.{c}.layers.{l}.ambiguous   u8  [B, S_c]         1 where the reference's pick is not unique
+//
+// Other names (`state.*`, `calls.{c}.cand_mask`, ...) are allowed and ignored here.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "dsv4/safetensors.h"
+
+namespace dsv4::cli {
+
+// Field names of the format.
+inline constexpr const char* kPositionIds = "position_ids";
+inline constexpr const char* kHiddenIn = "hidden_in";
+inline constexpr const char* kAttnOut = "attn_out";
+inline constexpr const char* kTopk = "topk";
+inline constexpr const char* kTopkPos = "topk_pos";
+inline constexpr const char* kAmbiguous = "ambiguous";
+
+std::string call_tensor_name(int call, const std::string& field);              // calls.{c}.{field}
+std::string layer_tensor_name(int call, int layer, const std::string& field);  // calls.{c}.layers.{l}.{field}
+
+// The `calls.*` names of a file, grouped by call and layer.
+class CallIndex {
+ public:
+  explicit CallIndex(const SafetensorsFile& file);
+  // Call numbers that have at least one tensor, ascending.
+  std::vector<int> calls() const;
+  // Layers of `call` that have at least one tensor, ascending.
+  std::vector<int> layers(int call) const;
+  bool has(int call, const std::string& field) const;
+  bool has(int call, int layer, const std::string& field) const;
+
+ private:
+  static constexpr int kCallLevel = -1;  // layer key of call-level fields such as position_ids
+  std::map<int, std::map<int, std::set<std::string>>> fields_;
+};
+
+// The entry `name` of `file`, checked to have `dtype` and `shape`; `op` starts the message and
+// `shape_origin` says where the expected shape comes from. Throws e.g.
+// "dsv4: replay: calls.3.layers.1.hidden_in has shape [2, 5, 256], expected [2, 1, 256] (...)".
+const SafetensorsEntry& expect_tensor(const SafetensorsFile& file, const std::string& name, DType dtype,
+                                      const std::vector<int64_t>& shape, const std::string& op,
+                                      const std::string& shape_origin);
+
+// Integer tensor values (i32 or i64) as int64, copied out of the mapping.
+std::vector<int64_t> read_integers(const SafetensorsFile& file, const SafetensorsEntry& entry);
+
+struct ScheduledCall {
+  int index = 0;
+  int64_t first_position = 0;
+  int64_t num_tokens = 0;  // S_c
+};
+
+// What `dsv4 replay` runs: every call in order over `batch` sequences, each layer 0..num_layers-1
+// fed its recorded hidden_in.
+struct ReplaySchedule {
+  int64_t batch = 0;
+  int num_layers = 0;
+  std::vector<ScheduledCall> calls;
+  int64_t total_positions() const;
+};
+
+// Checks the whole schedule before anything runs: calls numbered 0..C-1, each with position_ids
+// i64 [S_c] continuing from the previous call's end (the first call starts at 0), hidden_in f32
+// [B, S_c, hidden_size] for the same layers 0..n-1 in every call, one B throughout. Errors name
+// the tensor, what was expected and what was given.
+ReplaySchedule read_replay_schedule(const SafetensorsFile& file, int64_t hidden_size);
+
+}  // namespace dsv4::cli
