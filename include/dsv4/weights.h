@@ -68,8 +68,15 @@ struct ExpectedWeight {
 };
 std::vector<ExpectedWeight> expected_layer_weights(const ModelConfig& config, const LayerPlan& plan);
 
+// A layer's role in words, as messages and `dsv4 inspect` print it, e.g.
+// "compressed, ratio 2, kv source with index keys, index source".
+std::string describe_plan(const LayerPlan& plan);
+
 // Loads and checks every attention tensor (shape, dtype, scales). `path`: a .safetensors file, a
-// sharded checkpoint's index JSON or a directory. Errors name layer, tensor, shape and expectation.
+// sharded checkpoint's index JSON or a directory. Names may be DeepSeek native or transformers
+// deepseek_v4 ones (docs/weights.md); other tensors are ignored. Tensors stay in the file mapping
+// (copied only when misaligned for their dtype). Errors name layer, tensor, shape and expectation;
+// an MTP layer absent from the checkpoint as a whole is left empty.
 ModelWeights load_weights(const std::string& path, const ModelConfig& config, const ModelTopology& topology);
 
 // What `dsv4 inspect` prints: per layer, found / missing / unexpected tensors.
@@ -85,6 +92,11 @@ struct InspectReport {
   std::vector<InspectedTensor> tensors;
   std::vector<std::string> missing;      // "layers.3.attn.indexer.wk.weight"
   std::vector<std::string> unexpected;   // checkpoint names not recognized as attention tensors
+  // MTP layers of which the checkpoint holds no tensor at all. They are optional (transformers
+  // checkpoints leave the draft layers out): load_weights leaves them empty.
+  std::vector<int> absent_mtp_layers;
+  // True when nothing is missing and every recognized tensor is as expected (tensors that are not
+  // attention tensors do not count).
   bool ok() const;
 };
 InspectReport inspect_weights(const std::string& path, const ModelConfig& config);
