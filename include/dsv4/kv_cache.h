@@ -226,6 +226,10 @@ class KvCacheManager {
   void read_rows(SequenceId id, CacheKind kind, int layer, int64_t first_row, int64_t n,
                  float* out) const;
   BlockTableView block_table(SequenceId id, CacheKind kind, int layer) const;
+  // Kernel-style access by slot (e.g. LayerStepSlots): the pool's write_rows / read_rows, so a
+  // written slot must be on an exclusively owned page and a read slot must have been written.
+  void write_slots(CacheKind kind, int layer, const int64_t* slots, int64_t n, const float* x);
+  void read_slots(CacheKind kind, int layer, const int64_t* slots, int64_t n, float* out) const;
 
   // ----- compressor partial-group state (fp32, zeroed by add_sequence, copied by fork_sequence)
   int64_t compressor_state_floats(int layer) const;

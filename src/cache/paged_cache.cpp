@@ -565,8 +565,8 @@ void KvCacheManager::reserve(const std::vector<CacheStepEntry>& step) {
         }
       }
       plan.appended[e] = std::max<int64_t>(0, end_page - held_end);
-      // Checked per entry as well, so that the sum below cannot overflow.
-      if (plan.appended[e] > p.pages.free_pages()) exhausted(i, plan.appended[e]);
+      // More than the whole pool can never fit; checking it here keeps the sum below small.
+      if (plan.appended[e] > p.pages.num_pages()) exhausted(i, plan.appended[e]);
       plan.need += plan.appended[e];
     }
     plan.need += static_cast<int64_t>(plan.copies.size());
@@ -662,7 +662,7 @@ void KvCacheManager::write_rows(SequenceId id, CacheKind kind, int layer, int64_
   Sequence& s = sequence("write_rows", id);
   BlockTable& t = s.tables[index];
   const int64_t committed = rows_at(p, s.length);
-  DSV4_CHECK(n >= 0 && first_row >= committed && n <= kInt64Max - first_row,
+  DSV4_CHECK(n >= 0 && first_row >= committed && first_row <= kInt64Max - n,
              "kv_cache: write_rows: ", row_name(p, id, first_row), " + ", n,
              " rows: expected n >= 0 and rows from ", committed, " (committed rows are immutable)");
   if (n == 0) return;
@@ -696,7 +696,7 @@ void KvCacheManager::read_rows(SequenceId id, CacheKind kind, int layer, int64_t
   const int index = pool_index(kind, layer);
   const CachePool& p = pools_[index];
   const Sequence& s = sequence("read_rows", id);
-  DSV4_CHECK(n >= 0 && n <= kInt64Max - first_row, "kv_cache: read_rows: ",
+  DSV4_CHECK(n >= 0 && first_row <= kInt64Max - n, "kv_cache: read_rows: ",
              row_name(p, id, first_row), " + ", n, " rows: expected n >= 0");
   std::vector<int64_t> slots;
   for (int64_t r = first_row; r - first_row < n; ++r) {
@@ -705,6 +705,16 @@ void KvCacheManager::read_rows(SequenceId id, CacheKind kind, int layer, int64_t
                " has not been written");
   }
   p.pages.read_rows(slots.data(), n, out);
+}
+
+void KvCacheManager::write_slots(CacheKind kind, int layer, const int64_t* slots, int64_t n,
+                                 const float* x) {
+  pools_[pool_index(kind, layer)].pages.write_rows(x, n, slots);
+}
+
+void KvCacheManager::read_slots(CacheKind kind, int layer, const int64_t* slots, int64_t n,
+                                float* out) const {
+  pools_[pool_index(kind, layer)].pages.read_rows(slots, n, out);
 }
 
 // ----- compressor state
