@@ -1,0 +1,235 @@
+#include "engine/cpu_engine.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "dsv4/error.h"
+
+namespace dsv4 {
+namespace {
+
+// Sets the OpenMP thread count for the duration of a call (0: leave it) and restores it.
+class ThreadCountScope {
+ public:
+  explicit ThreadCountScope(int threads) : saved_(omp_get_max_threads()) {
+    if (threads > 0) omp_set_num_threads(threads);
+  }
+  ~ThreadCountScope() { omp_set_num_threads(saved_); }
+  ThreadCountScope(const ThreadCountScope&) = delete;
+  ThreadCountScope& operator=(const ThreadCountScope&) = delete;
+
+ private:
+  int saved_;
+};
+
+bool has_any_weight(const LayerWeights& w) {
+  return std::any_of(w.tensors.begin(), w.tensors.end(), [](const auto& t) { return t.has_value(); });
+}
+
+bool step_contains(const std::vector<StepEntry>& entries, SequenceId sequence) {
+  return std::any_of(entries.begin(), entries.end(), [&](const StepEntry& e) { return e.sequence == sequence; });
+}
+
+}  // namespace
+
+CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
+                     const EngineOptions& options)
+    : config_(config), topology_(resolve_topology(config)), weights_(std::move(weights)), options_(options) {
+  DSV4_CHECK(weights_ != nullptr, "engine: create: no weights given");
+  DSV4_CHECK(static_cast<int>(weights_->layers.size()) == config_.total_layers(), "engine: create: the weights have ",
+             weights_->layers.size(), " layers, the config ", config_.total_layers());
+  DSV4_CHECK(options_.kv_format.empty(), "engine: create: the cpu backend keeps its caches as fp32 rows; kv_format '",
+             options_.kv_format, "' is not supported by it (leave kv_format empty)");
+  DSV4_CHECK(options_.max_sequences >= 1, "engine: create: max_sequences is ", options_.max_sequences, ", expected >= 1");
+  DSV4_CHECK(options_.max_tokens_per_step >= 1, "engine: create: max_tokens_per_step is ", options_.max_tokens_per_step,
+             ", expected >= 1");
+  DSV4_CHECK(options_.max_context >= 1, "engine: create: max_context is ", options_.max_context, ", expected >= 1");
+  DSV4_CHECK(options_.num_threads >= 0, "engine: create: num_threads is ", options_.num_threads,
+             ", expected >= 0 (0: all cores)");
+
+  auto shapes = std::make_shared<std::vector<reference::LayerCacheShape>>();
+  for (int l = 0; l < config_.total_layers(); ++l) {
+    const LayerPlan& plan = topology_[l];
+    const LayerWeights& w = weights_->layers[static_cast<size_t>(l)];
+    // transformers checkpoints leave the MTP layers out; such a layer cannot run.
+    const bool present = !plan.is_mtp || has_any_weight(w);
+    layer_has_weights_.push_back(present);
+    if (present) {
+      layers_.push_back(reference::prepare_layer(config_, plan, w, options_.precision));
+    } else {
+      layers_.emplace_back();
+      layers_.back().plan = plan;
+    }
+    shapes->push_back(present ? reference::layer_cache_shape(config_, layers_.back()) : reference::LayerCacheShape{});
+  }
+  cache_shapes_ = std::move(shapes);
+  published_.resize(layers_.size());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sequences
+
+reference::SequenceState& CpuEngine::state(const char* operation, SequenceId sequence) {
+  auto it = sequences_.find(sequence);
+  DSV4_CHECK(it != sequences_.end(), "engine: ", operation, ": sequence ", sequence, " does not exist");
+  return *it->second;
+}
+
+const reference::SequenceState& CpuEngine::state(const char* operation, SequenceId sequence) const {
+  auto it = sequences_.find(sequence);
+  DSV4_CHECK(it != sequences_.end(), "engine: ", operation, ": sequence ", sequence, " does not exist");
+  return *it->second;
+}
+
+SequenceId CpuEngine::insert_sequence(std::unique_ptr<reference::SequenceState> s) {
+  DSV4_CHECK(static_cast<int64_t>(sequences_.size()) < options_.max_sequences, "engine: ", sequences_.size(),
+             " sequences are live, the maximum is ", options_.max_sequences, " (EngineOptions::max_sequences)");
+  const SequenceId id = next_sequence_++;
+  sequences_.emplace(id, std::move(s));
+  return id;
+}
+
+SequenceId CpuEngine::add_sequence() {
+  return insert_sequence(std::make_unique<reference::SequenceState>(cache_shapes_));
+}
+
+SequenceId CpuEngine::fork_sequence(SequenceId parent) {
+  const reference::SequenceState& s = state("fork_sequence", parent);
+  DSV4_CHECK(!(in_step_ && step_contains(step_entries_, parent)), "engine: fork_sequence: sequence ", parent,
+             " is part of the running step; fork it before begin_step or after end_step");
+  return insert_sequence(std::make_unique<reference::SequenceState>(s));
+}
+
+void CpuEngine::release_sequence(SequenceId sequence) {
+  state("release_sequence", sequence);
+  DSV4_CHECK(!(in_step_ && step_contains(step_entries_, sequence)), "engine: release_sequence: sequence ", sequence,
+             " is part of the running step; release it after end_step");
+  sequences_.erase(sequence);
+}
+
+int64_t CpuEngine::sequence_length(SequenceId sequence) const { return state("sequence_length", sequence).length(); }
+
+int64_t CpuEngine::sequence_cache_bytes(SequenceId sequence) const {
+  return state("sequence_cache_bytes", sequence).cache_bytes();
+}
+
+const reference::SequenceState& CpuEngine::sequence_state(SequenceId sequence) const {
+  return state("sequence_state", sequence);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Steps
+
+void CpuEngine::begin_step(const std::vector<StepEntry>& entries) {
+  DSV4_CHECK(!in_step_, "engine: begin_step: a step is in progress; call end_step first");
+  DSV4_CHECK(!entries.empty(), "engine: begin_step: a step needs at least one entry");
+  reference::StepLayout layout;
+  std::set<SequenceId> seen;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const StepEntry& e = entries[i];
+    reference::SequenceState& s = state("begin_step", e.sequence);
+    DSV4_CHECK(seen.insert(e.sequence).second, "engine: begin_step: sequence ", e.sequence,
+               " appears more than once in the step");
+    DSV4_CHECK(e.num_tokens >= 1, "engine: begin_step: entry ", i, " (sequence ", e.sequence, ") has num_tokens ",
+               e.num_tokens, ", expected >= 1");
+    DSV4_CHECK(e.num_tokens <= options_.max_tokens_per_step - tokens, "engine: begin_step: the step has more than ",
+               options_.max_tokens_per_step, " tokens (EngineOptions::max_tokens_per_step)");
+    DSV4_CHECK(e.num_tokens <= options_.max_context - s.length(), "engine: begin_step: sequence ", e.sequence,
+               " would grow to ", s.length() + e.num_tokens, " tokens, beyond max_context ", options_.max_context);
+    layout.chunks.push_back({&s, tokens, e.num_tokens, s.length()});
+    for (int64_t k = 0; k < e.num_tokens; ++k) {
+      layout.positions.push_back(s.length() + k);
+      layout.chunk_of.push_back(static_cast<int32_t>(i));
+    }
+    tokens += e.num_tokens;
+  }
+  step_entries_ = entries;
+  step_ = std::move(layout);
+  published_.assign(layers_.size(), {});
+  in_step_ = true;
+}
+
+void CpuEngine::check_layer(const char* operation, int layer) const {
+  DSV4_CHECK(layer >= 0 && layer < topology_.size(), "engine: ", operation, ": layer ", layer,
+             " does not exist (the model has ", topology_.size(), " layers)");
+}
+
+void CpuEngine::check_activation(const char* name, const TensorView& v, int layer) const {
+  const std::vector<int64_t> expected{step_.tokens(), config_.hidden_size};
+  const std::vector<int64_t> given(v.shape.begin(), v.shape.begin() + std::clamp(v.rank, 0, kMaxRank));
+  DSV4_CHECK(v.device == Device::cpu, "engine: run_layer: layer ", layer, " ", name, " is on ", device_name(v.device),
+             ", the cpu backend needs host memory");
+  DSV4_CHECK(v.dtype == DType::f32, "engine: run_layer: layer ", layer, " ", name, " has dtype ", dtype_name(v.dtype),
+             ", expected F32");
+  DSV4_CHECK(given == expected, "engine: run_layer: layer ", layer, " ", name, " has shape ", shape_string(given),
+             ", expected ", shape_string(expected), " (step tokens, hidden_size)");
+  DSV4_CHECK(v.is_contiguous() && v.data != nullptr, "engine: run_layer: layer ", layer, " ", name,
+             " must be a contiguous view of existing memory");
+}
+
+void CpuEngine::check_layer_inputs(int layer) const {
+  const LayerPlan& plan = topology_[layer];
+  const auto ran = [&](int l) { return published_[static_cast<size_t>(l)].ran; };
+  DSV4_CHECK(!ran(layer), "engine: run_layer: layer ", layer, " already ran in this step");
+  DSV4_CHECK(layer_has_weights_[static_cast<size_t>(layer)], "engine: run_layer: layer ", layer,
+             " (MTP) has no weights in the checkpoint");
+  if (plan.kv_source >= 0 && plan.kv_source != layer)
+    DSV4_CHECK(ran(plan.kv_source), "engine: layer ", layer, " reads the compressed cache of kv source ",
+               plan.kv_source, ", which has not run in this step");
+  if (plan.index_source >= 0 && plan.index_source != layer)
+    DSV4_CHECK(ran(plan.index_source), "engine: layer ", layer, " reads the picks of index source ", plan.index_source,
+               ", which has not run in this step");
+  if (plan.uses_candidates)
+    DSV4_CHECK(ran(config_.candidate_source_layer), "engine: layer ", layer, " applies the candidates of layer ",
+               config_.candidate_source_layer, ", which has not run in this step");
+  for (const reference::StepChunk& ch : step_.chunks)
+    DSV4_CHECK(!ch.state->skipped_layer(layer), "engine: run_layer: layer ", layer,
+               " did not run in an earlier step of a sequence in this step; its caches of that sequence are incomplete");
+}
+
+void CpuEngine::run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
+  DSV4_CHECK(in_step_, "engine: run_layer: no step is in progress; call begin_step first");
+  check_layer("run_layer", layer);
+  check_layer_inputs(layer);
+  check_activation("hidden_in", hidden_in, layer);
+  check_activation("attn_out", attn_out, layer);
+  ThreadCountScope threads(options_.num_threads);
+  reference::run_layer_step(config_, layers_[static_cast<size_t>(layer)], step_, hidden_in.ptr<float>(),
+                            attn_out.ptr<float>(), published_, record_index_scores_);
+}
+
+HostTensor CpuEngine::layer_picks(int layer) const {
+  check_layer("layer_picks", layer);
+  const LayerPlan& plan = topology_[layer];
+  DSV4_CHECK(plan.owns_indexer, "engine: layer_picks: layer ", layer, " is not an index source",
+             plan.index_source >= 0 ? " (it reuses the picks of layer " + std::to_string(plan.index_source) + ")" : "");
+  const reference::LayerPublication& p = published_[static_cast<size_t>(layer)];
+  if (!p.ran) return HostTensor();
+  HostTensor picks(DType::i32, {step_.tokens(), config_.index_topk});
+  std::memcpy(picks.data(), p.picks.data(), picks.nbytes());
+  return picks;
+}
+
+void CpuEngine::end_step() {
+  DSV4_CHECK(in_step_, "engine: end_step: no step is in progress");
+  // MTP layers are optional: a sequence whose step skipped one can no longer run it.
+  for (int l = 0; l < config_.num_layers; ++l)
+    DSV4_CHECK(published_[static_cast<size_t>(l)].ran, "engine: end_step: layer ", l, " has not run in this step");
+  for (const reference::StepChunk& ch : step_.chunks) {
+    for (int l = config_.num_layers; l < topology_.size(); ++l)
+      if (!published_[static_cast<size_t>(l)].ran) ch.state->mark_skipped_layer(l);
+    ch.state->advance(ch.tokens);
+  }
+  in_step_ = false;
+}
+
+const reference::LayerPublication& CpuEngine::publication(int layer) const {
+  check_layer("publication", layer);
+  return published_[static_cast<size_t>(layer)];
+}
+
+}  // namespace dsv4

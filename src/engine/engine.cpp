@@ -1,0 +1,32 @@
+// Engine::create and the backend / precision names.
+#include "dsv4/engine.h"
+
+#include "dsv4/error.h"
+#include "engine/cpu_engine.h"
+
+namespace dsv4 {
+
+const char* backend_name(Backend b) { return b == Backend::cpu ? "cpu" : "cuda"; }
+
+Backend parse_backend(const std::string& name) {
+  if (name == "cpu") return Backend::cpu;
+  if (name == "cuda") return Backend::cuda;
+  fail("engine: unknown backend '", name, "', expected cpu or cuda");
+}
+
+const char* precision_name(Precision p) { return p == Precision::fp32 ? "fp32" : "reference"; }
+
+Precision parse_precision(const std::string& name) {
+  if (name == "fp32") return Precision::fp32;
+  if (name == "reference") return Precision::reference;
+  fail("engine: unknown precision '", name, "', expected fp32 or reference");
+}
+
+std::unique_ptr<Engine> Engine::create(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
+                                       const EngineOptions& options) {
+  DSV4_CHECK(options.backend == Backend::cpu, "engine: create: backend '", backend_name(options.backend),
+             "' is not available in this build");
+  return std::make_unique<CpuEngine>(config, std::move(weights), options);
+}
+
+}  // namespace dsv4

@@ -1,0 +1,437 @@
+#include "reference/layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "dsv4/error.h"
+
+namespace dsv4::reference {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------------------------------------
+// Weights
+
+class LayerWeightReader {
+ public:
+  LayerWeightReader(const ModelConfig& config, const LayerPlan& plan, const LayerWeights& weights, bool bf16)
+      : weights_(weights), layer_(plan.layer), bf16_(bf16) {
+    for (const ExpectedWeight& e : expected_layer_weights(config, plan)) {
+      const WeightTensor& w = weights.get(e.role);
+      DSV4_CHECK(w.shape == e.shape, "engine: layer ", layer_, " weight '", weight_role_name(e.role), "' has shape ",
+                 shape_string(w.shape), ", expected ", shape_string(e.shape));
+      DSV4_CHECK(!w.is_fp8() || e.fp8_allowed, "engine: layer ", layer_, " weight '", weight_role_name(e.role),
+                 "' is fp8, which the reference does not allow for this tensor");
+    }
+  }
+
+  // fp32 values; `shape` is checked again because a role may be optional in the plan.
+  std::vector<float> values(WeightRole role, const std::vector<int64_t>& shape) const {
+    const WeightTensor& w = weights_.get(role);
+    DSV4_CHECK(w.shape == shape, "engine: layer ", layer_, " weight '", weight_role_name(role), "' has shape ",
+               shape_string(w.shape), ", expected ", shape_string(shape));
+    const HostTensor t = w.to_f32();
+    return std::vector<float>(t.as<float>(), t.as<float>() + t.numel());
+  }
+
+  // A projection [out, in]. fp8 weights are multiplied with fp8-quantized activations (the
+  // reference's fp8 GEMM) when `fp8_gemm`, else dequantized and rounded to bf16 (wo_a).
+  Projection projection(WeightRole role, int64_t out, int64_t in, bool fp8_gemm = true) const {
+    Projection p;
+    p.weight = values(role, {out, in});
+    p.out = out;
+    p.in = in;
+    const WeightTensor& w = weights_.get(role);
+    if (bf16_ && w.is_fp8()) {
+      if (fp8_gemm)
+        p.fp8_activation_block = w.block_in;
+      else
+        round_bf16(p.weight.data(), static_cast<int64_t>(p.weight.size()));
+    }
+    return p;
+  }
+
+  bool has(WeightRole role) const { return weights_.has(role); }
+
+ private:
+  const LayerWeights& weights_;
+  int layer_;
+  bool bf16_;
+};
+
+// A compressor's kv and gate projections fused into one [row_width, hidden] projection.
+CompressorParameters read_compressor(const LayerWeightReader& r, const CompressorGeometry& g, int64_t hidden,
+                                     WeightRole wkv, WeightRole wgate, WeightRole norm, WeightRole bias) {
+  CompressorParameters c;
+  c.geometry = g;
+  const int64_t width = (g.overlap ? 2 : 1) * g.dim;
+  c.projection = r.projection(wkv, width, hidden, false);
+  if (g.gated) {
+    const Projection gate = r.projection(wgate, width, hidden, false);
+    c.projection.weight.insert(c.projection.weight.end(), gate.weight.begin(), gate.weight.end());
+    c.projection.out += width;
+  }
+  c.norm = r.values(norm, {g.dim});
+  if (r.has(bias)) c.position_bias = r.values(bias, {g.ratio, width});
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step helpers
+
+void project(const float* x, int64_t n, const Projection& p, float* y, bool bf16) {
+  linear(x, n, p.in, p.weight.data(), p.out, y, {.fp8_activation_block = bf16 ? p.fp8_activation_block : 0,
+                                                 .bf16_output = bf16});
+}
+
+void quantize_rows(RowQuantization q, float* rows, int64_t n, int64_t dim, int64_t rope_dim) {
+  switch (q) {
+    case RowQuantization::none: return;
+    case RowQuantization::fp8_all_32: fake_quant_fp8_rows(rows, n, dim, dim, 32); return;
+    case RowQuantization::fp8_nope_64: fake_quant_fp8_rows(rows, n, dim, dim - rope_dim, 64); return;
+    case RowQuantization::fp4_e4m3_16: fake_quant_fp4_e4m3_rows(rows, n, dim); return;
+  }
+}
+
+// Compressed entries that close in this step, in step order (per chunk, ascending entry index).
+struct NewEntries {
+  std::vector<int32_t> chunk;        // [E]
+  std::vector<int64_t> position;     // [E] RoPE position = entry · ratio
+  std::vector<float> latent;         // [E, dim] normalized, pre-RoPE
+};
+
+// Runs a compressor of the layer over the step: pools every entry whose last token is in
+// the step (reading earlier tokens' projected rows from the sequence's ring), then stores the
+// step's rows in the ring for the entries still open.
+NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& c, const StepLayout& step,
+                          const float* x) {
+  const CompressorGeometry& g = c.geometry;
+  const int layer = L.plan.layer;
+  const int64_t T = step.tokens(), width = g.row_width();
+  std::vector<float> rows(static_cast<size_t>(T * width));
+  // The reference projects in fp32 (ratio 2, V4.0) or in bf16 (ratio 1, no gate, where the
+  // rounding happens below, before the norm).
+  project(x, T, c.projection, rows.data(), false);
+
+  NewEntries e;
+  std::vector<int64_t> entry_index;
+  for (size_t ci = 0; ci < step.chunks.size(); ++ci) {
+    const StepChunk& ch = step.chunks[ci];
+    // Entry w closes at position w·ratio + ratio − 1; the first one closing in the chunk is start / ratio.
+    for (int64_t w = ch.start / g.ratio; (w + 1) * g.ratio <= ch.start + ch.tokens; ++w) {
+      e.chunk.push_back(static_cast<int32_t>(ci));
+      e.position.push_back(w * g.ratio);
+      entry_index.push_back(w);
+    }
+  }
+  const int64_t E = static_cast<int64_t>(entry_index.size());
+  std::vector<float> pooled(static_cast<size_t>(E * g.dim));
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < E; ++i) {
+    const StepChunk& ch = step.chunks[static_cast<size_t>(e.chunk[i])];
+    const float* ring = std::as_const(*ch.state).compressor_state(layer).data() + c.state_offset;
+    // Earlier tokens of the entry's span were stored in the ring by previous steps.
+    const auto row_at = [&](int64_t pos) {
+      return pos >= ch.start ? rows.data() + (ch.first_token + pos - ch.start) * width : ring + (pos % g.span()) * width;
+    };
+    pool_compressed_entry(g, entry_index[i], row_at, c.position_bias.empty() ? nullptr : c.position_bias.data(),
+                          pooled.data() + i * g.dim);
+  }
+  round_bf16(pooled.data(), E * g.dim, L.bf16);
+  e.latent.resize(pooled.size());
+  rms_norm(pooled.data(), E, g.dim, c.norm.data(), L.eps, e.latent.data(), L.bf16);
+
+  for (const StepChunk& ch : step.chunks) {
+    float* ring = ch.state->compressor_state(layer).data() + c.state_offset;
+    for (int64_t pos = std::max(ch.start, ch.start + ch.tokens - g.span()); pos < ch.start + ch.tokens; ++pos) {
+      const float* src = rows.data() + (ch.first_token + pos - ch.start) * width;
+      std::copy(src, src + width, ring + (pos % g.span()) * width);
+    }
+  }
+  return e;
+}
+
+// Compressed rows and index keys of a kv-source layer for the entries closing in this step.
+void update_compressed_caches(const ModelConfig& config, const LayerParameters& L, const StepLayout& step,
+                              const float* x) {
+  const int layer = L.plan.layer;
+  const int64_t D = config.head_dim, rd = config.rope_head_dim;
+  NewEntries main = run_compressor(L, L.compressor, step, x);
+  const int64_t E = static_cast<int64_t>(main.chunk.size());
+
+  // Index keys first: V4.1 derives them from the pre-RoPE latent (SPEC §4.1).
+  std::vector<float> keys;
+  const int64_t dI = config.index_head_dim;
+  if (L.plan.owns_index_keys) {
+    if (L.family == ModelFamily::v4_1) {
+      keys.resize(static_cast<size_t>(E * dI));
+      project(main.latent.data(), E, L.indexer_wk, keys.data(), L.bf16);
+      rms_norm(keys.data(), E, dI, L.indexer_k_norm.data(), L.eps, keys.data(), L.bf16);
+    } else {
+      NewEntries index = run_compressor(L, L.index_compressor, step, x);
+      keys = std::move(index.latent);
+    }
+    apply_rope(keys.data(), E, 1, dI, L.rope_freqs.data(), rd, main.position.data(), false, L.bf16);
+    if (L.indexer_fp4) fake_quant_fp4_ue8m0_rows(keys.data(), E, dI);
+  }
+
+  std::vector<float>& rows = main.latent;  // rotated and quantized in place
+  apply_rope(rows.data(), E, 1, D, L.rope_freqs.data(), rd, main.position.data(), false, L.bf16);
+  quantize_rows(L.compressed_quantization, rows.data(), E, D, rd);
+
+  // The entries of a chunk are consecutive in step order.
+  for (int64_t i = 0; i < E;) {
+    int64_t end = i;
+    while (end < E && main.chunk[end] == main.chunk[i]) ++end;
+    SequenceState& s = *step.chunks[static_cast<size_t>(main.chunk[i])].state;
+    s.append_compressed_entries(layer, end - i, rows.data() + i * D);
+    if (L.plan.owns_index_keys) s.append_index_keys(layer, end - i, keys.data() + i * dI);
+    i = end;
+  }
+}
+
+// The indexer of an index-source layer: scores, candidate blocks, top-k picks (SPEC §4).
+void run_indexer(const ModelConfig& config, const LayerParameters& L, const StepLayout& step, const float* x,
+                 const float* qr, std::vector<LayerPublication>& published, bool record_scores) {
+  const int layer = L.plan.layer, kv_src = L.plan.kv_source;
+  const int64_t T = step.tokens(), nI = config.index_n_heads, dI = config.index_head_dim, k = config.index_topk;
+  const int64_t ratio = L.plan.compress_ratio;
+  std::vector<float> q(static_cast<size_t>(T * nI * dI)), w(static_cast<size_t>(T * nI));
+  project(qr, T, L.indexer_wq_b, q.data(), L.bf16);
+  apply_rope(q.data(), T, nI, dI, L.rope_freqs.data(), config.rope_head_dim, step.positions.data(), false, L.bf16);
+  if (L.indexer_fp4) fake_quant_fp4_ue8m0_rows(q.data(), T * nI, dI);
+  project(x, T, L.indexer_weights_proj, w.data(), L.bf16);
+  for (float& v : w) v = L.bf16 ? round_to_bf16(v * L.indexer_weight_scale) : v * L.indexer_weight_scale;
+
+  LayerPublication& out = published[static_cast<size_t>(layer)];
+  const LayerPublication* candidates =
+      L.plan.uses_candidates ? &published[static_cast<size_t>(config.candidate_source_layer)] : nullptr;
+  // Every key of the kv source, per chunk, and ragged per-token rows over them.
+  std::vector<std::vector<float>> keys(step.chunks.size());
+  for (size_t c = 0; c < step.chunks.size(); ++c) {
+    const SequenceState& s = *step.chunks[c].state;
+    keys[c].resize(static_cast<size_t>(s.index_keys(kv_src) * dI));
+    s.read_index_keys(kv_src, 0, s.index_keys(kv_src), keys[c].data());
+  }
+  std::vector<int64_t> offset(static_cast<size_t>(T) + 1, 0);
+  for (int64_t t = 0; t < T; ++t)
+    offset[t + 1] = offset[t] + static_cast<int64_t>(keys[static_cast<size_t>(step.chunk_of[t])].size()) / dI;
+  if (candidates)
+    DSV4_CHECK(candidates->candidate_mask.offset == offset, "engine: layer ", layer,
+               " applies the candidates of layer ", config.candidate_source_layer,
+               ", which were published over a different compressed cache");
+  if (L.plan.is_candidate_source) out.candidate_mask = {offset, std::vector<uint8_t>(static_cast<size_t>(offset[T]))};
+  if (record_scores) out.index_scores = {offset, std::vector<float>(static_cast<size_t>(offset[T]))};
+  out.picks.assign(static_cast<size_t>(T * k), -1);
+
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = offset[t + 1] - offset[t];
+    const int64_t n_visible = std::min(n, (step.positions[t] + 1) / ratio);
+    std::vector<float> local;
+    float* scores = record_scores ? out.index_scores.values.data() + offset[t] : (local.resize(n), local.data());
+    index_scores(q.data() + t * nI * dI, w.data() + t * nI, nI, dI, keys[static_cast<size_t>(step.chunk_of[t])].data(),
+                 n, n_visible, L.bf16, scores);
+    if (L.plan.is_candidate_source)
+      select_candidate_blocks(scores, n, n_visible, config.candidate_block_size, config.candidate_topk_blocks,
+                              out.candidate_mask.values.data() + offset[t]);
+    if (candidates) {
+      const uint8_t* keep = candidates->candidate_mask.row(t);
+      for (int64_t j = 0; j < n; ++j)
+        if (!keep[j]) scores[j] = -kInf;
+    }
+    select_topk(scores, n, n_visible, k, out.picks.data() + t * k);
+  }
+}
+
+// What a chunk's tokens attend besides the step's own window rows: the window rows of earlier
+// steps and the compressed entries of the kv source that any of its tokens selects.
+struct ChunkAttendedRows {
+  int64_t window_first = 0;            // position of window_rows' first row
+  std::vector<float> window_rows;      // [start − window_first, D]
+  std::vector<int64_t> entry_row;      // per kv-source entry: its row in `entries`, −1 if not read
+  std::vector<float> entries;          // [read entries, D]
+};
+
+ChunkAttendedRows read_attended_rows(const ModelConfig& config, const LayerParameters& L, const StepChunk& ch,
+                                     const std::vector<LayerPublication>& published) {
+  const int64_t D = config.head_dim, k = config.index_topk;
+  ChunkAttendedRows a;
+  a.window_first = std::max<int64_t>(0, ch.start - config.sliding_window + 1);
+  a.window_rows.resize(static_cast<size_t>((ch.start - a.window_first) * D));
+  ch.state->read_window_rows(L.plan.layer, a.window_first, ch.start - a.window_first, a.window_rows.data());
+  const int kv_src = L.plan.kv_source;
+  if (kv_src < 0) return a;
+  const int64_t count = ch.state->compressed_entries(kv_src);
+  a.entry_row.assign(static_cast<size_t>(count), -1);
+  if (L.plan.index_source >= 0) {
+    const std::vector<int32_t>& picks = published[static_cast<size_t>(L.plan.index_source)].picks;
+    for (int64_t t = ch.first_token; t < ch.first_token + ch.tokens; ++t)
+      for (int64_t i = 0; i < k; ++i)
+        if (const int32_t j = picks[t * k + i]; j >= 0) {
+          DSV4_CHECK(j < count, "engine: layer ", L.plan.layer, ": pick ", j, " of index source ", L.plan.index_source,
+                     " is beyond the ", count, " entries of kv source ", kv_src);
+          a.entry_row[j] = 0;
+        }
+  } else {  // V4.0 HCA: every entry visible to the chunk's last token
+    std::fill_n(a.entry_row.begin(), std::min(count, (ch.start + ch.tokens) / L.plan.compress_ratio), 0);
+  }
+  std::vector<int64_t> read;
+  for (int64_t j = 0; j < count; ++j)
+    if (a.entry_row[j] >= 0) {
+      a.entry_row[j] = static_cast<int64_t>(read.size());
+      read.push_back(j);
+    }
+  a.entries.resize(read.size() * static_cast<size_t>(D));
+  ch.state->read_compressed_entries(kv_src, read.data(), static_cast<int64_t>(read.size()), a.entries.data());
+  return a;
+}
+
+// The rows token t attends: its window (earlier steps, then this step's `kv`) and its entries.
+void gather_attended_rows(const ModelConfig& config, const LayerParameters& L, const StepLayout& step, int64_t t,
+                          const float* kv, const ChunkAttendedRows& a, const std::vector<LayerPublication>& published,
+                          std::vector<const float*>& rows) {
+  const StepChunk& ch = step.chunks[static_cast<size_t>(step.chunk_of[t])];
+  const int64_t p = step.positions[t], D = config.head_dim;
+  rows.clear();
+  for (int64_t pos = std::max<int64_t>(0, p - config.sliding_window + 1); pos <= p; ++pos)
+    rows.push_back(pos >= ch.start ? kv + (ch.first_token + pos - ch.start) * D
+                                   : a.window_rows.data() + (pos - a.window_first) * D);
+  if (L.plan.kv_source < 0) return;
+  const auto entry = [&](int64_t j) { return a.entries.data() + a.entry_row[j] * D; };
+  if (L.plan.index_source >= 0) {
+    const int32_t* picks = published[static_cast<size_t>(L.plan.index_source)].picks.data() + t * config.index_topk;
+    for (int64_t i = 0; i < config.index_topk; ++i)
+      if (picks[i] >= 0) rows.push_back(entry(picks[i]));
+  } else {
+    const int64_t n_visible = std::min(static_cast<int64_t>(a.entry_row.size()), (p + 1) / L.plan.compress_ratio);
+    for (int64_t j = 0; j < n_visible; ++j) rows.push_back(entry(j));
+  }
+}
+
+}  // namespace
+
+LayerParameters prepare_layer(const ModelConfig& config, const LayerPlan& plan, const LayerWeights& weights,
+                              Precision precision) {
+  LayerParameters L;
+  L.plan = plan;
+  L.family = config.family;
+  L.bf16 = precision == Precision::reference;
+  L.eps = static_cast<float>(config.rms_norm_eps);
+  const bool v41 = config.family == ModelFamily::v4_1;
+  const int64_t hidden = config.hidden_size, H = config.num_heads, D = config.head_dim, G = config.o_groups;
+  const LayerWeightReader r(config, plan, weights, L.bf16);
+
+  L.rope_freqs = rope_frequencies(plan.uses_compress_rope ? config.compress_rope : config.main_rope, config.rope_head_dim);
+  L.wq_a = r.projection(WeightRole::wq_a, config.q_lora_rank, hidden);
+  L.q_norm = r.values(WeightRole::q_norm, {config.q_lora_rank});
+  L.wq_b = r.projection(WeightRole::wq_b, H * D, config.q_lora_rank);
+  L.wkv = r.projection(WeightRole::wkv, D, hidden);
+  L.kv_norm = r.values(WeightRole::kv_norm, {D});
+  L.wo_a = r.projection(WeightRole::wo_a, G * config.o_lora_rank, H * D / G, false);
+  L.wo_b = r.projection(WeightRole::wo_b, hidden, G * config.o_lora_rank);
+  L.attn_sink = r.values(WeightRole::attn_sink, {H});
+  L.q_head_norm = !v41;
+  if (L.bf16) {
+    L.window_quantization = v41 ? RowQuantization::fp8_all_32 : RowQuantization::fp8_nope_64;
+    L.compressed_quantization = v41 ? RowQuantization::fp4_e4m3_16 : RowQuantization::fp8_nope_64;
+    // The official V4.0 indexer rotates q and k with a Hadamard transform before its FP4
+    // quantization; transformers' V4.0 does neither, and neither does this reference.
+    L.indexer_fp4 = v41;
+  }
+
+  const int64_t ratio = plan.compress_ratio;
+  if (plan.owns_compressor) {
+    const CompressorGeometry g{.ratio = ratio,
+                               .overlap = plan.kind == AttentionKind::csa,
+                               .gated = !(v41 && ratio == 1),
+                               .dim = D};
+    L.compressor = read_compressor(r, g, hidden, WeightRole::compressor_wkv, WeightRole::compressor_wgate,
+                                   WeightRole::compressor_norm, WeightRole::compressor_ape);
+  }
+  const int64_t nI = config.index_n_heads, dI = config.index_head_dim;
+  if (plan.owns_index_keys) {
+    if (v41) {
+      L.indexer_wk = r.projection(WeightRole::indexer_wk, dI, D, false);
+      L.indexer_k_norm = r.values(WeightRole::indexer_k_norm, {dI});
+    } else {
+      const CompressorGeometry g{.ratio = ratio, .overlap = true, .gated = true, .dim = dI};
+      L.index_compressor = read_compressor(r, g, hidden, WeightRole::indexer_compressor_wkv,
+                                           WeightRole::indexer_compressor_wgate, WeightRole::indexer_compressor_norm,
+                                           WeightRole::indexer_compressor_ape);
+      L.index_compressor.state_offset = L.compressor.state_floats();  // its ring follows the main one
+    }
+  }
+  if (plan.owns_indexer) {
+    L.indexer_wq_b = r.projection(WeightRole::indexer_wq_b, nI * dI, config.q_lora_rank);
+    L.indexer_weights_proj = r.projection(WeightRole::indexer_weights_proj, nI, hidden, false);
+    L.indexer_weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dI)) / std::sqrt(static_cast<double>(nI)));
+  }
+  return L;
+}
+
+LayerCacheShape layer_cache_shape(const ModelConfig& config, const LayerParameters& L) {
+  LayerCacheShape s;
+  s.window = config.sliding_window;
+  s.row_dim = config.head_dim;
+  s.has_compressed = L.plan.owns_compressor;
+  if (L.plan.owns_index_keys) s.index_key_dim = config.index_head_dim;
+  for (const CompressorParameters* c : {&L.compressor, &L.index_compressor})
+    if (c->geometry.ratio > 0) s.compressor_floats = std::max(s.compressor_floats, c->state_offset + c->state_floats());
+  return s;
+}
+
+void run_layer_step(const ModelConfig& config, const LayerParameters& L, const StepLayout& step, const float* hidden_in,
+                    float* attn_out, std::vector<LayerPublication>& published, bool record_index_scores) {
+  const int64_t T = step.tokens(), hidden = config.hidden_size, H = config.num_heads, D = config.head_dim;
+  const int64_t rd = config.rope_head_dim, G = config.o_groups, R = config.o_lora_rank;
+  const bool bf16 = L.bf16;
+
+  std::vector<float> x(hidden_in, hidden_in + T * hidden);
+  round_bf16(x.data(), T * hidden, bf16);
+
+  // Queries (SPEC §2.2 steps 1-4; V4.0 §12 adds the per-head normalization).
+  std::vector<float> qr(static_cast<size_t>(T * config.q_lora_rank)), q(static_cast<size_t>(T * H * D));
+  project(x.data(), T, L.wq_a, qr.data(), bf16);
+  rms_norm(qr.data(), T, config.q_lora_rank, L.q_norm.data(), L.eps, qr.data(), bf16);
+  project(qr.data(), T, L.wq_b, q.data(), bf16);
+  if (L.q_head_norm) rms_norm(q.data(), T * H, D, nullptr, L.eps, q.data(), bf16);
+  apply_rope(q.data(), T, H, D, L.rope_freqs.data(), rd, step.positions.data(), false, bf16);
+
+  // The step's window rows (steps 5-6).
+  std::vector<float> kv(static_cast<size_t>(T * D));
+  project(x.data(), T, L.wkv, kv.data(), bf16);
+  rms_norm(kv.data(), T, D, L.kv_norm.data(), L.eps, kv.data(), bf16);
+  apply_rope(kv.data(), T, 1, D, L.rope_freqs.data(), rd, step.positions.data(), false, bf16);
+  quantize_rows(L.window_quantization, kv.data(), T, D, rd);
+
+  if (L.plan.owns_compressor) update_compressed_caches(config, L, step, x.data());
+  if (L.plan.owns_indexer) run_indexer(config, L, step, x.data(), qr.data(), published, record_index_scores);
+
+  // Sparse attention (SPEC §5).
+  std::vector<float> o(static_cast<size_t>(T * H * D));
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  std::vector<ChunkAttendedRows> attended;
+  for (const StepChunk& ch : step.chunks) attended.push_back(read_attended_rows(config, L, ch, published));
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<const float*> rows;
+    gather_attended_rows(config, L, step, t, kv.data(), attended[static_cast<size_t>(step.chunk_of[t])], published, rows);
+    sparse_attention(q.data() + t * H * D, H, D, rows.data(), static_cast<int64_t>(rows.size()), L.attn_sink.data(),
+                     scale, bf16, o.data() + t * H * D);
+  }
+  for (const StepChunk& ch : step.chunks)
+    ch.state->write_window_rows(L.plan.layer, ch.start, ch.tokens, kv.data() + ch.first_token * D);
+
+  // Output projection (SPEC §6).
+  apply_rope(o.data(), T, H, D, L.rope_freqs.data(), rd, step.positions.data(), true, bf16);
+  std::vector<float> y(static_cast<size_t>(T * G * R));
+  grouped_linear(o.data(), T, G, H / G * D, L.wo_a.weight.data(), R, y.data(), bf16);
+  project(y.data(), T, L.wo_b, attn_out, bf16);
+  published[static_cast<size_t>(L.plan.layer)].ran = true;
+}
+
+}  // namespace dsv4::reference

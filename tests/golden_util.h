@@ -1,0 +1,120 @@
+// Loading the golden vector sets (tests/data/golden) and replaying their call schedules through an
+// Engine, shared by the golden tests.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "dsv4/config.h"
+#include "dsv4/engine.h"
+#include "dsv4/safetensors.h"
+#include "dsv4/weights.h"
+
+namespace dsv4::golden {
+
+inline std::string data_path(const std::string& file) { return std::string(DSV4_TEST_DATA_DIR) + "/golden/" + file; }
+
+// A golden set: its config, weights and recorded calls.
+struct GoldenSet {
+  ModelConfig config;
+  ModelTopology topology;
+  std::shared_ptr<const ModelWeights> weights;
+  std::shared_ptr<SafetensorsFile> calls;
+  int64_t batch = 0;
+  int num_calls = 0;
+
+  bool has(const std::string& name) const { return calls->find(name) != nullptr; }
+  // Any recorded tensor converted to f32 (integers become their values).
+  std::vector<float> floats(const std::string& name) const {
+    const HostTensor t = calls->read_as(name, DType::f32);
+    return std::vector<float>(t.as<float>(), t.as<float>() + t.numel());
+  }
+  std::vector<int64_t> shape(const std::string& name) const { return calls->at(name).shape; }
+  int64_t call_tokens(int c) const { return shape(call_name(c, "position_ids"))[0]; }
+  int64_t call_first_position(int c) const { return static_cast<int64_t>(floats(call_name(c, "position_ids"))[0]); }
+
+  static std::string call_name(int c, const std::string& field) { return "calls." + std::to_string(c) + "." + field; }
+  static std::string layer_name(int c, int l, const std::string& field) {
+    return "calls." + std::to_string(c) + ".layers." + std::to_string(l) + "." + field;
+  }
+};
+
+// `name`: "v41a" (sharded weights) or "v40a".
+inline GoldenSet load_golden_set(const std::string& name) {
+  GoldenSet g;
+  g.config = load_config_file(data_path(name + ".config.json"));
+  g.topology = resolve_topology(g.config);
+  const std::string sharded = data_path(name + ".weights.index.json");
+  const std::string single = data_path(name + ".weights.safetensors");
+  const bool is_sharded = std::ifstream(sharded).good();
+  g.weights = std::make_shared<ModelWeights>(load_weights(is_sharded ? sharded : single, g.config, g.topology));
+  g.calls = SafetensorsFile::open(data_path(name + ".calls.safetensors"));
+  while (g.has(GoldenSet::call_name(g.num_calls, "position_ids"))) ++g.num_calls;
+  g.batch = g.shape(GoldenSet::layer_name(0, 0, "hidden_in"))[0];
+  return g;
+}
+
+// Relative L2 error ||a − b|| / ||b|| over n values.
+inline double relative_l2(const float* a, const float* b, int64_t n) {
+  double diff = 0, ref = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    ref += static_cast<double>(b[i]) * b[i];
+  }
+  return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff);
+}
+
+// The outputs of one call, laid out as the golden file: per layer [B, S, hidden] and, for index
+// sources, the picks [B, S, index_topk].
+struct CallOutputs {
+  std::vector<std::vector<float>> attn_out;
+  std::vector<std::vector<int32_t>> picks;
+};
+
+// Runs call c for the batch rows of `sequences` (one engine sequence per batch row). `steps`
+// groups batch rows into engine steps run one after the other (all rows in one step by default):
+// every step runs every backbone layer with its rows' recorded hidden_in.
+inline CallOutputs replay_call(Engine& engine, const GoldenSet& g, int c, const std::vector<SequenceId>& sequences,
+                               std::vector<std::vector<int64_t>> steps = {}) {
+  const int64_t S = g.call_tokens(c), H = g.config.hidden_size, k = g.config.index_topk;
+  const int layers = g.config.num_layers;
+  if (steps.empty()) {
+    steps.emplace_back(static_cast<size_t>(g.batch));
+    std::iota(steps[0].begin(), steps[0].end(), 0);
+  }
+  CallOutputs out;
+  out.attn_out.assign(static_cast<size_t>(layers), std::vector<float>(static_cast<size_t>(g.batch * S * H)));
+  out.picks.assign(static_cast<size_t>(layers), {});
+  std::vector<std::vector<float>> hidden(static_cast<size_t>(layers));
+  for (int l = 0; l < layers; ++l) hidden[l] = g.floats(GoldenSet::layer_name(c, l, "hidden_in"));
+  for (const std::vector<int64_t>& rows : steps) {
+    std::vector<StepEntry> entries;
+    for (int64_t b : rows) entries.push_back({sequences[static_cast<size_t>(b)], S});
+    engine.begin_step(entries);
+    const int64_t T = static_cast<int64_t>(rows.size()) * S;
+    std::vector<float> in(static_cast<size_t>(T * H)), result(static_cast<size_t>(T * H));
+    for (int l = 0; l < layers; ++l) {
+      for (size_t i = 0; i < rows.size(); ++i)
+        std::copy_n(hidden[l].data() + rows[i] * S * H, S * H, in.data() + static_cast<int64_t>(i) * S * H);
+      engine.run_layer(l, TensorView::contiguous(in.data(), DType::f32, {T, H}),
+                       TensorView::contiguous(result.data(), DType::f32, {T, H}));
+      for (size_t i = 0; i < rows.size(); ++i)
+        std::copy_n(result.data() + static_cast<int64_t>(i) * S * H, S * H, out.attn_out[l].data() + rows[i] * S * H);
+      if (!g.topology[l].owns_indexer) continue;
+      const HostTensor picks = engine.layer_picks(l);
+      out.picks[l].resize(static_cast<size_t>(g.batch * S * k));
+      for (size_t i = 0; i < rows.size(); ++i)
+        std::copy_n(picks.as<int32_t>() + static_cast<int64_t>(i) * S * k, S * k, out.picks[l].data() + rows[i] * S * k);
+    }
+    engine.end_step();
+  }
+  return out;
+}
+
+}  // namespace dsv4::golden
