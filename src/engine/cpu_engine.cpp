@@ -50,6 +50,16 @@ CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeigh
   DSV4_CHECK(options_.num_threads >= 0, "engine: create: num_threads is ", options_.num_threads,
              ", expected >= 0 (0: all cores)");
 
+  // Candidate masks are published over the candidate source's entries; a layer applying them
+  // must score the same entries.
+  for (const LayerPlan& plan : topology_.layers)
+    if (plan.uses_candidates) {
+      const int source = config_.candidate_source_layer;
+      DSV4_CHECK(topology_[source].kv_source == plan.kv_source, "engine: create: layer ", plan.layer,
+                 " applies the candidates of layer ", source, ", which scores the entries of kv source ",
+                 topology_[source].kv_source, ", but layer ", plan.layer, " scores those of kv source ", plan.kv_source);
+    }
+
   auto shapes = std::make_shared<std::vector<reference::LayerCacheShape>>();
   for (int l = 0; l < config_.total_layers(); ++l) {
     const LayerPlan& plan = topology_[l];

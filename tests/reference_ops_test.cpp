@@ -1,0 +1,445 @@
+// The reference operations (src/reference/ops.h) against independent computations written here:
+// double-precision formulas, brute-force selections and the SPEC's worked numbers, on fresh
+// random inputs.
+#include <gtest/gtest.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "dsv4/numeric.h"
+#include "reference/ops.h"
+
+namespace dsv4::reference {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+std::vector<float> random_values(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+bool is_bf16(float x) { return round_to_bf16(x) == x; }
+
+// |a − b| within a bf16 rounding (half an ulp is 2^-9 relative; one ulp allows for the fp32 sum
+// landing on the other side of a rounding boundary than the double one).
+void expect_bf16_close(float a, double b, const char* what) {
+  EXPECT_TRUE(is_bf16(a)) << what;
+  EXPECT_LE(std::abs(a - b), std::abs(b) * 0x1p-7 + 1e-30) << what << ": " << a << " vs " << b;
+}
+
+double dot_double(const float* a, const float* b, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * b[i];
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(ReferenceOps, LinearMatchesTheDoubleProduct) {
+  const int64_t n = 5, in = 70, out = 13;  // 70: a tail after the 8-wide sums
+  const auto x = random_values(n * in, 1), w = random_values(out * in, 2);
+  std::vector<float> y(n * out), y16(n * out);
+  linear(x.data(), n, in, w.data(), out, y.data(), {});
+  linear(x.data(), n, in, w.data(), out, y16.data(), {.bf16_output = true});
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t o = 0; o < out; ++o) {
+      const double expected = dot_double(x.data() + t * in, w.data() + o * in, in);
+      EXPECT_NEAR(y[t * out + o], expected, 1e-5);
+      expect_bf16_close(y16[t * out + o], expected, "bf16 output");
+    }
+}
+
+TEST(ReferenceOps, LinearQuantizesActivationsToFp8PerBlock) {
+  const int64_t n = 3, in = 64, out = 7;
+  auto x = random_values(n * in, 3);
+  x[5] = 40.0f;  // one large value sets the scale of the first block only
+  const auto w = random_values(out * in, 4);
+  std::vector<float> y(n * out);
+  linear(x.data(), n, in, w.data(), out, y.data(), {.fp8_activation_block = 32});
+  std::vector<float> quantized = x;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < in; c += 32) fake_quant_fp8_ue8m0(&quantized[t * in + c], &quantized[t * in + c], 32);
+  ASSERT_NE(quantized, x);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t o = 0; o < out; ++o)
+      EXPECT_NEAR(y[t * out + o], dot_double(quantized.data() + t * in, w.data() + o * in, in), 1e-5);
+  // The large value coarsens its own block (scale 2^-3: steps of up to 2^-3) but not the second one.
+  EXPECT_NE(quantized[1], x[1]);
+  for (int64_t c = 32; c < 64; ++c) EXPECT_NEAR(quantized[c], x[c], std::abs(x[c]) / 16 + 0x1p-10);
+}
+
+TEST(ReferenceOps, GroupedLinearProjectsEachGroupWithItsOwnWeights) {
+  const int64_t n = 3, groups = 2, in = 24, rank = 5;
+  const auto o = random_values(n * groups * in, 5), w = random_values(groups * rank * in, 6);
+  std::vector<float> y(n * groups * rank);
+  grouped_linear(o.data(), n, groups, in, w.data(), rank, y.data(), false);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t r = 0; r < rank; ++r)
+        EXPECT_NEAR(y[(t * groups + g) * rank + r],
+                    dot_double(o.data() + (t * groups + g) * in, w.data() + (g * rank + r) * in, in), 1e-5);
+}
+
+TEST(ReferenceOps, RmsNormWithAndWithoutWeight) {
+  const int64_t n = 4, dim = 48;
+  const auto x = random_values(n * dim, 7, 3.0f), weight = random_values(dim, 8);
+  std::vector<float> y(n * dim), plain(n * dim), y16(n * dim);
+  rms_norm(x.data(), n, dim, weight.data(), 1e-6f, y.data(), false);
+  rms_norm(x.data(), n, dim, nullptr, 1e-6f, plain.data(), false);
+  rms_norm(x.data(), n, dim, weight.data(), 1e-6f, y16.data(), true);
+  for (int64_t r = 0; r < n; ++r) {
+    const double rms = std::sqrt(dot_double(x.data() + r * dim, x.data() + r * dim, dim) / dim + 1e-6);
+    for (int64_t c = 0; c < dim; ++c) {
+      const double normalized = x[r * dim + c] / rms;
+      EXPECT_NEAR(plain[r * dim + c], normalized, 1e-5);
+      EXPECT_NEAR(y[r * dim + c], weight[c] * normalized, 1e-5);
+      expect_bf16_close(y16[r * dim + c], weight[c] * normalized, "bf16 rms_norm");
+    }
+  }
+  // In place, and eps 1e-20 on a zero row gives zeros, not NaN.
+  std::vector<float> zero(dim, 0.0f);
+  rms_norm(zero.data(), 1, dim, weight.data(), 1e-20f, zero.data(), true);
+  for (float v : zero) EXPECT_EQ(v, 0.0f);
+}
+
+TEST(ReferenceOps, RopeFrequenciesPlainAndYarn) {
+  RopeParams plain{.theta = 10000.0};
+  const auto f = rope_frequencies(plain, 64);
+  ASSERT_EQ(f.size(), 32u);
+  for (int i = 0; i < 32; ++i) EXPECT_NEAR(f[i], std::pow(10000.0, -2.0 * i / 64), 1e-6 * std::pow(10000.0, -2.0 * i / 64));
+
+  // SPEC §2.4: base 160000, original 65536, factor 16, betas 32 / 1 give low 15 and high 25.
+  RopeParams yarn{.theta = 160000.0, .yarn = true, .factor = 16.0, .original_max_position = 65536,
+                  .beta_fast = 32.0, .beta_slow = 1.0};
+  const auto g = rope_frequencies(yarn, 64);
+  for (int i = 0; i < 32; ++i) {
+    const double base = std::pow(160000.0, -2.0 * i / 64);
+    const double ramp = std::clamp((i - 15.0) / 10.0, 0.0, 1.0);
+    const double expected = base / 16.0 * ramp + base * (1.0 - ramp);
+    EXPECT_NEAR(g[i], expected, 2e-6 * expected) << "pair " << i;
+  }
+  EXPECT_FLOAT_EQ(g[15], static_cast<float>(std::pow(160000.0, -30.0 / 64)));  // untouched below low
+  EXPECT_NEAR(g[31], std::pow(160000.0, -62.0 / 64) / 16.0, 1e-6 * g[31]);     // fully scaled above high
+}
+
+TEST(ReferenceOps, RopeRotatesInterleavedPairsOfTheTail) {
+  const int64_t n = 3, heads = 2, head_dim = 24, rope_dim = 8;
+  const auto x = random_values(n * heads * head_dim, 9);
+  const std::vector<float> freqs = {1.0f, 0.5f, 0.125f, 0.01f};
+  const std::vector<int64_t> positions = {0, 7, 1000};
+  std::vector<float> y = x;
+  apply_rope(y.data(), n, heads, head_dim, freqs.data(), rope_dim, positions.data(), false, false);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* a = x.data() + (t * heads + h) * head_dim;
+      const float* b = y.data() + (t * heads + h) * head_dim;
+      for (int64_t c = 0; c < head_dim - rope_dim; ++c) EXPECT_EQ(b[c], a[c]);
+      for (int64_t i = 0; i < rope_dim / 2; ++i) {
+        const double angle = static_cast<double>(static_cast<float>(positions[t]) * freqs[i]);
+        const double re = a[head_dim - rope_dim + 2 * i], im = a[head_dim - rope_dim + 2 * i + 1];
+        EXPECT_NEAR(b[head_dim - rope_dim + 2 * i], re * std::cos(angle) - im * std::sin(angle), 2e-6);
+        EXPECT_NEAR(b[head_dim - rope_dim + 2 * i + 1], re * std::sin(angle) + im * std::cos(angle), 2e-6);
+      }
+    }
+  apply_rope(y.data(), n, heads, head_dim, freqs.data(), rope_dim, positions.data(), true, false);
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(y[i], x[i], 2e-6);
+}
+
+// Tiles quantize independently: a tile of tiny values next to a tile of large ones keeps its
+// precision (one scale for both would flush it to zero).
+TEST(ReferenceOps, FakeQuantizationScalesEachTileOnItsOwn) {
+  struct Case { const char* name; int64_t tile; void (*quantize)(float*, int64_t, int64_t); double tolerance; };
+  const Case cases[] = {
+      {"fp8 32", 32, [](float* x, int64_t n, int64_t d) { fake_quant_fp8_rows(x, n, d, d, 32); }, 1.0 / 16},
+      {"fp4 ue8m0 32", 32, [](float* x, int64_t n, int64_t d) { fake_quant_fp4_ue8m0_rows(x, n, d); }, 0.5},
+      {"fp4 e4m3 16", 16, [](float* x, int64_t n, int64_t d) { fake_quant_fp4_e4m3_rows(x, n, d); }, 0.5},
+  };
+  for (const Case& c : cases) {
+    const int64_t dim = 4 * c.tile;
+    auto x = random_values(2 * dim, 10);
+    for (int64_t i = 0; i < c.tile; ++i) x[i] *= 1e-3f, x[c.tile + i] *= 1e3f;
+    std::vector<float> q = x;
+    c.quantize(q.data(), 2, dim);
+    for (int64_t r = 0; r < 2; ++r)
+      for (int64_t t = 0; t < 4; ++t) {
+        float amax = 0;
+        for (int64_t i = 0; i < c.tile; ++i) amax = std::max(amax, std::abs(x[r * dim + t * c.tile + i]));
+        for (int64_t i = 0; i < c.tile; ++i) {
+          const int64_t k = r * dim + t * c.tile + i;
+          EXPECT_LE(std::abs(q[k] - x[k]), c.tolerance * amax) << c.name << " element " << k;
+        }
+      }
+    std::vector<float> again = q;
+    c.quantize(again.data(), 2, dim);
+    EXPECT_EQ(again, q) << c.name << ": quantized values are on the grid";
+  }
+  // V4.0 rows: only the NoPE channels, 64-channel tiles; the RoPE tail stays as it is.
+  auto row = random_values(192, 11);
+  std::vector<float> q = row;
+  fake_quant_fp8_rows(q.data(), 1, 192, 128, 64);
+  EXPECT_NE(std::vector<float>(q.begin(), q.begin() + 128), std::vector<float>(row.begin(), row.begin() + 128));
+  EXPECT_EQ(std::vector<float>(q.begin() + 128, q.end()), std::vector<float>(row.begin() + 128, row.end()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compressor
+
+// Σ_s softmax_s(score + bias) · kv per channel in double; absent slots (null kv) are skipped.
+std::vector<double> pool_double(const std::vector<const float*>& kv, const std::vector<const float*>& score,
+                                const std::vector<const float*>& bias, int64_t dim) {
+  std::vector<double> out(dim);
+  for (int64_t c = 0; c < dim; ++c) {
+    double m = -INFINITY, denominator = 0, sum = 0;
+    for (size_t s = 0; s < kv.size(); ++s)
+      if (kv[s]) m = std::max(m, static_cast<double>(score[s][c]) + (bias[s] ? bias[s][c] : 0.0));
+    for (size_t s = 0; s < kv.size(); ++s) {
+      if (!kv[s]) continue;
+      const double e = std::exp(score[s][c] + (bias[s] ? bias[s][c] : 0.0) - m);
+      denominator += e;
+      sum += e * kv[s][c];
+    }
+    out[c] = sum / denominator;
+  }
+  return out;
+}
+
+TEST(ReferenceOps, SoftmaxPoolPerChannel) {
+  const int64_t dim = 16, slots = 4;
+  const auto values = random_values(slots * dim * 3, 12, 4.0f);
+  std::vector<const float*> kv, score, bias;
+  for (int64_t s = 0; s < slots; ++s) {
+    kv.push_back(&values[s * dim]);
+    score.push_back(&values[(slots + s) * dim]);
+    bias.push_back(s == 2 ? nullptr : &values[(2 * slots + s) * dim]);
+  }
+  kv[1] = nullptr;  // absent slot
+  std::vector<float> out(dim);
+  softmax_pool(kv.data(), score.data(), bias.data(), slots, dim, out.data());
+  const auto expected = pool_double(kv, score, bias, dim);
+  for (int64_t c = 0; c < dim; ++c) EXPECT_NEAR(out[c], expected[c], 1e-5);
+
+  // No gate: the single slot is copied.
+  softmax_pool(kv.data(), nullptr, nullptr, 1, dim, out.data());
+  EXPECT_EQ(out, std::vector<float>(kv[0], kv[0] + dim));
+}
+
+// V4.0 CSA (overlap, bias), HCA (bias), V4.1 ratio 2 (no bias) and ratio 1 (no gate) entries from
+// projected token rows, against the pooling formulas of SPEC §3.2 / §12 written out here.
+TEST(ReferenceOps, CompressedEntriesPoolTheirWindows) {
+  const int64_t dim = 8, ratio = 4;
+  for (const bool overlap : {true, false}) {
+    const CompressorGeometry g{.ratio = ratio, .overlap = overlap, .gated = true, .dim = dim};
+    const int64_t coff = overlap ? 2 : 1, width = g.row_width();
+    const auto rows = random_values(3 * ratio * width, 13, 2.0f);
+    const auto bias = random_values(ratio * coff * dim, 14);
+    const auto row = [&](int64_t p) { return rows.data() + p * width; };
+    for (int64_t w : {0, 1, 2}) {
+      std::vector<float> pooled(dim);
+      pool_compressed_entry(g, w, row, bias.data(), pooled.data());
+      std::vector<const float*> kv, score, b;
+      if (overlap)  // first series (channels [0, dim)) of window w − 1
+        for (int64_t s = 0; s < ratio; ++s) {
+          kv.push_back(w > 0 ? row((w - 1) * ratio + s) : nullptr);
+          score.push_back(w > 0 ? row((w - 1) * ratio + s) + coff * dim : nullptr);
+          b.push_back(bias.data() + s * coff * dim);
+        }
+      for (int64_t s = 0; s < ratio; ++s) {  // last series of window w
+        kv.push_back(row(w * ratio + s) + (coff - 1) * dim);
+        score.push_back(row(w * ratio + s) + coff * dim + (coff - 1) * dim);
+        b.push_back(bias.data() + s * coff * dim + (coff - 1) * dim);
+      }
+      const auto expected = pool_double(kv, score, b, dim);
+      for (int64_t c = 0; c < dim; ++c) EXPECT_NEAR(pooled[c], expected[c], 1e-5) << "overlap " << overlap << " w " << w;
+    }
+  }
+  // V4.1 ratio 2 without bias; ratio 1 is the token's projection itself.
+  const CompressorGeometry r2{.ratio = 2, .overlap = false, .gated = true, .dim = dim};
+  const auto rows = random_values(4 * r2.row_width(), 15);
+  const auto row2 = [&](int64_t p) { return rows.data() + p * r2.row_width(); };
+  std::vector<float> pooled(dim);
+  pool_compressed_entry(r2, 1, row2, nullptr, pooled.data());
+  const auto expected = pool_double({row2(2), row2(3)}, {row2(2) + dim, row2(3) + dim}, {nullptr, nullptr}, dim);
+  for (int64_t c = 0; c < dim; ++c) EXPECT_NEAR(pooled[c], expected[c], 1e-6);
+  const CompressorGeometry r1{.ratio = 1, .overlap = false, .gated = false, .dim = dim};
+  const auto row1 = [&](int64_t p) { return rows.data() + p * dim; };
+  pool_compressed_entry(r1, 3, row1, nullptr, pooled.data());
+  EXPECT_EQ(pooled, std::vector<float>(row1(3), row1(3) + dim));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Indexer
+
+TEST(ReferenceOps, IndexScoresSumWeightedReluOverHeads) {
+  const int64_t heads = 4, dim = 32, n = 9, visible = 6;
+  const auto q = random_values(heads * dim, 16), w = random_values(heads, 17), keys = random_values(n * dim, 18);
+  std::vector<float> s(n), s16(n);
+  index_scores(q.data(), w.data(), heads, dim, keys.data(), n, visible, false, s.data());
+  index_scores(q.data(), w.data(), heads, dim, keys.data(), n, visible, true, s16.data());
+  for (int64_t j = 0; j < n; ++j) {
+    if (j >= visible) {
+      EXPECT_EQ(s[j], -kInf);
+      EXPECT_EQ(s16[j], -kInf);
+      continue;
+    }
+    double expected = 0, expected16 = 0;
+    for (int64_t h = 0; h < heads; ++h) {
+      const double d = dot_double(q.data() + h * dim, keys.data() + j * dim, dim);
+      expected += w[h] * std::max(d, 0.0);
+      // bf16 as the reference's tensor ops: the dot, each weighted term, then the sum.
+      const float d16 = round_to_bf16(static_cast<float>(d));
+      expected16 += round_to_bf16(std::max(d16, 0.0f) * w[h]);
+    }
+    EXPECT_NEAR(s[j], expected, 1e-5);
+    expect_bf16_close(s16[j], expected16, "bf16 score");
+  }
+}
+
+// Brute force: block b is kept iff it is the newest visible position's block, or it has a finite
+// max and fewer than top_blocks blocks rank before it (higher max, or equal max and lower index).
+std::vector<uint8_t> candidate_mask_brute_force(const std::vector<float>& scores, int64_t visible, int64_t block,
+                                                int64_t top) {
+  const int64_t n = static_cast<int64_t>(scores.size()), blocks = (n + block - 1) / block;
+  std::vector<double> best(blocks, -INFINITY);
+  for (int64_t j = 0; j < std::min(n, visible); ++j)
+    if (!std::isnan(scores[j])) best[j / block] = std::max(best[j / block], static_cast<double>(scores[j]));
+  if (visible > 0) best[(std::min(n, visible) - 1) / block] = INFINITY;
+  std::vector<uint8_t> mask(n, 0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t before = 0;
+    for (int64_t a = 0; a < blocks; ++a) before += best[a] > best[b] || (best[a] == best[b] && a < b);
+    if (best[b] != -INFINITY && before < top)
+      for (int64_t j = b * block; j < std::min(n, (b + 1) * block); ++j) mask[j] = 1;
+  }
+  return mask;
+}
+
+// Brute force: j is picked iff eligible and fewer than k eligible entries rank before it.
+std::vector<int32_t> topk_brute_force(const std::vector<float>& scores, int64_t visible, int64_t k) {
+  const int64_t n = static_cast<int64_t>(scores.size());
+  const auto eligible = [&](int64_t j) { return j < visible && scores[j] != -kInf; };
+  const auto before = [&](int64_t a, int64_t b) {  // a ranks before b
+    if (std::isnan(scores[a]) || std::isnan(scores[b])) return !std::isnan(scores[a]) || (std::isnan(scores[b]) && a < b);
+    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+  };
+  std::vector<int32_t> picks;
+  for (int64_t j = 0; j < n; ++j) {
+    if (!eligible(j)) continue;
+    int64_t ahead = 0;
+    for (int64_t a = 0; a < n; ++a) ahead += a != j && eligible(a) && before(a, j);
+    if (ahead < k) picks.push_back(static_cast<int32_t>(j));
+  }
+  picks.resize(k, -1);
+  return picks;
+}
+
+// Scores from a small set of values so that ties are frequent, with −inf and NaN sprinkled in.
+std::vector<float> tied_scores(int64_t n, std::mt19937& rng) {
+  const float values[] = {-1.5f, -0.25f, 0.0f, 0.0f, 0.5f, 0.5f, 2.0f, -kInf, kNaN};
+  std::uniform_int_distribution<int> pick(0, 8);
+  std::vector<float> s(n);
+  for (float& x : s) x = values[pick(rng)];
+  return s;
+}
+
+TEST(ReferenceOps, CandidateBlocksMatchBruteForce) {
+  std::mt19937 rng(19);
+  int64_t cases_with_exclusions = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t n = 1 + trial % 37, block = 1 + trial % 4, top = 1 + trial % 5;
+    const int64_t visible = std::uniform_int_distribution<int64_t>(0, n)(rng);
+    std::vector<float> scores = tied_scores(n, rng);
+    for (int64_t j = visible; j < n; ++j) scores[j] = -kInf;  // causally masked, as the indexer hands them over
+    std::vector<uint8_t> mask(n);
+    select_candidate_blocks(scores.data(), n, visible, block, top, mask.data());
+    ASSERT_EQ(mask, candidate_mask_brute_force(scores, visible, block, top)) << "trial " << trial;
+    int64_t kept = std::count(mask.begin(), mask.begin() + visible, 1);
+    cases_with_exclusions += kept < visible;
+    if (visible > 0) EXPECT_EQ(mask[visible - 1], 1) << "the newest visible position is always kept";
+  }
+  EXPECT_GT(cases_with_exclusions, 50);
+}
+
+TEST(ReferenceOps, TopkMatchesBruteForceWithTiesNaNAndPadding) {
+  std::mt19937 rng(20);
+  int64_t padded = 0, full = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int64_t n = trial % 30, k = 1 + trial % 9;
+    const int64_t visible = std::uniform_int_distribution<int64_t>(0, n + 2)(rng);
+    const std::vector<float> scores = tied_scores(n, rng);
+    std::vector<int32_t> picks(k);
+    select_topk(scores.data(), n, visible, k, picks.data());
+    const std::vector<int32_t> expected = topk_brute_force(scores, visible, k);
+    ASSERT_EQ(picks, expected) << "trial " << trial;
+    padded += picks.back() == -1;
+    full += picks.back() != -1;
+  }
+  EXPECT_GT(padded, 50);  // fewer eligible entries than k
+  EXPECT_GT(full, 50);    // more eligible entries than k
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+TEST(ReferenceOps, SparseAttentionWithSinkMatchesTheDoubleSoftmax) {
+  const int64_t heads = 3, dim = 40, n = 11;
+  const auto q = random_values(heads * dim, 21, 2.0f), values = random_values(n * dim, 22), sink = random_values(heads, 23);
+  std::vector<const float*> rows;
+  for (int64_t i = 0; i < n; ++i) rows.push_back(values.data() + i * dim);
+  const float scale = 0.3f;
+  std::vector<float> out(heads * dim), out16(heads * dim);
+  sparse_attention(q.data(), heads, dim, rows.data(), n, sink.data(), scale, false, out.data());
+  sparse_attention(q.data(), heads, dim, rows.data(), n, sink.data(), scale, true, out16.data());
+  for (int64_t h = 0; h < heads; ++h) {
+    std::vector<double> logit(n);
+    double m = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, logit[i] = scale * dot_double(q.data() + h * dim, rows[i], dim));
+    double denominator = std::exp(sink[h] - m);
+    for (int64_t i = 0; i < n; ++i) denominator += std::exp(logit[i] - m);
+    for (int64_t c = 0; c < dim; ++c) {
+      double sum = 0, sum16 = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        sum += std::exp(logit[i] - m) * rows[i][c];
+        sum16 += round_to_bf16(static_cast<float>(std::exp(logit[i] - m))) * rows[i][c];
+      }
+      EXPECT_NEAR(out[h * dim + c], sum / denominator, 1e-5);
+      expect_bf16_close(out16[h * dim + c], sum16 / denominator, "bf16 attention");
+    }
+  }
+  // A dominant sink takes the whole probability mass; no rows give zeros.
+  const std::vector<float> big_sink(heads, 80.0f);
+  sparse_attention(q.data(), heads, dim, rows.data(), n, big_sink.data(), scale, false, out.data());
+  for (float v : out) EXPECT_NEAR(v, 0.0f, 1e-20);
+  sparse_attention(q.data(), heads, dim, rows.data(), 0, sink.data(), scale, false, out.data());
+  for (float v : out) EXPECT_EQ(v, 0.0f);
+}
+
+// No result depends on the number of OpenMP threads.
+TEST(ReferenceOps, ResultsDoNotDependOnTheThreadCount) {
+  const int64_t n = 37, in = 96, out = 29;
+  const auto x = random_values(n * in, 24), w = random_values(out * in, 25), weight = random_values(in, 26);
+  const auto run = [&](int threads) {
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    std::vector<float> y(n * out), z(n * in);
+    linear(x.data(), n, in, w.data(), out, y.data(), {.fp8_activation_block = 32, .bf16_output = true});
+    rms_norm(x.data(), n, in, weight.data(), 1e-20f, z.data(), true);
+    omp_set_num_threads(saved);
+    y.insert(y.end(), z.begin(), z.end());
+    return y;
+  };
+  EXPECT_EQ(run(1), run(3));
+}
+
+}  // namespace
+}  // namespace dsv4::reference
