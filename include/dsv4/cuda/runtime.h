@@ -15,6 +15,7 @@
 
 #include "dsv4/error.h"
 #include "dsv4/kv_format.h"
+#include "dsv4/numeric.h"
 #include "dsv4/tensor.h"
 
 struct cublasLtContext;  // cublasLt.h: typedef struct cublasLtContext* cublasLtHandle_t
@@ -91,15 +92,21 @@ class BlasLt {
   cublasLtContext* handle_ = nullptr;
 };
 
-// A paged KV cache as the kernels see it (SPEC §7, kv_format.h). Row i of sequence s lives in page
-// block_table[s][(i / rows_per_page) % block_table.size(1)] at row i % rows_per_page; the modulo
-// lets an engine keep a window cache as a ring of pages (it must then hold every row still read).
-// Rows whose page id is negative or >= pages.size(0) are skipped by readers and writers.
+// A paged KV cache as the kernels see it (SPEC §7, kv_format.h, kv_cache.h). Rows are addressed
+// two ways:
+//  * writers take a slot per row: page = slot / rows_per_page, row in page = slot % rows_per_page
+//    (KvCacheManager::step_slots); a negative slot is skipped;
+//  * readers look rows up per sequence: row i of sequence s is in page
+//    block_table[s][i / rows_per_page - first_logical_page[s]] (KvCacheManager::block_table).
+// Kernels skip rows whose page lies outside the table or outside `pages` (never read or write out
+// of bounds); such rows do not take part in attention or scoring.
 struct PagedCache {
-  TensorView pages;           // [num_pages, geometry.page_stride] u8
-  TensorView block_table;     // [num_sequences, blocks_per_sequence] i32
-  PageGeometry geometry;      // format, placement, row layout, rows per page, page stride
-  float tensor_scale = 1.0f;  // fp8_per_tensor only: stored value = e4m3(x / tensor_scale)
+  TensorView pages;               // [num_pages, geometry.page_stride] u8
+  TensorView block_table;         // readers: [num_sequences, blocks_per_sequence] i32 page ids
+  TensorView first_logical_page;  // readers, optional: [num_sequences] i32 (absent: all 0)
+  PageGeometry geometry;          // format, placement, row layout, rows per page, page stride
+  float tensor_scale = 1.0f;      // fp8_per_tensor only: stored value = e4m3(x / tensor_scale)
+  Fp8ScaleFloor fp8_scale_floor = Fp8ScaleFloor::amax;  // writers: as EncodeOptions::fp8_scale_floor
 };
 
 // Optional tensors of a params struct are absent when left as a default TensorView{}.

@@ -27,7 +27,7 @@ std::string stride_string(const TensorView& v) {
 
 }  // namespace
 
-void check_tensors(const char* op, std::initializer_list<TensorSpec> specs) {
+void check_tensors(const char* op, const std::vector<TensorSpec>& specs) {
   auto checked = [](const TensorSpec& s) { return !s.optional || is_present(*s.view); };
   for (const TensorSpec& s : specs)
     if (checked(s) && s.view->rank != static_cast<int>(s.shape.size()))

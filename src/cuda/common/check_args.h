@@ -4,7 +4,7 @@
 #pragma once
 
 #include <cstdint>
-#include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "dsv4/cuda/runtime.h"
@@ -15,7 +15,7 @@ namespace dsv4::cuda {
 inline constexpr int64_t kAnyDim = -1;  // an expected dimension that matches any size
 
 struct TensorSpec {
-  const char* name;                 // the params field, e.g. "q"
+  std::string name;                 // the params field, e.g. "q" or "window.pages"
   const TensorView* view;
   std::vector<int64_t> shape;       // expected shape (its length is the expected rank)
   std::vector<DType> dtypes;        // accepted dtypes
@@ -25,7 +25,7 @@ struct TensorSpec {
 // Throws "dsv4: <op>: argument '<name>' has rank 2, expected 3" (then device, dtype, contiguity,
 // shape: "... has shape [3, 60, 512], expected [3, 64, 512]"). Every spec passes a phase before
 // the next phase starts.
-void check_tensors(const char* op, std::initializer_list<TensorSpec> specs);
+void check_tensors(const char* op, const std::vector<TensorSpec>& specs);
 
 // Expected shape as text with the given sizes in place of kAnyDim.
 std::string expected_shape_string(const std::vector<int64_t>& expected, const TensorView& given);

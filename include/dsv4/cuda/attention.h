@@ -1,0 +1,38 @@
+// Sparse MQA attention with a per-head sink over the sliding window plus the picked compressed
+// entries (SPEC §5): decode (one token per sequence) and prefill chunks (many tokens of a sequence)
+// are the same call, tokens of any number of sequences mixed.
+//
+// For the token at position p of sequence s, the attended rows are
+//   * window rows p - W + 1 ... p (>= 0) of s in `window` (its own layer's cache), and
+//   * compressed entries picks[t][i] >= 0 of s in `compressed` (the kv source's cache); with
+//     compress_ratio > 0 entries >= (p + 1) / compress_ratio are skipped (not yet closed).
+// Each row is key and value at once (K = V, RoPE dims included), decoded exactly from any cache
+// format. Rows that are not addressable (page outside the table or the pool) are skipped.
+//   out[t, h] = Σ_i e_i · row_i / (Σ_i e_i + exp(sink[h] - m)),  e_i = exp(scale · q[t, h]·row_i - m)
+// in fp32 with an online softmax over tiles of 32 rows (m: the running max over rows); a token
+// with no attended row gets zeros. No bf16 rounding of e_i (the reference kernel rounds it).
+#pragma once
+
+#include "dsv4/cuda/runtime.h"
+#include "dsv4/tensor.h"
+
+namespace dsv4::cuda {
+
+struct SparseAttentionParams {
+  TensorView q;                // [tokens, heads, head_dim] bf16 (after RoPE); head_dim 512
+  TensorView token_sequence;   // [tokens] i32: the token's sequence = row of the block tables
+  TensorView token_position;   // [tokens] i32: the token's absolute position p (>= 0)
+  PagedCache window;           // reader; rows = positions, head_dim channels
+  int64_t window_size = 128;   // W >= 1
+  PagedCache compressed;       // reader, optional (pages absent: window only); rows = entries
+  TensorView picks;            // [tokens, k] i32 entry indices, -1 = none; required with `compressed`
+  int compress_ratio = 0;      // >= 0; 0: picks are not bounded by the position
+  TensorView sink;             // [heads] f32 logits (attn_sink)
+  float scale = 0.0f;          // softmax scale, head_dim^-0.5
+  TensorView out;              // [tokens, heads, head_dim] bf16 | f32
+};
+
+void validate_sparse_attention(const SparseAttentionParams& p);
+void run_sparse_attention(const SparseAttentionParams& p, cudaStream_t stream);
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,6 @@
+// Sparse attention, head_dim 512, f32 output.
+#include "cuda/sm90/attention/sparse_attention.cuh"
+
+namespace dsv4::cuda {
+template void launch_sparse_attention<512, float>(const SparseAttentionLaunch&, cudaStream_t);
+}  // namespace dsv4::cuda

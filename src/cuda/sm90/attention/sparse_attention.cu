@@ -1,0 +1,80 @@
+// Validation and dispatch of run_sparse_attention; the kernels are instantiated in
+// src/cuda/instantiations/sparse_attention_*.cu.
+#include "cuda/sm90/attention/sparse_attention.cuh"
+
+#include <cmath>
+
+#include "cuda/common/check_args.h"
+#include "dsv4/cuda/attention.h"
+
+namespace dsv4::cuda {
+
+extern template void launch_sparse_attention<512, uint16_t>(const SparseAttentionLaunch&, cudaStream_t);
+extern template void launch_sparse_attention<512, float>(const SparseAttentionLaunch&, cudaStream_t);
+
+namespace {
+
+constexpr int64_t kHeadDim = 512;  // the head size the kernels are built for (every V4 / V4.1 model)
+
+const std::vector<KvRowFormat> kAttentionFormats = {KvRowFormat::bf16, KvRowFormat::fp8_per_tensor,
+                                                    KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
+                                                    KvRowFormat::fp8_ds_mla};
+
+}  // namespace
+
+void validate_sparse_attention(const SparseAttentionParams& p) {
+  constexpr const char* op = "sparse_attention";
+  const bool has_compressed = is_present(p.compressed.pages);
+  const int64_t tokens = p.q.shape[0], heads = p.q.shape[1];
+  std::vector<TensorSpec> specs = {
+      {"q", &p.q, {kAnyDim, kAnyDim, kHeadDim}, {DType::bf16}},
+      {"token_sequence", &p.token_sequence, {tokens}, {DType::i32}},
+      {"token_position", &p.token_position, {tokens}, {DType::i32}},
+  };
+  for (TensorSpec& s : paged_cache_specs("window", p.window, true, kAnyDim)) specs.push_back(std::move(s));
+  if (has_compressed) {
+    for (TensorSpec& s : paged_cache_specs("compressed", p.compressed, true, kAnyDim)) specs.push_back(std::move(s));
+    specs.push_back({"picks", &p.picks, {tokens, kAnyDim}, {DType::i32}});
+  }
+  specs.push_back({"sink", &p.sink, {heads}, {DType::f32}});
+  specs.push_back({"out", &p.out, {tokens, heads, kHeadDim}, {DType::bf16, DType::f32}});
+  check_tensors(op, specs);
+
+  DSV4_CHECK(has_compressed || !is_present(p.picks), op,
+             ": argument 'picks' is given without a 'compressed' cache to read them from");
+  check_paged_cache(op, "window", p.window, kHeadDim, kAttentionFormats);
+  if (has_compressed) check_paged_cache(op, "compressed", p.compressed, kHeadDim, kAttentionFormats);
+  DSV4_CHECK(p.window_size >= 1, op, ": window_size is ", p.window_size, ", expected >= 1");
+  DSV4_CHECK(p.compress_ratio >= 0, op, ": compress_ratio is ", p.compress_ratio, ", expected >= 0");
+  DSV4_CHECK(std::isfinite(p.scale), op, ": scale is ", p.scale, ", expected a finite number");
+  for (const auto& [name, view] : {std::pair{"q", &p.q}, std::pair{"out", &p.out}})
+    DSV4_CHECK(reinterpret_cast<uintptr_t>(view->data) % 16 == 0, op, ": argument '", name,
+               "' is not 16-byte aligned");
+}
+
+void run_sparse_attention(const SparseAttentionParams& p, cudaStream_t stream) {
+  validate_sparse_attention(p);
+  SparseAttentionLaunch a;
+  a.tokens = p.q.shape[0];
+  a.heads = static_cast<int>(p.q.shape[1]);
+  if (a.tokens == 0 || a.heads == 0) return;
+  a.q = p.q.ptr<const uint16_t>();
+  a.token_sequence = p.token_sequence.ptr<const int32_t>();
+  a.token_position = p.token_position.ptr<const int32_t>();
+  a.window = device_rows(p.window);
+  a.window_size = p.window_size;
+  if (is_present(p.compressed.pages)) {
+    a.compressed = device_rows(p.compressed);
+    a.picks = p.picks.ptr<const int32_t>();
+    a.num_picks = p.picks.shape[1];
+    a.compress_ratio = p.compress_ratio;
+  }
+  a.sink = p.sink.ptr<const float>();
+  a.scale = p.scale;
+  a.out = p.out.data;
+  if (p.out.dtype == DType::bf16) launch_sparse_attention<512, uint16_t>(a, stream);
+  else launch_sparse_attention<512, float>(a, stream);
+  check_launch("sparse_attention");
+}
+
+}  // namespace dsv4::cuda

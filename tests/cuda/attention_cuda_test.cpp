@@ -1,0 +1,228 @@
+// run_sparse_attention against reference::sparse_attention on random caches in every format.
+//
+// The reference gets the rows the kernel must attend (window rows that have a page, valid picks),
+// decoded on the host by kv_format's decode_rows. Tolerance: both compute in fp32 (the reference
+// with bf16 = false: no rounding of e_i); they differ in summation order and exp implementation,
+// |Δ| <= 2e-5 + 1e-4·|out|. bf16 outputs may also land on the neighbouring bf16: rtol 2^-7.
+#include <gtest/gtest.h>
+
+#include <optional>
+
+#include "cuda/cuda_test_util.h"
+#include "dsv4/cuda/attention.h"
+#include "reference/ops.h"
+
+namespace dsv4::cuda {
+namespace {
+
+using testing::CudaTest;
+using testing::DeviceTensor;
+using testing::HostPagedCache;
+
+constexpr int64_t kHeadDim = 512;
+
+struct Token {
+  int32_t sequence;
+  int32_t position;
+};
+
+struct AttentionCase {
+  KvRowFormat window_format = KvRowFormat::v41_fp8;
+  std::optional<KvRowFormat> compressed_format;  // nullopt: window only
+  PagePlacement placement = PagePlacement::segregated;
+  int64_t heads = 16;
+  int64_t window = 128;
+  int ratio = 0;
+  int64_t num_picks = 0;
+  std::vector<Token> tokens;
+  std::vector<int32_t> first_window_page;  // per sequence; rows on earlier pages are gone
+  DType out_dtype = DType::f32;
+  uint32_t seed = 1;
+};
+
+void fill_rows(HostPagedCache& cache, int64_t rows, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  std::vector<float> row(kHeadDim);
+  for (int64_t s = 0; s < cache.num_sequences; ++s)
+    for (int64_t r = 0; r < rows; ++r) {
+      if (cache.slot(s, r) < 0) continue;
+      for (float& v : row) v = dist(rng);
+      cache.write(s, r, row.data());
+    }
+}
+
+void check_attention(const AttentionCase& c) {
+  std::mt19937 rng(c.seed);
+  const int64_t tokens = static_cast<int64_t>(c.tokens.size());
+  int64_t max_position = 0;
+  for (const Token& t : c.tokens) max_position = std::max<int64_t>(max_position, t.position);
+
+  const int64_t window_rows_per_page = default_rows_per_page(c.window_format);
+  HostPagedCache window = testing::make_host_cache(
+      c.window_format, kHeadDim, window_rows_per_page, c.placement, c.first_window_page,
+      max_position / window_rows_per_page + 1, 3, c.seed + 1);
+  if (c.window_format == KvRowFormat::fp8_per_tensor) window.tensor_scale = 0.0078125f;
+  fill_rows(window, max_position + 1, rng);
+
+  // Entries beyond the visible ones exist too: the kernel must not attend them.
+  const int64_t entries = c.ratio > 0 ? (max_position + 1) / c.ratio + 4 : 0;
+  std::optional<HostPagedCache> compressed;
+  if (c.compressed_format) {
+    compressed = testing::make_host_cache(*c.compressed_format, kHeadDim, 64, c.placement,
+                                          std::vector<int32_t>(c.first_window_page.size(), 0), entries / 64 + 1, 2,
+                                          c.seed + 2);
+    fill_rows(*compressed, entries, rng);
+  }
+
+  const auto q = testing::rounded_to_bf16(testing::random_floats(tokens * c.heads * kHeadDim, c.seed + 3, -3.0f, 3.0f));
+  const auto sink = testing::random_floats(c.heads, c.seed + 4, -1.0f, 3.0f);
+  std::vector<int32_t> sequence(tokens), position(tokens), picks(static_cast<size_t>(tokens * c.num_picks));
+  for (int64_t t = 0; t < tokens; ++t) {
+    sequence[t] = c.tokens[t].sequence;
+    position[t] = c.tokens[t].position;
+    for (int64_t i = 0; i < c.num_picks; ++i) {
+      // -1, visible entries, and a few not yet visible ones.
+      const int64_t visible = c.ratio > 0 ? (position[t] + 1) / c.ratio : 0;
+      picks[t * c.num_picks + i] = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(-1, visible + 2)(rng));
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+
+  // Reference, token by token, on the rows the kernel must attend.
+  std::vector<float> expected(static_cast<size_t>(tokens * c.heads * kHeadDim));
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<std::vector<float>> rows;
+    for (int64_t p = std::max<int64_t>(0, position[t] - c.window + 1); p <= position[t]; ++p)
+      if (window.slot(sequence[t], p) >= 0) rows.push_back(window.read(sequence[t], p));
+    for (int64_t i = 0; i < c.num_picks; ++i) {
+      const int64_t e = picks[t * c.num_picks + i];
+      if (e >= 0 && e < (position[t] + 1) / c.ratio && compressed->slot(sequence[t], e) >= 0)
+        rows.push_back(compressed->read(sequence[t], e));
+    }
+    std::vector<const float*> pointers;
+    for (const auto& r : rows) pointers.push_back(r.data());
+    reference::sparse_attention(q.data() + t * c.heads * kHeadDim, c.heads, kHeadDim, pointers.data(),
+                                static_cast<int64_t>(pointers.size()), sink.data(), scale, false,
+                                expected.data() + t * c.heads * kHeadDim);
+  }
+  if (c.out_dtype == DType::bf16) expected = testing::rounded_to_bf16(expected);
+
+  DeviceTensor dq = testing::device_tensor(q, DType::bf16, {tokens, c.heads, kHeadDim});
+  DeviceTensor dsequence = testing::device_array(sequence, DType::i32, {tokens});
+  DeviceTensor dposition = testing::device_array(position, DType::i32, {tokens});
+  DeviceTensor dsink = testing::device_tensor(sink, DType::f32, {c.heads});
+  DeviceTensor dout = testing::poisoned_tensor(c.out_dtype, {tokens, c.heads, kHeadDim});
+  testing::DevicePagedCache dwindow = testing::to_device_cache(window);
+  SparseAttentionParams p{.q = dq.view, .token_sequence = dsequence.view, .token_position = dposition.view,
+                          .window = dwindow.view, .window_size = c.window, .sink = dsink.view, .scale = scale,
+                          .out = dout.view};
+  testing::DevicePagedCache dcompressed;
+  DeviceTensor dpicks;
+  if (compressed) {
+    dcompressed = testing::to_device_cache(*compressed);
+    dpicks = testing::device_array(picks, DType::i32, {tokens, c.num_picks});
+    p.compressed = dcompressed.view;
+    p.picks = dpicks.view;
+    p.compress_ratio = c.ratio;
+  }
+  Stream stream;
+  run_sparse_attention(p, stream.get());
+  stream.synchronize("sparse attention test");
+  testing::expect_close(testing::download_floats(dout.view), expected, 2e-5f,
+                        c.out_dtype == DType::bf16 ? 0x1p-7f : 1e-4f, "attention output");
+}
+
+TEST_F(CudaTest, SparseAttentionDecodeNativeFormats) {
+  // One token per sequence at window edges (0, W-1, W, past W) with V4.1 native caches.
+  check_attention({.window_format = KvRowFormat::v41_fp8, .compressed_format = KvRowFormat::v41_fp4, .heads = 64,
+                   .window = 128, .ratio = 2, .num_picks = 24,
+                   .tokens = {{0, 0}, {1, 127}, {2, 128}, {3, 301}, {4, 6}},
+                   .first_window_page = {0, 0, 0, 5, 0}, .seed = 10});
+}
+
+TEST_F(CudaTest, SparseAttentionPrefillChunksFp8DsMla) {
+  // Two prefill chunks (one from position 0, one continuing at 83) with a small window, ratio 1,
+  // 20 heads (a partial head group), fp8_ds_mla caches, bf16 output.
+  AttentionCase c{.window_format = KvRowFormat::fp8_ds_mla, .compressed_format = KvRowFormat::fp8_ds_mla,
+                  .heads = 20, .window = 16, .ratio = 1, .num_picks = 13, .first_window_page = {0, 1},
+                  .out_dtype = DType::bf16, .seed = 20};
+  for (int32_t p = 0; p < 37; ++p) c.tokens.push_back({0, p});
+  for (int32_t p = 83; p < 128; ++p) c.tokens.push_back({1, p});
+  check_attention(c);
+}
+
+TEST_F(CudaTest, SparseAttentionBf16InterleavedPages) {
+  AttentionCase c{.window_format = KvRowFormat::bf16, .compressed_format = KvRowFormat::v41_fp4,
+                  .placement = PagePlacement::interleaved, .heads = 8, .window = 40, .ratio = 2, .num_picks = 33,
+                  .first_window_page = {0}, .seed = 30};
+  for (int32_t p = 50; p < 61; ++p) c.tokens.push_back({0, p});
+  check_attention(c);
+}
+
+TEST_F(CudaTest, SparseAttentionWindowOnlyPerTensorFp8) {
+  // No compressed cache; the sequence's first window page is gone, so early window rows are
+  // skipped rather than read.
+  AttentionCase c{.window_format = KvRowFormat::fp8_per_tensor, .heads = 17, .window = 128,
+                  .first_window_page = {0, 2}, .seed = 40};
+  for (int32_t p : {0, 1, 63, 64, 65}) c.tokens.push_back({0, p});
+  for (int32_t p : {130, 150, 191, 200}) c.tokens.push_back({1, p});
+  check_attention(c);
+}
+
+// Validation needs no device.
+TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
+  using testing::error_message;
+  using testing::fake_device_view;
+  const PageGeometry g = page_geometry(KvRowFormat::v41_fp8, kHeadDim, 32);
+  const PagedCache window{.pages = fake_device_view(DType::u8, {4, g.page_stride}),
+                          .block_table = fake_device_view(DType::i32, {2, 2}), .geometry = g};
+  const SparseAttentionParams p{.q = fake_device_view(DType::bf16, {3, 8, kHeadDim}),
+                                .token_sequence = fake_device_view(DType::i32, {3}),
+                                .token_position = fake_device_view(DType::i32, {3}),
+                                .window = window,
+                                .sink = fake_device_view(DType::f32, {8}),
+                                .scale = 0.04f,
+                                .out = fake_device_view(DType::f32, {3, 8, kHeadDim})};
+  EXPECT_NO_THROW(validate_sparse_attention(p));
+  auto message = [](SparseAttentionParams bad) { return error_message([&] { validate_sparse_attention(bad); }); };
+
+  SparseAttentionParams bad = p;
+  bad.q = fake_device_view(DType::bf16, {3, 8, 256});
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'q' has shape [3, 8, 256], expected [3, 8, 512]");
+  bad = p;
+  bad.token_position = fake_device_view(DType::i64, {3});
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'token_position' has dtype I64, expected I32");
+  bad = p;
+  bad.window.pages = fake_device_view(DType::u8, {4, 100});
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'window.pages' has shape [4, 100], expected [4, 16896]");
+  bad = p;
+  bad.sink = fake_device_view(DType::f32, {9});
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'sink' has shape [9], expected [8]");
+  bad = p;
+  bad.out = fake_device_view(DType::f32, {3, 8});
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'out' has rank 2, expected 3");
+  bad = p;
+  bad.picks = fake_device_view(DType::i32, {3, 4});
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'picks' is given without a 'compressed' cache to read them from");
+  bad = p;
+  bad.compressed = window;
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'picks' has rank 0, expected 2");
+  bad = p;
+  bad.window.geometry = page_geometry(KvRowFormat::index_mxfp4, 128, 64);
+  bad.window.pages = fake_device_view(DType::u8, {4, bad.window.geometry.page_stride});
+  EXPECT_EQ(message(bad),
+            "dsv4: sparse_attention: cache 'window' has format index_mxfp4, expected one of bf16, fp8_per_tensor, "
+            "v41_fp8, v41_fp4, fp8_ds_mla");
+  bad = p;
+  bad.window.geometry.page_stride += 512;
+  bad.window.pages = fake_device_view(DType::u8, {4, bad.window.geometry.page_stride});
+  EXPECT_EQ(message(bad),
+            "dsv4: sparse_attention: cache 'window' has page stride 17408 with 512+16 bytes per row, expected 16896 "
+            "with 512+16 (build the geometry with page_geometry())");
+  bad = p;
+  bad.window_size = 0;
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: window_size is 0, expected >= 1");
+}
+
+}  // namespace
+}  // namespace dsv4::cuda

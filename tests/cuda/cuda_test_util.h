@@ -1,0 +1,216 @@
+// Shared helpers of the CUDA kernel tests: a fixture that skips without a device, random inputs,
+// host/device tensors in the kernels' dtypes, poisoned outputs and tolerance checks.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dsv4/cuda/runtime.h"
+#include "dsv4/kv_format.h"
+#include "dsv4/numeric.h"
+#include "dsv4/tensor.h"
+
+namespace dsv4::cuda::testing {
+
+// Tests that launch kernels derive from this; without a device they are skipped.
+class CudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+inline std::vector<float> random_floats(int64_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+inline std::vector<float> rounded_to_bf16(std::vector<float> v) {
+  for (float& x : v) x = round_to_bf16(x);
+  return v;
+}
+
+// A host tensor of dtype bf16 or f32 holding `values` (bf16: rounded to nearest even).
+inline HostTensor host_tensor(const std::vector<float>& values, DType dtype, std::vector<int64_t> shape) {
+  HostTensor t(dtype, std::move(shape));
+  EXPECT_EQ(t.numel(), static_cast<int64_t>(values.size()));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::bf16) t.as<uint16_t>()[i] = float_to_bf16_bits(values[i]);
+    else t.as<float>()[i] = values[i];
+  }
+  return t;
+}
+
+// bf16 / f32 host tensor -> floats.
+inline std::vector<float> to_floats(const HostTensor& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  for (size_t i = 0; i < v.size(); ++i)
+    v[i] = t.dtype() == DType::bf16 ? bf16_bits_to_float(t.as<uint16_t>()[i]) : t.as<float>()[i];
+  return v;
+}
+
+// A device tensor: the buffer and its view.
+struct DeviceTensor {
+  DeviceBuffer buffer;
+  TensorView view;
+};
+
+inline DeviceTensor device_tensor(const HostTensor& host) {
+  DeviceTensor d{to_device(host), {}};
+  d.view = d.buffer.view(host.dtype(), host.shape());
+  return d;
+}
+
+inline DeviceTensor device_tensor(const std::vector<float>& values, DType dtype, std::vector<int64_t> shape) {
+  return device_tensor(host_tensor(values, dtype, std::move(shape)));
+}
+
+// An output tensor filled with 0xff bytes (NaN in bf16 / f32 / e4m3, -1 in integers), so that
+// elements a kernel forgets to write show up.
+inline DeviceTensor poisoned_tensor(DType dtype, std::vector<int64_t> shape) {
+  HostTensor host(dtype, shape);
+  DeviceTensor d{DeviceBuffer(host.nbytes()), {}};
+  d.buffer.fill_bytes(0xff);
+  d.view = d.buffer.view(dtype, shape);
+  return d;
+}
+
+inline std::vector<float> download_floats(const TensorView& v) { return to_floats(to_host(v)); }
+
+template <class T>
+std::vector<T> download_as(const TensorView& v) {
+  const HostTensor h = to_host(v);
+  std::vector<T> out(static_cast<size_t>(h.nbytes() / sizeof(T)));
+  std::memcpy(out.data(), h.data(), out.size() * sizeof(T));
+  return out;
+}
+
+template <class T>
+DeviceTensor device_array(const std::vector<T>& values, DType dtype, std::vector<int64_t> shape) {
+  HostTensor host(dtype, std::move(shape));
+  EXPECT_EQ(host.nbytes(), values.size() * sizeof(T));
+  std::memcpy(host.data(), values.data(), host.nbytes());
+  return device_tensor(host);
+}
+
+// Every actual[i] must be finite and within atol + rtol·|expected[i]|; reports the worst element.
+inline void expect_close(const std::vector<float>& actual, const std::vector<float>& expected, float atol, float rtol,
+                         const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  size_t worst = 0, failures = 0;
+  double worst_excess = -1.0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    const double bound = atol + rtol * std::fabs(expected[i]);
+    const double err = std::fabs(static_cast<double>(actual[i]) - expected[i]);
+    const bool bad = !std::isfinite(actual[i]) || !(err <= bound);
+    if (bad) ++failures;
+    const double excess = std::isfinite(actual[i]) ? err - bound : 1e30;
+    if (excess > worst_excess) worst_excess = excess, worst = i;
+  }
+  EXPECT_EQ(failures, 0u) << what << ": " << failures << " of " << actual.size() << " elements outside atol " << atol
+                          << " + rtol " << rtol << "; worst at " << worst << ": got " << actual[worst] << ", expected "
+                          << expected[worst];
+}
+
+// The message of the dsv4::Error `f` throws ("" when it does not throw).
+template <class F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A cuda view with a dummy (never dereferenced) pointer, for validation tests that need no device.
+inline TensorView fake_device_view(DType dtype, std::vector<int64_t> shape) {
+  static char dummy[16];
+  return TensorView::contiguous(dummy, dtype, shape, Device::cuda);
+}
+
+}  // namespace dsv4::cuda::testing
+
+// ---------------------------------------------------------------------------------------------
+// Paged caches built on the host with kv_format's encode_rows (the CPU implementation of the byte
+// formats), then copied to the device.
+
+namespace dsv4::cuda::testing {
+
+struct HostPagedCache {
+  PageGeometry geometry;
+  int64_t num_sequences = 0, blocks_per_sequence = 0;
+  std::vector<std::byte> pages;
+  std::vector<int32_t> block_table;          // [num_sequences, blocks_per_sequence], -1: no page
+  std::vector<int32_t> first_logical_page;   // [num_sequences]
+  float tensor_scale = 1.0f;
+
+  int64_t num_pages() const { return static_cast<int64_t>(pages.size()) / geometry.page_stride; }
+  // The slot of row `row` of sequence s, or -1 when the row has no page.
+  int64_t slot(int64_t s, int64_t row) const {
+    const int64_t block = row / geometry.rows_per_page - first_logical_page[s];
+    if (row < 0 || block < 0 || block >= blocks_per_sequence) return -1;
+    const int32_t page = block_table[s * blocks_per_sequence + block];
+    return page < 0 ? -1 : page * geometry.rows_per_page + row % geometry.rows_per_page;
+  }
+  void write(int64_t s, int64_t row, const float* x) {
+    const int64_t sl = slot(s, row);
+    encode_rows(geometry, x, 1, &sl, std::span<std::byte>(pages), tensor_scale);
+  }
+  std::vector<float> read(int64_t s, int64_t row) const {
+    std::vector<float> out(static_cast<size_t>(geometry.row.dims));
+    const int64_t sl = slot(s, row);
+    decode_rows(geometry, std::span<const std::byte>(pages), &sl, 1, out.data(), tensor_scale);
+    return out;
+  }
+};
+
+// Sequence s gets `blocks` logical pages starting at first_logical_page[s], mapped to distinct
+// physical pages in a shuffled order; `spare_pages` more pages stay unused.
+inline HostPagedCache make_host_cache(KvRowFormat format, int64_t dims, int64_t rows_per_page, PagePlacement placement,
+                                      const std::vector<int32_t>& first_logical_page, int64_t blocks,
+                                      int64_t spare_pages, uint32_t seed) {
+  HostPagedCache c;
+  c.geometry = page_geometry(format, dims, rows_per_page, placement);
+  c.num_sequences = static_cast<int64_t>(first_logical_page.size());
+  c.blocks_per_sequence = blocks;
+  c.first_logical_page = first_logical_page;
+  const int64_t num_pages = c.num_sequences * blocks + spare_pages;
+  c.pages.assign(static_cast<size_t>(num_pages * c.geometry.page_stride), std::byte{0});
+  std::vector<int32_t> ids(static_cast<size_t>(num_pages));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(seed));
+  c.block_table.assign(ids.begin(), ids.begin() + c.num_sequences * blocks);
+  return c;
+}
+
+// The device copy of a host cache and the PagedCache view of it.
+struct DevicePagedCache {
+  DeviceTensor pages, block_table, first_logical_page;
+  PagedCache view;
+};
+
+inline DevicePagedCache to_device_cache(const HostPagedCache& c) {
+  DevicePagedCache d;
+  d.pages = device_array(c.pages, DType::u8, {c.num_pages(), c.geometry.page_stride});
+  d.block_table = device_array(c.block_table, DType::i32, {c.num_sequences, c.blocks_per_sequence});
+  d.first_logical_page = device_array(c.first_logical_page, DType::i32, {c.num_sequences});
+  d.view = PagedCache{.pages = d.pages.view, .block_table = d.block_table.view,
+                      .first_logical_page = d.first_logical_page.view, .geometry = c.geometry,
+                      .tensor_scale = c.tensor_scale};
+  return d;
+}
+
+}  // namespace dsv4::cuda::testing

@@ -1,0 +1,260 @@
+// CUDA projections (run_linear, run_dequantize_weight) against the CPU reference linear /
+// grouped_linear on random inputs.
+//
+// Tolerances: f32 outputs differ from the reference only by the fp32 summation order:
+// |Δ| <= 1e-4 + 1e-5·|y| for sums of <= 256 products of magnitude <= 1. bf16 outputs may in
+// addition round to the neighbouring bf16 value: rtol 2^-7 (one bf16 ulp).
+#include <gtest/gtest.h>
+
+#include <optional>
+
+#include "cuda/cuda_test_util.h"
+#include "dsv4/cuda/projection.h"
+#include "reference/ops.h"
+
+namespace dsv4::cuda {
+namespace {
+
+using testing::CudaTest;
+using testing::DeviceTensor;
+
+constexpr float kF32Atol = 1e-4f, kF32Rtol = 1e-5f;
+constexpr float kBf16Rtol = 0x1p-7f;
+
+// Random e4m3 codes (no NaN code) and the weight they stand for with the given block scales.
+struct Fp8Weight {
+  HostTensor codes;          // [groups?, out, in] e4m3
+  HostTensor scales;         // ue8m0 or f32
+  std::vector<float> value;  // dequantized
+};
+
+Fp8Weight random_fp8_weight(std::vector<int64_t> shape, int block_out, int block_in, DType scale_dtype, uint32_t seed) {
+  const int r = static_cast<int>(shape.size());
+  const int64_t out = shape[r - 2], in = shape[r - 1], groups = r == 3 ? shape[0] : 1;
+  const int64_t srows = (out + block_out - 1) / block_out, scols = (in + block_in - 1) / block_in;
+  std::vector<int64_t> scale_shape = {srows, scols};
+  if (r == 3) scale_shape.insert(scale_shape.begin(), groups);
+  Fp8Weight w{HostTensor(DType::e4m3, shape), HostTensor(scale_dtype, scale_shape), {}};
+  std::mt19937 rng(seed);
+  for (int64_t i = 0; i < w.codes.numel(); ++i) {
+    uint8_t code = static_cast<uint8_t>(rng() & 0xff);
+    if ((code & 0x7f) == 0x7f) code ^= 0x01;  // NaN -> 448
+    w.codes.as<uint8_t>()[i] = code;
+  }
+  std::vector<float> scale(static_cast<size_t>(w.scales.numel()));
+  for (int64_t i = 0; i < w.scales.numel(); ++i) {
+    const uint8_t byte = static_cast<uint8_t>(114 + rng() % 4);  // 2^-13 ... 2^-10
+    scale[i] = ue8m0_to_float(byte);
+    if (scale_dtype == DType::ue8m0) w.scales.as<uint8_t>()[i] = byte;
+    else w.scales.as<float>()[i] = scale[i];
+  }
+  w.value.resize(static_cast<size_t>(w.codes.numel()));
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t c = 0; c < in; ++c) {
+        const int64_t i = (g * out + o) * in + c;
+        w.value[i] = e4m3_to_float(w.codes.as<uint8_t>()[i]) * scale[(g * srows + o / block_out) * scols + c / block_in];
+      }
+  return w;
+}
+
+class LinearCudaTest : public CudaTest {
+ protected:
+  void SetUp() override {
+    CudaTest::SetUp();
+    if (!IsSkipped()) blas_.emplace();  // cuBLASLt needs a device
+  }
+  // Runs p on a fresh stream with a fresh workspace and returns y as floats.
+  std::vector<float> run(LinearParams p) {
+    p.blas = blas_->get();
+    DeviceBuffer workspace(linear_workspace_bytes(p));
+    Stream stream;
+    run_linear(p, workspace.data(), stream.get());
+    stream.synchronize("linear test");
+    return testing::download_floats(p.y);
+  }
+  std::optional<BlasLt> blas_;
+};
+
+TEST_F(LinearCudaTest, Bf16WeightWithF32AndBf16Outputs) {
+  const int64_t rows = 37, in = 160, out = 72;
+  const auto x = testing::rounded_to_bf16(testing::random_floats(rows * in, 1));
+  const auto w = testing::rounded_to_bf16(testing::random_floats(out * in, 2, -0.1f, 0.1f));
+  DeviceTensor dx = testing::device_tensor(x, DType::f32, {rows, in});
+  DeviceTensor dw = testing::device_tensor(w, DType::bf16, {out, in});
+  for (DType out_dtype : {DType::f32, DType::bf16}) {
+    const bool bf16 = out_dtype == DType::bf16;
+    DeviceTensor dy = testing::poisoned_tensor(out_dtype, {rows, out});
+    const auto got = run({.x = dx.view, .weight = dw.view, .y = dy.view});
+    std::vector<float> expected(static_cast<size_t>(rows * out));
+    reference::linear(x.data(), rows, in, w.data(), out, expected.data(), {.bf16_output = bf16});
+    testing::expect_close(got, expected, kF32Atol, bf16 ? kBf16Rtol : kF32Rtol, bf16 ? "bf16 y" : "f32 y");
+  }
+}
+
+TEST_F(LinearCudaTest, Fp8WeightUe8m0Blocks32WithActivationQuant) {
+  // V4.1: 32x32 weight blocks, the last block row and column partial; act_quant in 32-tiles.
+  const int64_t rows = 19, in = 160, out = 72;
+  const auto x = testing::rounded_to_bf16(testing::random_floats(rows * in, 3, -3.0f, 3.0f));
+  const Fp8Weight w = random_fp8_weight({out, in}, 32, 32, DType::ue8m0, 4);
+  DeviceTensor dx = testing::device_tensor(x, DType::bf16, {rows, in});
+  DeviceTensor dw = testing::device_tensor(w.codes), ds = testing::device_tensor(w.scales);
+  DeviceTensor dy = testing::poisoned_tensor(DType::bf16, {rows, out});
+  const auto got = run({.x = dx.view, .weight = dw.view, .weight_scale = ds.view, .block_out = 32, .block_in = 32,
+                        .activation_block = 32, .y = dy.view});
+  std::vector<float> expected(static_cast<size_t>(rows * out));
+  reference::linear(x.data(), rows, in, w.value.data(), out, expected.data(),
+                    {.fp8_activation_block = 32, .bf16_output = true});
+  testing::expect_close(got, expected, kF32Atol, kBf16Rtol, "fp8 32x32 y");
+}
+
+TEST_F(LinearCudaTest, Fp8WeightF32Blocks128SingleRowAndNoRows) {
+  // V4.0: 128x128 blocks with f32 (power-of-two) scales; a decode step of one row, then none.
+  const int64_t in = 256, out = 200;
+  const Fp8Weight w = random_fp8_weight({out, in}, 128, 128, DType::f32, 5);
+  DeviceTensor dw = testing::device_tensor(w.codes), ds = testing::device_tensor(w.scales);
+  const auto x = testing::rounded_to_bf16(testing::random_floats(in, 6));
+  DeviceTensor dx = testing::device_tensor(x, DType::bf16, {1, in});
+  DeviceTensor dy = testing::poisoned_tensor(DType::f32, {1, out});
+  const auto got = run({.x = dx.view, .weight = dw.view, .weight_scale = ds.view, .activation_block = 128, .y = dy.view});
+  std::vector<float> expected(static_cast<size_t>(out));
+  reference::linear(x.data(), 1, in, w.value.data(), out, expected.data(), {.fp8_activation_block = 128});
+  testing::expect_close(got, expected, kF32Atol, kF32Rtol, "fp8 128x128 y");
+
+  DeviceTensor empty_x = testing::device_tensor(std::vector<float>{}, DType::bf16, {0, in});
+  DeviceTensor empty_y = testing::poisoned_tensor(DType::f32, {0, out});
+  EXPECT_TRUE(run({.x = empty_x.view, .weight = dw.view, .weight_scale = ds.view, .y = empty_y.view}).empty());
+}
+
+TEST_F(LinearCudaTest, F32WeightOddSizes) {
+  const int64_t rows = 9, in = 33, out = 17;
+  const auto x = testing::random_floats(rows * in, 7);
+  const auto w = testing::random_floats(out * in, 8);
+  DeviceTensor dx = testing::device_tensor(x, DType::f32, {rows, in});
+  DeviceTensor dw = testing::device_tensor(w, DType::f32, {out, in});
+  DeviceTensor dy = testing::poisoned_tensor(DType::f32, {rows, out});
+  const auto got = run({.x = dx.view, .weight = dw.view, .y = dy.view});
+  std::vector<float> expected(static_cast<size_t>(rows * out));
+  reference::linear(x.data(), rows, in, w.data(), out, expected.data(), {});
+  testing::expect_close(got, expected, kF32Atol, kF32Rtol, "f32 GEMM y");
+}
+
+TEST_F(LinearCudaTest, GroupedOutputProjection) {
+  // wo_a: x [rows, groups, in] · w[g]ᵀ per group, bf16 and fp8 weights.
+  const int64_t rows = 5, groups = 3, in = 96, rank = 40;
+  const auto x = testing::rounded_to_bf16(testing::random_floats(rows * groups * in, 9));
+  DeviceTensor dx = testing::device_tensor(x, DType::bf16, {rows, groups, in});
+  const auto w = testing::rounded_to_bf16(testing::random_floats(groups * rank * in, 10, -0.2f, 0.2f));
+  DeviceTensor dw = testing::device_tensor(w, DType::bf16, {groups, rank, in});
+  DeviceTensor dy = testing::poisoned_tensor(DType::f32, {rows, groups, rank});
+  std::vector<float> expected(static_cast<size_t>(rows * groups * rank));
+  reference::grouped_linear(x.data(), rows, groups, in, w.data(), rank, expected.data(), false);
+  testing::expect_close(run({.x = dx.view, .weight = dw.view, .y = dy.view}), expected, kF32Atol, kF32Rtol,
+                        "grouped bf16 y");
+
+  const Fp8Weight w8 = random_fp8_weight({groups, rank, in}, 32, 32, DType::ue8m0, 11);
+  DeviceTensor dw8 = testing::device_tensor(w8.codes), ds8 = testing::device_tensor(w8.scales);
+  DeviceTensor dy8 = testing::poisoned_tensor(DType::bf16, {rows, groups, rank});
+  reference::grouped_linear(x.data(), rows, groups, in, w8.value.data(), rank, expected.data(), true);
+  testing::expect_close(run({.x = dx.view, .weight = dw8.view, .weight_scale = ds8.view, .block_out = 32,
+                             .block_in = 32, .y = dy8.view}),
+                        expected, kF32Atol, kBf16Rtol, "grouped fp8 y");
+}
+
+TEST_F(LinearCudaTest, CapturedInACudaGraph) {
+  const int64_t rows = 4, in = 64, out = 48;
+  const auto x = testing::rounded_to_bf16(testing::random_floats(rows * in, 12));
+  const Fp8Weight w = random_fp8_weight({out, in}, 32, 32, DType::ue8m0, 13);
+  DeviceTensor dx = testing::device_tensor(x, DType::bf16, {rows, in});
+  DeviceTensor dw = testing::device_tensor(w.codes), ds = testing::device_tensor(w.scales);
+  DeviceTensor dy = testing::poisoned_tensor(DType::f32, {rows, out});
+  const LinearParams p{.x = dx.view, .weight = dw.view, .weight_scale = ds.view, .block_out = 32, .block_in = 32,
+                       .activation_block = 32, .y = dy.view, .blas = blas_->get()};
+  DeviceBuffer workspace(linear_workspace_bytes(p));
+  Stream stream;
+  cudaGraph_t graph = nullptr;
+  DSV4_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  run_linear(p, workspace.data(), stream.get());
+  DSV4_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  DSV4_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+  stream.synchronize("graph launch");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  std::vector<float> expected(static_cast<size_t>(rows * out));
+  reference::linear(x.data(), rows, in, w.value.data(), out, expected.data(), {.fp8_activation_block = 32});
+  testing::expect_close(testing::download_floats(dy.view), expected, kF32Atol, kF32Rtol, "graph-launched y");
+}
+
+TEST_F(CudaTest, DequantizeWeightIsExact) {
+  const Fp8Weight w = random_fp8_weight({70, 45}, 32, 32, DType::ue8m0, 14);
+  DeviceTensor dw = testing::device_tensor(w.codes), ds = testing::device_tensor(w.scales);
+  DeviceTensor out = testing::poisoned_tensor(DType::bf16, {70, 45});
+  Stream stream;
+  run_dequantize_weight({.weight = dw.view, .weight_scale = ds.view, .block_out = 32, .block_in = 32, .out = out.view},
+                        stream.get());
+  stream.synchronize("dequantize test");
+  testing::expect_close(testing::download_floats(out.view), w.value, 0.0f, 0.0f, "dequantized weight");
+}
+
+// Validation needs no device: the views only carry shapes and dtypes.
+TEST(LinearCudaValidation, ReportsTheFirstBadArgument) {
+  using testing::error_message;
+  using testing::fake_device_view;
+  static int dummy_handle;  // never used: validation only checks that a handle is given
+  LinearParams p{.x = fake_device_view(DType::bf16, {3, 64}), .weight = fake_device_view(DType::bf16, {32, 64}),
+                 .y = fake_device_view(DType::f32, {3, 32}),
+                 .blas = reinterpret_cast<cublasLtContext*>(&dummy_handle)};
+  EXPECT_NO_THROW(validate_linear(p));
+
+  LinearParams bad = p;
+  bad.x = fake_device_view(DType::bf16, {3, 2, 2, 64});
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+            "dsv4: linear: argument 'x' has rank 4, expected 2 ([rows, in]) or 3 ([rows, groups, in])");
+  bad = p;
+  bad.weight = fake_device_view(DType::bf16, {2, 32, 64});
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }), "dsv4: linear: argument 'weight' has rank 3, expected 2");
+  bad = p;
+  bad.y.device = Device::cpu;
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }), "dsv4: linear: argument 'y' is on cpu, expected cuda");
+  bad = p;
+  bad.x.dtype = DType::f16;
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+            "dsv4: linear: argument 'x' has dtype F16, expected BF16 or F32");
+  bad = p;
+  bad.weight = fake_device_view(DType::bf16, {64, 32});
+  bad.weight.stride = {1, 64};  // a transposed view
+  bad.weight.shape = {32, 64};
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+            "dsv4: linear: argument 'weight' is not contiguous (shape [32, 64], strides [1, 64])");
+  bad = p;
+  bad.weight = fake_device_view(DType::bf16, {32, 60});
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+            "dsv4: linear: argument 'weight' has shape [32, 60], expected [32, 64]");
+  bad = p;
+  bad.y = fake_device_view(DType::f32, {3, 31});
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }), "dsv4: linear: argument 'y' has shape [3, 31], expected [3, 32]");
+  bad = p;
+  bad.weight.dtype = DType::e4m3;
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+            "dsv4: linear: argument 'weight_scale' is missing; an e4m3 weight needs its block scales");
+  bad.weight_scale = fake_device_view(DType::ue8m0, {2, 2});
+  bad.block_out = bad.block_in = 32;
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+            "dsv4: linear: argument 'weight_scale' has shape [2, 2], expected [1, 2]");
+  bad = p;
+  bad.weight_scale = fake_device_view(DType::ue8m0, {1, 1});
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+            "dsv4: linear: argument 'weight_scale' is given for a BF16 weight; only e4m3 weights have block scales");
+  bad = p;
+  bad.activation_block = 48;
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+            "dsv4: linear: activation_block 48 does not divide the input size 64");
+  bad = p;
+  bad.blas = nullptr;
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }), "dsv4: linear: argument 'blas' is null (pass BlasLt::get())");
+}
+
+}  // namespace
+}  // namespace dsv4::cuda
