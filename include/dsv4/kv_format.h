@@ -1,11 +1,14 @@
 // KV-cache row formats in their real byte layouts (SPEC §7, shared/golden/kvfmt/README.md) and
-// the page geometry that places rows in pages.
+// the page geometry that places rows in pages. docs/formats.md describes each format.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
+
+#include "dsv4/numeric.h"
 
 namespace dsv4 {
 
@@ -19,6 +22,7 @@ enum class KvRowFormat : uint8_t {
   index_fp8,       // index keys: 128 e4m3 + one fp32 power-of-two scale = 132 B
 };
 const char* kv_row_format_name(KvRowFormat f);
+// Inverse of kv_row_format_name; throws naming the accepted names.
 KvRowFormat parse_kv_row_format(const std::string& name);
 
 // Where a row's scale bytes live: after all data rows of the page (vLLM, vLLM's FlashMLA fork) or
@@ -32,6 +36,8 @@ struct RowLayout {
   int64_t alignment = 1;    // page stride is rounded up to a multiple of this
   int64_t row_bytes() const { return data_bytes + scale_bytes; }
 };
+// Throws unless `dims` suits the format: exactly 512 for v41_fp8, v41_fp4 and fp8_ds_mla (whole
+// attention heads), a multiple of 32 for index_mxfp4, 1 ... 1048576 otherwise.
 RowLayout row_layout(KvRowFormat f, int64_t dims);
 
 struct PageGeometry {
@@ -43,6 +49,8 @@ struct PageGeometry {
   int64_t data_offset(int64_t row_in_page) const;
   int64_t scale_offset(int64_t row_in_page) const;
 };
+// Segregated pages are rounded up to the format's alignment; interleaved pages are unpadded
+// (rows_per_page records back to back). rows_per_page must be 1 ... 1048576.
 PageGeometry page_geometry(KvRowFormat f, int64_t dims, int64_t rows_per_page,
                            PagePlacement placement = PagePlacement::segregated);
 
@@ -50,12 +58,32 @@ PageGeometry page_geometry(KvRowFormat f, int64_t dims, int64_t rows_per_page,
 // 32-token window pages for v41_fp8, 64 rows otherwise).
 int64_t default_rows_per_page(KvRowFormat f);
 
+// How encode_rows quantizes where the upstream encoders differ (kvfmt README). The defaults make
+// decode(encode(x)) equal DeepSeek's V4.1 reference fake quantization (numeric.h) for v41_fp8,
+// v41_fp4 and index_mxfp4, and reproduce vLLM's bytes for fp8_ds_mla and index_fp8.
+struct EncodeOptions {
+  // Floor of the power-of-two FP8 scales of v41_fp8, fp8_ds_mla and index_fp8 (other formats
+  // ignore it). Fp8ScaleFloor::ratio reproduces vLLM's V4.1 FP8 window insert and FlashMLA's
+  // test quantizers (V4.0 and V4.1) byte for byte.
+  Fp8ScaleFloor fp8_scale_floor = Fp8ScaleFloor::amax;
+};
+
 // Encodes n rows x [n, dims] (fp32) into the pages at `slots` (slot = page * rows_per_page + row;
-// slot < 0 is skipped). `tensor_scale` is used by fp8_per_tensor only.
+// slot < 0 is skipped). `tensor_scale` (finite, > 0) is used by fp8_per_tensor only: the stored
+// value is e4m3(x / tensor_scale). Rows are encoded in order (a repeated slot keeps the last row).
+// Bytes of a row that the format leaves free (fp8_ds_mla scale padding) are written as 0; other
+// rows and page padding are not touched. The caller guarantees that every slot lies in `pages`;
+// the span overload checks it.
 void encode_rows(const PageGeometry& g, const float* x, int64_t n, const int64_t* slots,
-                 std::byte* pages, float tensor_scale = 1.0f);
-// Decodes n rows from `slots` into out [n, dims] (fp32). Values are exactly the dequantized ones.
+                 std::byte* pages, float tensor_scale = 1.0f, const EncodeOptions& options = {});
+void encode_rows(const PageGeometry& g, const float* x, int64_t n, const int64_t* slots,
+                 std::span<std::byte> pages, float tensor_scale = 1.0f, const EncodeOptions& options = {});
+// Decodes n rows from `slots` into out [n, dims] (fp32). Values are exactly the dequantized ones
+// (code x scale); a slot < 0 gives a row of zeros. As for encode_rows, the span overload checks
+// that every slot lies in `pages`.
 void decode_rows(const PageGeometry& g, const std::byte* pages, const int64_t* slots, int64_t n,
+                 float* out, float tensor_scale = 1.0f);
+void decode_rows(const PageGeometry& g, std::span<const std::byte> pages, const int64_t* slots, int64_t n,
                  float* out, float tensor_scale = 1.0f);
 
 // Named sets of formats for the three caches, as the CLI's --kv-format takes them:
@@ -67,6 +95,7 @@ struct KvFormatSet {
   KvRowFormat compressed;
   KvRowFormat index_keys;
 };
+// Throws naming the accepted names.
 KvFormatSet kv_format_set(const std::string& name);
 std::vector<std::string> kv_format_set_names();
 
