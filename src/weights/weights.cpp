@@ -26,7 +26,7 @@ HostTensor WeightTensor::to_f32() const {
   const int64_t n = out.numel();
   switch (dtype) {
     case DType::f32:
-      std::memcpy(y, data, out.nbytes());
+      if (n > 0) std::memcpy(y, data, out.nbytes());
       return out;
     case DType::bf16:
       for (int64_t i = 0; i < n; ++i) y[i] = bf16_bits_to_float(static_cast<const uint16_t*>(data)[i]);
