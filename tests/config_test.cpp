@@ -2,8 +2,12 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/wait.h>
+
+#include <cstdio>
 #include <fstream>
 #include <functional>
+#include <random>
 #include <sstream>
 
 #include "dsv4/config.h"
@@ -603,6 +607,177 @@ TEST(ConfigValidate, OptionalPartsMayBeAbsent) {
   c.index_topk = 0;
   const ModelTopology t = resolve_topology(c);
   for (const auto& p : t.layers) EXPECT_EQ(p.kind, AttentionKind::sliding);
+}
+
+// ---------------------------------------------------------------------------------------------
+// dsv4 plan
+
+struct CliResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr
+};
+
+CliResult run_cli(const std::string& args) {
+  CliResult r;
+  FILE* pipe = popen((std::string(DSV4_CLI_PATH) + " " + args + " 2>&1").c_str(), "r");
+  if (!pipe) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) r.output.append(buf, n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// The lines of `text` after the first line starting with `header`, up to the next blank line.
+std::vector<std::string> section(const std::string& text, const std::string& header) {
+  std::istringstream in(text);
+  std::vector<std::string> lines;
+  std::string line;
+  bool inside = false;
+  while (std::getline(in, line)) {
+    if (!inside) {
+      inside = line.rfind(header, 0) == 0;
+      continue;
+    }
+    if (line.empty()) break;
+    lines.push_back(line);
+  }
+  return lines;
+}
+
+std::vector<std::string> words(const std::string& line) {
+  std::istringstream in(line);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+// Row bytes of a cache in a format set section ("  window  v41_fp8  512  528 ...": 4th column).
+int64_t row_bytes_in(const std::vector<std::string>& lines, const std::string& cache) {
+  for (const auto& line : lines) {
+    const std::string trimmed = line.substr(line.find_first_not_of(' '));
+    if (trimmed.rfind(cache + " ", 0) != 0) continue;
+    const auto w = words(trimmed.substr(cache.size()));
+    return std::stoll(w.at(2));
+  }
+  ADD_FAILURE() << "no '" << cache << "' row";
+  return -1;
+}
+
+TEST(ConfigPlan, V41FlashRolesAndRowBytes) {
+  const CliResult r = run_cli("plan --preset v4.1-flash");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string& out = r.output;
+  for (const char* fact : {
+           "own compressor + compressed cache: 2, 8, 14, 20\n",
+           "own index-key cache: 2, 8, 14, 20\n",
+           "own indexer (index sources): 2, 8, 14, 20, 24, 28, 32, 36\n",
+           "candidate source: 20\n",
+           "candidate consumers: 24-39 (index sources 24, 28, 32, 36 apply the candidate mask; "
+           "25-27, 29-31, 33-35, 37-39 reuse their masked picks)\n",
+           "window-only: 0-1, 40-42\n",
+       })
+    EXPECT_NE(out.find(fact), std::string::npos) << "missing: " << fact << "\n" << out;
+
+  // The table agrees with the resolved topology, row by row.
+  const ModelTopology t = resolve_topology(preset_config("v4.1-flash"));
+  const auto table = section(out, "layer kind");
+  ASSERT_EQ(static_cast<int>(table.size()), t.size());
+  for (int l = 0; l < t.size(); ++l) {
+    SCOPED_TRACE(table[static_cast<size_t>(l)]);
+    const auto w = words(table[static_cast<size_t>(l)]);
+    ASSERT_EQ(w.size(), 11u);
+    const LayerPlan& p = t[l];
+    auto id = [](int x) { return x < 0 ? std::string("-") : std::to_string(x); };
+    EXPECT_EQ(w[0], std::to_string(l));
+    EXPECT_EQ(w[1], attention_kind_name(p.kind));
+    EXPECT_EQ(w[2], std::to_string(p.compress_ratio));
+    EXPECT_EQ(w[3], p.uses_compress_rope ? "compress" : "main");
+    EXPECT_EQ(w[4], id(p.kv_source));
+    EXPECT_EQ(w[5], id(p.index_source));
+    EXPECT_EQ(w[6], p.owns_compressor ? "own" : "-");
+    EXPECT_EQ(w[7], p.owns_indexer ? "own" : p.index_source >= 0 ? "reuse" : "-");
+    EXPECT_EQ(w[8], p.owns_index_keys ? "own" : "-");
+    const std::string candidates = l == 20                                   ? "source"
+                                   : (l == 24 || l == 28 || l == 32 || l == 36) ? "mask"
+                                   : l > 24 && l < 40                           ? "masked-picks"
+                                                                                : "-";
+    EXPECT_EQ(w[9], candidates);
+    EXPECT_EQ(w[10], l >= 40 ? "yes" : "-");
+  }
+
+  // SPEC §7.2 / §7.4 / §7.1 row sizes.
+  const auto native = section(out, "KV format set v4.1-native");
+  EXPECT_EQ(row_bytes_in(native, "window"), 528);
+  EXPECT_EQ(row_bytes_in(native, "compressed"), 288);
+  EXPECT_EQ(row_bytes_in(native, "index keys"), 68);
+  const auto ds_mla = section(out, "KV format set fp8_ds_mla");
+  EXPECT_EQ(row_bytes_in(ds_mla, "window"), 584);
+  EXPECT_EQ(row_bytes_in(ds_mla, "compressed"), 584);
+  EXPECT_EQ(row_bytes_in(ds_mla, "index keys"), 132);
+}
+
+// Bytes one v4.1-flash sequence holds in v4.1-native caches, from SPEC constants alone: rows of
+// 528 B (32 per page, pages aligned to 512), 288 B (64, 256) and 68 B (64, 512); kv sources 2, 8,
+// 14 at ratio 2 and 20 at ratio 1, each with index keys; 43 window caches; ratio-2 compressors keep
+// fp32 kv and score rows [2, 512] (SPEC §3.3).
+int64_t v41_flash_native_sequence_bytes(int64_t context) {
+  auto aligned = [](int64_t bytes, int64_t a) { return (bytes + a - 1) / a * a; };
+  auto pages = [](int64_t rows, int64_t per_page) { return (rows + per_page - 1) / per_page; };
+  const int64_t window_page = aligned(528 * 32, 512), compressed_page = aligned(288 * 64, 256),
+                index_page = aligned(68 * 64, 512);
+  const int64_t window_pages = pages(std::min<int64_t>(context, 128), 32) + (context > 128 ? 1 : 0);
+  int64_t total = 43 * window_pages * window_page;
+  for (int ratio : {2, 2, 2, 1}) {
+    const int64_t entries = (context + ratio - 1) / ratio;
+    total += pages(entries, 64) * (compressed_page + index_page);
+    total += ratio == 2 ? 2 * 2 * 512 * 4 : 0;
+  }
+  return total;
+}
+
+TEST(ConfigPlan, CapacityMatchesIndependentArithmetic) {
+  std::mt19937_64 rng(7);
+  std::vector<int64_t> contexts = {1, 128, 129, 131072};
+  for (int i = 0; i < 3; ++i) contexts.push_back(std::uniform_int_distribution<int64_t>(2, 1 << 20)(rng));
+  for (int64_t context : contexts) {
+    SCOPED_TRACE("context " + std::to_string(context));
+    const int64_t gib = std::uniform_int_distribution<int64_t>(1, 200)(rng);
+    const CliResult r = run_cli("plan --preset v4.1-flash --kv-format v4.1-native --context " + std::to_string(context) +
+                                " --memory " + std::to_string(gib) + "GiB");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const int64_t expected = v41_flash_native_sequence_bytes(context);
+    const std::string per_sequence = "per sequence at " + std::to_string(context) + " tokens: " + std::to_string(expected) + " B";
+    EXPECT_NE(r.output.find(per_sequence), std::string::npos) << "expected '" << per_sequence << "' in\n" << r.output;
+    const int64_t memory = gib << 30;
+    const std::string fit = "sequences that fit in " + std::to_string(memory) + " B (" + std::to_string(gib) +
+                            ".00 GiB): " + std::to_string(memory / expected) + "\n";
+    EXPECT_NE(r.output.find(fit), std::string::npos) << "expected '" << fit << "' in\n" << r.output;
+    EXPECT_EQ(r.output.find("KV format set fp8_ds_mla"), std::string::npos);  // restricted to one set
+  }
+}
+
+TEST(ConfigPlan, MemorySizesAndErrors) {
+  const CliResult plain = run_cli("plan --preset tiny-v4.1 --kv-format bf16 --context 100 --memory 1048576");
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_NE(plain.output.find("sequences that fit in 1048576 B (1.00 MiB)"), std::string::npos) << plain.output;
+  const CliResult kib = run_cli("plan --preset tiny-v4 --kv-format bf16 --context 100 --memory 1.5KiB");
+  ASSERT_EQ(kib.exit_code, 0) << kib.output;
+  EXPECT_NE(kib.output.find("sequences that fit in 1536 B"), std::string::npos) << kib.output;
+
+  const CliResult bad_memory = run_cli("plan --preset tiny-v4 --context 100 --memory 5GB");
+  EXPECT_NE(bad_memory.exit_code, 0);
+  EXPECT_NE(bad_memory.output.find("dsv4: plan: --memory '5GB'"), std::string::npos) << bad_memory.output;
+  const CliResult bad_format = run_cli("plan --preset tiny-v4 --kv-format fp4");
+  EXPECT_NE(bad_format.exit_code, 0);
+  EXPECT_NE(bad_format.output.find("unknown KV format set 'fp4'"), std::string::npos) << bad_format.output;
+  const CliResult neither = run_cli("plan");
+  EXPECT_NE(neither.exit_code, 0);
+  EXPECT_NE(neither.output.find("expected exactly one of a preset"), std::string::npos) << neither.output;
+  const CliResult from_file = run_cli("plan --config " + golden_path("v40a.config.json") + " --kv-format fp8_ds_mla");
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.output;
+  EXPECT_NE(from_file.output.find("attend every visible compressed entry (HCA): 2\n"), std::string::npos) << from_file.output;
 }
 
 }  // namespace
