@@ -105,18 +105,20 @@ DeviceTensor device_array(const std::vector<T>& values, DType dtype, std::vector
   return device_tensor(host);
 }
 
-// Every actual[i] must be finite and within atol + rtol·|expected[i]|; reports the worst element.
+// Every actual[i] must equal expected[i] (infinities included) or be finite and within
+// atol + rtol·|expected[i]|; reports the worst element.
 inline void expect_close(const std::vector<float>& actual, const std::vector<float>& expected, float atol, float rtol,
                          const std::string& what) {
   ASSERT_EQ(actual.size(), expected.size()) << what;
   size_t worst = 0, failures = 0;
   double worst_excess = -1.0;
   for (size_t i = 0; i < actual.size(); ++i) {
+    if (actual[i] == expected[i]) continue;
     const double bound = atol + rtol * std::fabs(expected[i]);
     const double err = std::fabs(static_cast<double>(actual[i]) - expected[i]);
     const bool bad = !std::isfinite(actual[i]) || !(err <= bound);
     if (bad) ++failures;
-    const double excess = std::isfinite(actual[i]) ? err - bound : 1e30;
+    const double excess = bad ? (std::isfinite(err) ? err - bound + 1e-30 : 1e30) : err - bound;
     if (excess > worst_excess) worst_excess = excess, worst = i;
   }
   EXPECT_EQ(failures, 0u) << what << ": " << failures << " of " << actual.size() << " elements outside atol " << atol

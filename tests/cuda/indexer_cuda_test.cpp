@@ -1,0 +1,256 @@
+// Indexer kernels against the CPU reference: run_index_scores vs reference::index_scores (fp32, keys
+// decoded from MXFP4 / FP8 / bf16 caches), run_topk vs reference::select_topk and
+// run_candidate_block_scores + run_topk vs reference::select_candidate_blocks on identical
+// scores (exact: the selection rules are the same, ties included).
+//
+// Score tolerance: fp32 with a different summation order over 128 channels and the heads:
+// |Δ| <= 1e-3 + 1e-5·|score| for scores up to ~100. -inf entries must match exactly.
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <tuple>
+
+#include "cuda/cuda_test_util.h"
+#include "dsv4/cuda/indexer.h"
+#include "reference/ops.h"
+
+namespace dsv4::cuda {
+namespace {
+
+using testing::CudaTest;
+using testing::DeviceTensor;
+
+constexpr int64_t kIndexDim = 128;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct ScoresCase {
+  KvRowFormat key_format = KvRowFormat::index_mxfp4;
+  int64_t heads = 32;
+  int ratio = 2;
+  std::vector<std::pair<int32_t, int32_t>> tokens;  // (sequence, position)
+  int64_t candidate_block_size = 0;                 // > 0: random candidate lists
+  int64_t candidate_blocks = 0;
+  uint32_t seed = 1;
+};
+
+void check_index_scores(const ScoresCase& c) {
+  std::mt19937 rng(c.seed);
+  const int64_t tokens = static_cast<int64_t>(c.tokens.size());
+  int64_t max_position = 0, sequences = 0;
+  for (const auto& [s, p] : c.tokens) {
+    max_position = std::max<int64_t>(max_position, p);
+    sequences = std::max<int64_t>(sequences, s + 1);
+  }
+  const int64_t entries = (max_position + 1) / c.ratio + 3;
+  testing::HostPagedCache keys = testing::make_host_cache(c.key_format, kIndexDim, 64, PagePlacement::segregated,
+                                                          std::vector<int32_t>(sequences, 0), entries / 64 + 1, 1, c.seed);
+  // keys[s] [entries, 128]: the decoded rows the reference scores against.
+  std::vector<std::vector<float>> decoded(sequences);
+  for (int64_t s = 0; s < sequences; ++s)
+    for (int64_t j = 0; j < entries; ++j) {
+      const auto row = testing::random_floats(kIndexDim, c.seed * 7919 + static_cast<uint32_t>(s * entries + j), -2.0f, 2.0f);
+      keys.write(s, j, row.data());
+      const auto back = keys.read(s, j);
+      decoded[s].insert(decoded[s].end(), back.begin(), back.end());
+    }
+  const auto q = testing::rounded_to_bf16(testing::random_floats(tokens * c.heads * kIndexDim, c.seed + 1));
+  const auto weights = testing::random_floats(tokens * c.heads, c.seed + 2, 0.0f, 0.1f);
+
+  std::vector<int32_t> sequence(tokens), position(tokens), candidates;
+  for (int64_t t = 0; t < tokens; ++t) std::tie(sequence[t], position[t]) = c.tokens[t];
+  if (c.candidate_block_size > 0) {
+    // Each token keeps a random ascending subset of the blocks, -1 padded.
+    const int64_t blocks = (entries + c.candidate_block_size - 1) / c.candidate_block_size;
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::vector<int32_t> kept;
+      for (int32_t b = 0; b < blocks; ++b)
+        if (rng() % 2 == 0 && static_cast<int64_t>(kept.size()) < c.candidate_blocks) kept.push_back(b);
+      kept.resize(static_cast<size_t>(c.candidate_blocks), -1);
+      candidates.insert(candidates.end(), kept.begin(), kept.end());
+    }
+  }
+
+  std::vector<float> expected(static_cast<size_t>(tokens * entries));
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* row = expected.data() + t * entries;
+    reference::index_scores(q.data() + t * c.heads * kIndexDim, weights.data() + t * c.heads, c.heads, kIndexDim,
+                            decoded[sequence[t]].data(), entries, (position[t] + 1) / c.ratio, false, row);
+    if (c.candidate_block_size > 0)
+      for (int64_t j = 0; j < entries; ++j) {
+        const int32_t* list = candidates.data() + t * c.candidate_blocks;
+        if (std::find(list, list + c.candidate_blocks, j / c.candidate_block_size) == list + c.candidate_blocks)
+          row[j] = -kInf;
+      }
+  }
+
+  DeviceTensor dq = testing::device_tensor(q, DType::bf16, {tokens, c.heads, kIndexDim});
+  DeviceTensor dw = testing::device_tensor(weights, DType::f32, {tokens, c.heads});
+  DeviceTensor dseq = testing::device_array(sequence, DType::i32, {tokens});
+  DeviceTensor dpos = testing::device_array(position, DType::i32, {tokens});
+  DeviceTensor dscores = testing::poisoned_tensor(DType::f32, {tokens, entries});
+  testing::DevicePagedCache dkeys = testing::to_device_cache(keys);
+  IndexScoresParams p{.q = dq.view, .weights = dw.view, .keys = dkeys.view, .token_sequence = dseq.view,
+                      .token_position = dpos.view, .compress_ratio = c.ratio, .scores = dscores.view};
+  DeviceTensor dcandidates;
+  if (c.candidate_block_size > 0) {
+    dcandidates = testing::device_array(candidates, DType::i32, {tokens, c.candidate_blocks});
+    p.candidates = dcandidates.view;
+    p.candidate_block_size = c.candidate_block_size;
+  }
+  Stream stream;
+  run_index_scores(p, stream.get());
+  stream.synchronize("index scores test");
+  testing::expect_close(testing::download_floats(dscores.view), expected, 1e-3f, 1e-5f, "index scores");
+}
+
+TEST_F(CudaTest, IndexScoresMxfp4Ratio2) {
+  check_index_scores({.key_format = KvRowFormat::index_mxfp4, .heads = 32, .ratio = 2,
+                      .tokens = {{0, 0}, {0, 1}, {1, 40}, {2, 299}, {1, 41}, {2, 300}}, .seed = 3});
+}
+
+TEST_F(CudaTest, IndexScoresFp8Ratio1PrefillWithCandidates) {
+  ScoresCase c{.key_format = KvRowFormat::index_fp8, .heads = 5, .ratio = 1, .candidate_block_size = 8,
+               .candidate_blocks = 7, .seed = 4};
+  for (int32_t p = 130; p < 161; ++p) c.tokens.push_back({0, p});
+  check_index_scores(c);
+}
+
+TEST_F(CudaTest, IndexScoresBf16KeysManyEntryBlocks) {
+  check_index_scores({.key_format = KvRowFormat::bf16, .heads = 64, .ratio = 1, .tokens = {{0, 700}, {0, 3}}, .seed = 5});
+}
+
+// Rows of scores with many ties (few distinct values), NaN and -inf, as in bf16 reference scores.
+std::vector<float> tie_heavy_scores(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> s(static_cast<size_t>(n));
+  for (float& x : s) {
+    const uint32_t r = rng() % 100;
+    x = r < 3 ? std::numeric_limits<float>::quiet_NaN() : r < 10 ? -kInf : r < 12 ? kInf
+      : r < 14 ? -0.0f : static_cast<float>(static_cast<int>(rng() % 41) - 20) * 0.25f;
+  }
+  return s;
+}
+
+struct TopkCase {
+  int64_t tokens, n, k;
+  int ratio;  // 0: whole rows
+  int64_t group_size = 1;
+  uint32_t seed = 1;
+};
+
+void check_topk(const TopkCase& c) {
+  const auto scores = tie_heavy_scores(c.tokens * c.n, c.seed);
+  std::vector<int32_t> position(c.tokens);
+  std::mt19937 rng(c.seed + 1);
+  for (auto& p : position) p = static_cast<int32_t>(rng() % (c.n * std::max(c.ratio, 1) * c.group_size + 5));
+  std::vector<int32_t> expected(static_cast<size_t>(c.tokens * c.k));
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    int64_t eligible = c.n;
+    if (c.ratio > 0) eligible = ((position[t] + 1) / c.ratio + c.group_size - 1) / c.group_size;
+    reference::select_topk(scores.data() + t * c.n, c.n, eligible, c.k, expected.data() + t * c.k);
+  }
+  DeviceTensor ds = testing::device_tensor(scores, DType::f32, {c.tokens, c.n});
+  DeviceTensor dpos = testing::device_array(position, DType::i32, {c.tokens});
+  DeviceTensor dpicks = testing::poisoned_tensor(DType::i32, {c.tokens, c.k});
+  TopkParams p{.scores = ds.view, .group_size = c.group_size, .picks = dpicks.view};
+  if (c.ratio > 0) {
+    p.token_position = dpos.view;
+    p.compress_ratio = c.ratio;
+  }
+  Stream stream;
+  run_topk(p, stream.get());
+  stream.synchronize("topk test");
+  EXPECT_EQ(testing::download_as<int32_t>(dpicks.view), expected)
+      << "tokens " << c.tokens << ", n " << c.n << ", k " << c.k << ", ratio " << c.ratio;
+}
+
+TEST_F(CudaTest, TopkMatchesReferenceWithTiesNanAndInfinities) {
+  check_topk({.tokens = 7, .n = 1000, .k = 64, .ratio = 0, .seed = 1});
+  check_topk({.tokens = 9, .n = 301, .k = 37, .ratio = 2, .seed = 2});      // causal lengths, some below k
+  check_topk({.tokens = 3, .n = 20, .k = 50, .ratio = 0, .seed = 3});       // k > n: -1 padding
+  check_topk({.tokens = 2, .n = 70001, .k = 512, .ratio = 1, .seed = 4});   // long rows
+  check_topk({.tokens = 5, .n = 40, .k = 6, .ratio = 2, .group_size = 8, .seed = 5});  // block rows
+}
+
+TEST_F(CudaTest, CandidateBlocksMatchReference) {
+  const int64_t tokens = 6, entries = 203, block = 8, top_blocks = 5, ratio = 1;
+  const int64_t blocks = (entries + block - 1) / block;
+  auto scores = tie_heavy_scores(tokens * entries, 9);
+  const std::vector<int32_t> position = {0, 7, 8, 100, 202, 250};
+  for (int64_t t = 0; t < tokens; ++t)  // the index scores are causally masked
+    for (int64_t j = (position[t] + 1) / ratio; j < entries; ++j) scores[t * entries + j] = -kInf;
+
+  DeviceTensor ds = testing::device_tensor(scores, DType::f32, {tokens, entries});
+  DeviceTensor dpos = testing::device_array(position, DType::i32, {tokens});
+  DeviceTensor dblock_scores = testing::poisoned_tensor(DType::f32, {tokens, blocks});
+  DeviceTensor dkept = testing::poisoned_tensor(DType::i32, {tokens, top_blocks});
+  Stream stream;
+  run_candidate_block_scores({.scores = ds.view, .token_position = dpos.view, .compress_ratio = ratio,
+                              .block_size = block, .block_scores = dblock_scores.view},
+                             stream.get());
+  run_topk({.scores = dblock_scores.view, .token_position = dpos.view, .compress_ratio = ratio, .group_size = block,
+            .picks = dkept.view},
+           stream.get());
+  stream.synchronize("candidate blocks test");
+  const auto kept = testing::download_as<int32_t>(dkept.view);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<uint8_t> expected(entries), got(entries, 0);
+    reference::select_candidate_blocks(scores.data() + t * entries, entries, (position[t] + 1) / ratio, block,
+                                       top_blocks, expected.data());
+    for (int64_t i = 0; i < top_blocks; ++i) {
+      const int32_t b = kept[t * top_blocks + i];
+      if (b < 0) continue;
+      ASSERT_LT(b, blocks);
+      for (int64_t j = b * block; j < std::min(entries, (b + 1) * block); ++j) got[j] = 1;
+    }
+    EXPECT_EQ(got, expected) << "token " << t << " at position " << position[t];
+  }
+}
+
+TEST(IndexerCudaValidation, ReportsTheFirstBadArgument) {
+  using testing::error_message;
+  using testing::fake_device_view;
+  const PageGeometry g = page_geometry(KvRowFormat::index_mxfp4, kIndexDim, 64);
+  const IndexScoresParams p{.q = fake_device_view(DType::bf16, {3, 32, kIndexDim}),
+                            .weights = fake_device_view(DType::f32, {3, 32}),
+                            .keys = {.pages = fake_device_view(DType::u8, {2, g.page_stride}),
+                                     .block_table = fake_device_view(DType::i32, {1, 2}), .geometry = g},
+                            .token_sequence = fake_device_view(DType::i32, {3}),
+                            .token_position = fake_device_view(DType::i32, {3}),
+                            .compress_ratio = 2,
+                            .scores = fake_device_view(DType::f32, {3, 100})};
+  EXPECT_NO_THROW(validate_index_scores(p));
+  auto message = [](IndexScoresParams bad) { return error_message([&] { validate_index_scores(bad); }); };
+  IndexScoresParams bad = p;
+  bad.weights = fake_device_view(DType::f32, {3, 31});
+  EXPECT_EQ(message(bad), "dsv4: index_scores: argument 'weights' has shape [3, 31], expected [3, 32]");
+  bad = p;
+  bad.keys.block_table = fake_device_view(DType::i64, {1, 2});
+  EXPECT_EQ(message(bad), "dsv4: index_scores: argument 'keys.block_table' has dtype I64, expected I32");
+  bad = p;
+  bad.candidates = fake_device_view(DType::i32, {3, 4});
+  EXPECT_EQ(message(bad), "dsv4: index_scores: candidate_block_size is 0, expected >= 1 with candidates");
+  bad = p;
+  bad.compress_ratio = 0;
+  EXPECT_EQ(message(bad), "dsv4: index_scores: compress_ratio is 0, expected >= 1");
+
+  const TopkParams topk{.scores = fake_device_view(DType::f32, {3, 100}), .picks = fake_device_view(DType::i32, {3, 8})};
+  EXPECT_NO_THROW(validate_topk(topk));
+  TopkParams bad_topk = topk;
+  bad_topk.picks = fake_device_view(DType::i32, {2, 8});
+  EXPECT_EQ(error_message([&] { validate_topk(bad_topk); }),
+            "dsv4: topk: argument 'picks' has shape [2, 8], expected [3, 8]");
+  bad_topk = topk;
+  bad_topk.group_size = 0;
+  EXPECT_EQ(error_message([&] { validate_topk(bad_topk); }), "dsv4: topk: group_size is 0, expected >= 1");
+
+  const CandidateBlockScoresParams blocks{.scores = fake_device_view(DType::f32, {3, 100}),
+                                          .token_position = fake_device_view(DType::i32, {3}),
+                                          .block_size = 8,
+                                          .block_scores = fake_device_view(DType::f32, {3, 12})};
+  EXPECT_EQ(error_message([&] { validate_candidate_block_scores(blocks); }),
+            "dsv4: candidate_block_scores: argument 'block_scores' has shape [3, 12], expected [3, 13]");
+}
+
+}  // namespace
+}  // namespace dsv4::cuda
