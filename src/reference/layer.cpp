@@ -129,7 +129,7 @@ NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& 
   }
   const int64_t E = static_cast<int64_t>(entry_index.size());
   std::vector<float> pooled(static_cast<size_t>(E * g.dim));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (E * g.span() * g.dim >= kMinParallelWork)
   for (int64_t i = 0; i < E; ++i) {
     const StepChunk& ch = step.chunks[static_cast<size_t>(e.chunk[i])];
     const float* ring = std::as_const(*ch.state).compressor_state(layer).data() + c.state_offset;
@@ -227,7 +227,7 @@ void run_indexer(const ModelConfig& config, const LayerParameters& L, const Step
   if (record_scores) out.index_scores = {offset, std::vector<float>(static_cast<size_t>(offset[T]))};
   out.picks.assign(static_cast<size_t>(T * k), -1);
 
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (offset[T] * nI * dI >= kMinParallelWork)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t n = offset[t + 1] - offset[t];
     const int64_t n_visible = std::min(n, (step.positions[t] + 1) / ratio);
@@ -416,7 +416,8 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   std::vector<ChunkAttendedRows> attended;
   for (const StepChunk& ch : step.chunks) attended.push_back(read_attended_rows(config, L, ch, published));
-#pragma omp parallel for schedule(dynamic, 1)
+  const int64_t attended_rows = T * (config.sliding_window + (L.plan.kv_source >= 0 ? config.index_topk : 0));
+#pragma omp parallel for schedule(dynamic, 1) if (attended_rows * H * D >= kMinParallelWork)
   for (int64_t t = 0; t < T; ++t) {
     std::vector<const float*> rows;
     gather_attended_rows(config, L, step, t, kv.data(), attended[static_cast<size_t>(step.chunk_of[t])], published, rows);

@@ -42,7 +42,7 @@ template <class Quantize>
 void for_each_tile(float* x, int64_t n, int64_t dim, int64_t quantized_dims, int64_t tile, const Quantize& quantize) {
   DSV4_CHECK(tile > 0 && quantized_dims >= 0 && quantized_dims <= dim, "reference: fake quantization: tile ", tile,
              " over ", quantized_dims, " of ", dim, " channels is not a valid tiling");
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * dim >= kMinParallelWork)
   for (int64_t r = 0; r < n; ++r)
     for (int64_t c = 0; c < quantized_dims; c += tile) {
       float* t = x + r * dim + c;
@@ -54,7 +54,7 @@ void for_each_tile(float* x, int64_t n, int64_t dim, int64_t quantized_dims, int
 
 void round_bf16(float* x, int64_t n, bool enabled) {
   if (!enabled) return;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) x[i] = round_to_bf16(x[i]);
 }
 
@@ -67,14 +67,14 @@ void linear(const float* x, int64_t n, int64_t in, const float* w, int64_t out, 
     x = quantized.data();
   }
   // Output column outer, token inner: a thread reuses one weight row for consecutive tokens.
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (n * out * in >= kMinParallelWork)
   for (int64_t o = 0; o < out; ++o)
     for (int64_t t = 0; t < n; ++t) y[t * out + o] = maybe_bf16(dot(x + t * in, w + o * in, in), numerics.bf16_output);
 }
 
 void grouped_linear(const float* o, int64_t n, int64_t groups, int64_t in, const float* w, int64_t rank, float* y,
                     bool bf16_output) {
-#pragma omp parallel for collapse(3) schedule(static)
+#pragma omp parallel for collapse(3) schedule(static) if (n * groups * rank * in >= kMinParallelWork)
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t r = 0; r < rank; ++r)
       for (int64_t t = 0; t < n; ++t)
@@ -82,7 +82,7 @@ void grouped_linear(const float* o, int64_t n, int64_t groups, int64_t in, const
 }
 
 void rms_norm(const float* x, int64_t n, int64_t dim, const float* weight, float eps, float* y, bool bf16_output) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * dim >= kMinParallelWork)
   for (int64_t r = 0; r < n; ++r) {
     const float* xr = x + r * dim;
     float* yr = y + r * dim;
@@ -132,7 +132,7 @@ void apply_rope(float* x, int64_t n, int64_t heads, int64_t head_dim, const floa
   DSV4_CHECK(rope_dim % 2 == 0 && rope_dim <= head_dim, "reference: rope: rope_dim ", rope_dim,
              " must be even and at most head_dim ", head_dim);
   const int64_t pairs = rope_dim / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * heads * rope_dim >= kMinParallelWork)
   for (int64_t t = 0; t < n; ++t) {
     std::vector<float> cos_a(static_cast<size_t>(pairs)), sin_a(static_cast<size_t>(pairs));
     const float p = static_cast<float>(positions[t]);

@@ -16,6 +16,10 @@
 
 namespace dsv4::reference {
 
+// Loops over fewer multiply-adds (or elements) than this run on one thread: below it, starting a
+// parallel region costs more than it saves, a lot more on a loaded machine.
+inline constexpr int64_t kMinParallelWork = int64_t{1} << 21;
+
 // Rounds x [n] to bf16 in place when `enabled`.
 void round_bf16(float* x, int64_t n, bool enabled = true);
 

@@ -1,0 +1,428 @@
+// The CPU engine's step semantics on the tiny presets with random weights: any split of the same
+// tokens into steps (one prefill chunk, many chunks, token by token, ragged batches) gives the same
+// results; forks equal sequences run from scratch; releases leave the others alone; results do not
+// depend on the thread count; consumers read their sources; inputs are validated.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dsv4/config.h"
+#include "dsv4/engine.h"
+#include "dsv4/weights.h"
+#include "engine/cpu_engine.h"
+
+namespace dsv4 {
+namespace {
+
+// A value in [-1, 1) from a hash of its coordinates, so that a token's input does not depend on
+// how the tokens are split into steps.
+float hashed_value(uint64_t stream, int64_t position, int layer, int64_t channel) {
+  uint64_t z = stream * 0x9e3779b97f4a7c15ull ^ (static_cast<uint64_t>(position) << 20) ^
+               (static_cast<uint64_t>(layer) << 52) ^ static_cast<uint64_t>(channel);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) / static_cast<float>(1ull << 23) - 1.0f;
+}
+
+struct Model {
+  ModelConfig config;
+  ModelTopology topology;
+  std::shared_ptr<const ModelWeights> weights;
+};
+
+Model tiny_model(const std::string& preset, bool fp8) {
+  Model m;
+  m.config = preset_config(preset);
+  m.topology = resolve_topology(m.config);
+  m.weights = std::make_shared<ModelWeights>(random_weights(m.config, m.topology, 7, fp8));
+  return m;
+}
+
+std::unique_ptr<Engine> make_engine(const Model& m, Precision precision, int threads = 0) {
+  EngineOptions options;
+  options.precision = precision;
+  options.num_threads = threads;
+  return Engine::create(m.config, m.weights, options);
+}
+
+// Drives an engine over sequences whose inputs come from hashed streams, and records every
+// layer's outputs and picks per sequence in position order.
+class Driver {
+ public:
+  Driver(Engine& engine, bool record_scores = false) : engine_(engine) {
+    if (record_scores) dynamic_cast<CpuEngine&>(engine).set_record_index_scores(true);
+  }
+
+  // A new sequence whose tokens use `stream`, or stream `later` from position `switch_at` on.
+  int add(uint64_t stream, int64_t switch_at = -1, uint64_t later = 0) {
+    Sequence s{engine_.add_sequence(), {{0, stream}}, {}, {}};
+    if (switch_at >= 0) s.streams.push_back({switch_at, later});
+    sequences_.push_back(std::move(s));
+    return static_cast<int>(sequences_.size()) - 1;
+  }
+  // A fork of `parent` whose next tokens use `stream`.
+  int fork(int parent, uint64_t stream) {
+    Sequence s = sequences_[parent];
+    s.id = engine_.fork_sequence(s.id);
+    s.streams.push_back({engine_.sequence_length(s.id), stream});
+    s.outputs.clear();
+    s.picks.clear();
+    sequences_.push_back(std::move(s));
+    return static_cast<int>(sequences_.size()) - 1;
+  }
+  void release(int s) { engine_.release_sequence(sequences_[s].id); }
+
+  // One step: (sequence, tokens) entries, every layer in order.
+  void step(const std::vector<std::pair<int, int64_t>>& entries) {
+    const ModelConfig& c = engine_.config();
+    std::vector<StepEntry> step_entries;
+    int64_t tokens = 0;
+    for (auto [s, n] : entries) step_entries.push_back({sequences_[s].id, n}), tokens += n;
+    engine_.begin_step(step_entries);
+    std::vector<float> in(static_cast<size_t>(tokens * c.hidden_size)), out(in.size());
+    for (int l = 0; l < engine_.topology().size(); ++l) {
+      int64_t t = 0;
+      for (auto [s, n] : entries)
+        for (int64_t i = 0; i < n; ++i, ++t) {
+          const int64_t p = engine_.sequence_length(sequences_[s].id) + i;
+          for (int64_t ch = 0; ch < c.hidden_size; ++ch)
+            in[t * c.hidden_size + ch] = hashed_value(stream_at(s, p), p, l, ch);
+        }
+      engine_.run_layer(l, TensorView::contiguous(in.data(), DType::f32, {tokens, c.hidden_size}),
+                        TensorView::contiguous(out.data(), DType::f32, {tokens, c.hidden_size}));
+      const HostTensor picks = engine_.topology()[l].owns_indexer ? engine_.layer_picks(l) : HostTensor();
+      t = 0;
+      for (auto [s, n] : entries) {
+        auto& o = sequences_[s].outputs[l];
+        o.insert(o.end(), out.begin() + t * c.hidden_size, out.begin() + (t + n) * c.hidden_size);
+        if (!picks.empty()) {
+          auto& p = sequences_[s].picks[l];
+          p.insert(p.end(), picks.as<int32_t>() + t * c.index_topk, picks.as<int32_t>() + (t + n) * c.index_topk);
+        }
+        t += n;
+      }
+      if (on_layer_) on_layer_(l, entries);
+    }
+    engine_.end_step();
+  }
+
+  const std::map<int, std::vector<float>>& outputs(int s) const { return sequences_[s].outputs; }
+  const std::map<int, std::vector<int32_t>>& picks(int s) const { return sequences_[s].picks; }
+  SequenceId id(int s) const { return sequences_[s].id; }
+  // Called after each layer of a step, e.g. to inspect what the engine published.
+  void on_layer(std::function<void(int, const std::vector<std::pair<int, int64_t>>&)> f) { on_layer_ = std::move(f); }
+
+ private:
+  struct Sequence {
+    SequenceId id;
+    std::vector<std::pair<int64_t, uint64_t>> streams;  // (first position, stream)
+    std::map<int, std::vector<float>> outputs;          // per layer: [positions, hidden]
+    std::map<int, std::vector<int32_t>> picks;          // per index layer: [positions, k]
+  };
+  uint64_t stream_at(int s, int64_t p) const {
+    uint64_t stream = 0;
+    for (auto [first, id] : sequences_[s].streams)
+      if (p >= first) stream = id;
+    return stream;
+  }
+
+  Engine& engine_;
+  std::vector<Sequence> sequences_;
+  std::function<void(int, const std::vector<std::pair<int, int64_t>>&)> on_layer_;
+};
+
+// The part of a sequence's recorded outputs from position `first` on.
+std::map<int, std::vector<float>> outputs_from(const std::map<int, std::vector<float>>& o, int64_t first, int64_t hidden) {
+  std::map<int, std::vector<float>> tail;
+  for (const auto& [l, v] : o) tail[l] = std::vector<float>(v.begin() + first * hidden, v.end());
+  return tail;
+}
+
+struct Variant {
+  const char* preset;
+  Precision precision;
+  bool fp8;
+};
+
+std::string variant_name(const testing::TestParamInfo<Variant>& info) {
+  std::string name = std::string(info.param.preset) + "_" + precision_name(info.param.precision) +
+                     (info.param.fp8 ? "_fp8" : "_bf16");
+  std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(static_cast<unsigned char>(c)); }, '_');
+  return name;
+}
+
+class EngineSteps : public testing::TestWithParam<Variant> {
+ protected:
+  void SetUp() override { model_ = tiny_model(GetParam().preset, GetParam().fp8); }
+  std::unique_ptr<Engine> engine(int threads = 0) const { return make_engine(model_, GetParam().precision, threads); }
+  Model model_;
+};
+
+// One 70-token prefill == chunks of 5, 11, 1, 16, 2, 35 (groups closing inside chunks and at their
+// ends, windows spanning three chunks) == token by token, with the three sequences sharing ragged
+// steps. Per token the math is the same, so the results are bitwise equal in both precisions.
+TEST_P(EngineSteps, AnySplitIntoStepsGivesTheSameResults) {
+  auto e = engine();
+  Driver d(*e);
+  const int whole = d.add(1), chunks = d.add(1), tokens = d.add(1);
+  const std::vector<int64_t> sizes = {5, 11, 1, 16, 2, 35};
+  d.step({{whole, 70}, {chunks, sizes[0]}, {tokens, 1}});
+  for (size_t i = 1; i < sizes.size(); ++i) d.step({{chunks, sizes[i]}, {tokens, 1}});
+  while (e->sequence_length(d.id(tokens)) < 70) d.step({{tokens, 1}});
+  EXPECT_EQ(d.outputs(chunks), d.outputs(whole));
+  EXPECT_EQ(d.outputs(tokens), d.outputs(whole));
+  EXPECT_EQ(d.picks(chunks), d.picks(whole));
+  EXPECT_EQ(d.picks(tokens), d.picks(whole));
+  EXPECT_EQ(e->sequence_cache_bytes(d.id(tokens)), e->sequence_cache_bytes(d.id(whole)));
+}
+
+// A fork continues exactly like a sequence that ran the same tokens from scratch, and the parent
+// is not affected by its child.
+TEST_P(EngineSteps, ForkedSequenceEqualsTheSameSequenceFromScratch) {
+  auto e = engine();
+  Driver d(*e);
+  const int parent = d.add(1);
+  d.step({{parent, 37}});
+  const int child = d.fork(parent, 3);
+  EXPECT_EQ(e->sequence_cache_bytes(d.id(child)), e->sequence_cache_bytes(d.id(parent)));
+  const int parent_twin = d.add(1), child_twin = d.add(1, 37, 3);
+  d.step({{parent_twin, 37}, {child_twin, 37}});
+  // Decode and a mid-sequence chunk, the child and its twin in different steps.
+  d.step({{child, 1}, {parent, 5}});
+  d.step({{child_twin, 1}, {parent_twin, 5}});
+  d.step({{child, 9}});
+  d.step({{child_twin, 9}});
+  const int64_t H = model_.config.hidden_size;
+  EXPECT_EQ(d.outputs(child), outputs_from(d.outputs(child_twin), 37, H));
+  EXPECT_EQ(d.outputs(parent), d.outputs(parent_twin));
+}
+
+// Releasing a sequence in the middle of a schedule leaves the others' results unchanged.
+TEST_P(EngineSteps, ReleasedSequenceLeavesTheOthersUntouched) {
+  auto e = engine();
+  Driver d(*e);
+  const int kept = d.add(5), released = d.add(6), alone = d.add(5);
+  d.step({{kept, 20}, {released, 9}});
+  d.step({{kept, 1}, {released, 1}});
+  d.release(released);
+  EXPECT_THROW(e->sequence_length(d.id(released)), Error);
+  d.step({{kept, 3}});
+  d.step({{alone, 20}});
+  d.step({{alone, 1}});
+  d.step({{alone, 3}});
+  EXPECT_EQ(d.outputs(kept), d.outputs(alone));
+}
+
+INSTANTIATE_TEST_SUITE_P(TinyPresets, EngineSteps,
+                         testing::Values(Variant{"tiny-v4.1", Precision::reference, true},
+                                         Variant{"tiny-v4.1", Precision::fp32, false},
+                                         Variant{"tiny-v4", Precision::reference, false},
+                                         Variant{"tiny-v4", Precision::fp32, true}),
+                         variant_name);
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(Engine, ResultsDoNotDependOnTheThreadCount) {
+  const Model m = tiny_model("tiny-v4.1", true);
+  std::vector<std::map<int, std::vector<float>>> outputs_a, outputs_b;
+  for (int threads : {1, 2}) {
+    auto e = make_engine(m, Precision::reference, threads);
+    Driver d(*e);
+    const int a = d.add(1), b = d.add(2);
+    d.step({{a, 40}, {b, 3}});
+    d.step({{a, 1}, {b, 17}});
+    outputs_a.push_back(d.outputs(a));
+    outputs_b.push_back(d.outputs(b));
+  }
+  EXPECT_EQ(outputs_a[0], outputs_a[1]);
+  EXPECT_EQ(outputs_b[0], outputs_b[1]);
+}
+
+// Picks are sorted, visible ((p + 1) // ratio) and as many as there are eligible entries up to k;
+// layer 6 scores only layer 4's candidates, whose filter excludes entries once a query sees more
+// than 8 blocks of 8.
+TEST(Engine, PicksAndCandidateFiltering) {
+  const Model m = tiny_model("tiny-v4.1", true);
+  auto e = make_engine(m, Precision::reference);
+  Driver d(*e, true);
+  const auto& cpu = dynamic_cast<const CpuEngine&>(*e);
+  const int s = d.add(9);
+  const int64_t k = m.config.index_topk;
+  int64_t excluded = 0, rows_checked = 0;
+  d.on_layer([&](int l, const std::vector<std::pair<int, int64_t>>& entries) {
+    const LayerPlan& plan = m.topology[l];
+    if (!plan.owns_indexer) return;
+    const reference::LayerPublication& p = cpu.publication(l);
+    const int64_t length = e->sequence_length(d.id(s)), n_tokens = entries[0].second;
+    for (int64_t t = 0; t < n_tokens; ++t, ++rows_checked) {
+      const int64_t position = length + t, visible = (position + 1) / plan.compress_ratio;
+      const int32_t* picks = p.picks.data() + t * k;
+      const float* scores = p.index_scores.row(t);
+      int64_t valid = 0, eligible = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        if (picks[i] < 0) {
+          for (int64_t j = i; j < k; ++j) ASSERT_EQ(picks[j], -1) << "padding at the end";
+          break;
+        }
+        ++valid;
+        ASSERT_LT(picks[i], visible);
+        if (i > 0) ASSERT_LT(picks[i - 1], picks[i]);
+      }
+      const uint8_t* mask = plan.uses_candidates ? cpu.publication(m.config.candidate_source_layer).candidate_mask.row(t)
+                                                 : nullptr;
+      for (int64_t j = 0; j < p.index_scores.length(t); ++j) {
+        const bool kept = j < visible && (!mask || mask[j]);
+        ASSERT_EQ(scores[j] == -std::numeric_limits<float>::infinity(), !kept) << "layer " << l << " entry " << j;
+        eligible += kept;
+        excluded += mask && j < visible && !mask[j];
+      }
+      ASSERT_EQ(valid, std::min(k, eligible)) << "layer " << l << " position " << position;
+      for (int64_t i = 0; i < valid && mask; ++i) ASSERT_TRUE(mask[picks[i]]);
+    }
+  });
+  d.step({{s, 50}});
+  for (int i = 0; i < 30; ++i) d.step({{s, 1}});
+  d.step({{s, 12}});
+  EXPECT_GT(rows_checked, 300);
+  EXPECT_GT(excluded, 0) << "the candidate filter must bite past 64 entries";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer order and validation
+
+class EngineErrors : public testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = tiny_model("tiny-v4.1", false);
+    engine_ = make_engine(model_, Precision::fp32);
+    a_ = engine_->add_sequence();
+    b_ = engine_->add_sequence();
+    in_.assign(static_cast<size_t>(8 * model_.config.hidden_size), 0.25f);
+    out_.assign(in_.size(), 0.0f);
+  }
+  TensorView view(std::vector<float>& v, int64_t tokens) {
+    return TensorView::contiguous(v.data(), DType::f32, {tokens, model_.config.hidden_size});
+  }
+  void run(int layer, int64_t tokens) { engine_->run_layer(layer, view(in_, tokens), view(out_, tokens)); }
+
+  Model model_;
+  std::unique_ptr<Engine> engine_;
+  SequenceId a_ = 0, b_ = 0;
+  std::vector<float> in_, out_;
+};
+
+#define EXPECT_DSV4_ERROR(statement, message)                                   \
+  do {                                                                          \
+    try {                                                                       \
+      statement;                                                                \
+      ADD_FAILURE() << "no error from " #statement;                             \
+    } catch (const Error& e) {                                                  \
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what(); \
+    }                                                                           \
+  } while (0)
+
+TEST_F(EngineErrors, ConsumersNeedTheirSourcesInTheSameStep) {
+  engine_->begin_step({{a_, 3}});
+  EXPECT_DSV4_ERROR(run(2, 3), "dsv4: engine: layer 2 reads the compressed cache of kv source 1, which has not run in this step");
+  run(0, 3);
+  run(1, 3);
+  run(2, 3);  // layer 1's cache and picks are there now
+  run(3, 3);
+  run(4, 3);
+  run(5, 3);
+  EXPECT_DSV4_ERROR(run(7, 3), "dsv4: engine: layer 7 reads the picks of index source 6, which has not run in this step");
+  EXPECT_DSV4_ERROR(engine_->end_step(), "dsv4: engine: end_step: layer 6 has not run in this step");
+  EXPECT_TRUE(engine_->layer_picks(6).empty());
+  run(6, 3);
+  EXPECT_EQ(engine_->layer_picks(6).shape(), (std::vector<int64_t>{3, model_.config.index_topk}));
+  EXPECT_DSV4_ERROR(run(6, 3), "layer 6 already ran in this step");
+  EXPECT_DSV4_ERROR(engine_->layer_picks(5), "layer_picks: layer 5 is not an index source (it reuses the picks of layer 4)");
+  run(7, 3);
+  engine_->end_step();  // the MTP layer 8 is optional
+  EXPECT_EQ(engine_->sequence_length(a_), 3);
+  // Having skipped a step, the MTP layer cannot run for this sequence any more.
+  engine_->begin_step({{a_, 1}});
+  for (int l = 0; l < 8; ++l) run(l, 1);
+  EXPECT_DSV4_ERROR(run(8, 1), "layer 8 did not run in an earlier step");
+}
+
+TEST_F(EngineErrors, ActivationViewsAreChecked) {
+  engine_->begin_step({{a_, 2}, {b_, 3}});
+  EXPECT_DSV4_ERROR(engine_->run_layer(0, view(in_, 4), view(out_, 5)),
+                    "layer 0 hidden_in has shape [4, 256], expected [5, 256] (step tokens, hidden_size)");
+  TensorView bf16 = view(in_, 5);
+  bf16.dtype = DType::bf16;
+  EXPECT_DSV4_ERROR(engine_->run_layer(0, bf16, view(out_, 5)), "layer 0 hidden_in has dtype BF16, expected F32");
+  TensorView device = view(out_, 5);
+  device.device = Device::cuda;
+  EXPECT_DSV4_ERROR(engine_->run_layer(0, view(in_, 5), device), "layer 0 attn_out is on cuda");
+  TensorView strided = view(in_, 5);
+  strided.stride[0] = 2 * model_.config.hidden_size;
+  EXPECT_DSV4_ERROR(engine_->run_layer(0, strided, view(out_, 5)), "must be a contiguous view");
+  EXPECT_DSV4_ERROR(engine_->run_layer(9, view(in_, 5), view(out_, 5)), "run_layer: layer 9 does not exist (the model has 9 layers)");
+  EXPECT_DSV4_ERROR(engine_->run_layer(-1, view(in_, 5), view(out_, 5)), "layer -1 does not exist");
+  run(0, 5);  // the checks changed nothing
+}
+
+TEST_F(EngineErrors, StepsAndSequencesAreChecked) {
+  EXPECT_DSV4_ERROR(run(0, 1), "run_layer: no step is in progress");
+  EXPECT_DSV4_ERROR(engine_->end_step(), "end_step: no step is in progress");
+  EXPECT_DSV4_ERROR(engine_->begin_step({}), "a step needs at least one entry");
+  EXPECT_DSV4_ERROR(engine_->begin_step({{a_, 1}, {a_, 2}}), "sequence 0 appears more than once in the step");
+  EXPECT_DSV4_ERROR(engine_->begin_step({{a_, 0}}), "entry 0 (sequence 0) has num_tokens 0, expected >= 1");
+  EXPECT_DSV4_ERROR(engine_->begin_step({{42, 1}}), "begin_step: sequence 42 does not exist");
+  EXPECT_DSV4_ERROR(engine_->begin_step({{a_, 9000}}), "more than 8192 tokens");
+  EXPECT_DSV4_ERROR(engine_->fork_sequence(42), "fork_sequence: sequence 42 does not exist");
+  EXPECT_DSV4_ERROR(engine_->release_sequence(42), "release_sequence: sequence 42 does not exist");
+  engine_->begin_step({{a_, 1}});
+  EXPECT_DSV4_ERROR(engine_->begin_step({{b_, 1}}), "a step is in progress");
+  EXPECT_DSV4_ERROR(engine_->release_sequence(a_), "sequence 0 is part of the running step");
+  EXPECT_DSV4_ERROR(engine_->fork_sequence(a_), "sequence 0 is part of the running step");
+  const SequenceId c = engine_->fork_sequence(b_);  // not in the step
+  engine_->release_sequence(c);
+  EXPECT_EQ(engine_->sequence_length(a_), 0);
+}
+
+TEST(EngineCreate, OptionsAndWeightsAreChecked) {
+  const Model m = tiny_model("tiny-v4.1", false);
+  EngineOptions options;
+  options.kv_format = "v4.1-native";
+  EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "kv_format 'v4.1-native' is not supported");
+  options = {};
+  options.backend = Backend::cuda;
+  EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "backend 'cuda' is not available");
+  options = {};
+  options.max_context = 10;
+  options.max_sequences = 1;
+  auto e = Engine::create(m.config, m.weights, options);
+  const SequenceId a = e->add_sequence();
+  EXPECT_DSV4_ERROR(e->add_sequence(), "1 sequences are live, the maximum is 1");
+  EXPECT_DSV4_ERROR(e->begin_step({{a, 11}}), "would grow to 11 tokens, beyond max_context 10");
+  EXPECT_DSV4_ERROR(Engine::create(m.config, nullptr, {}), "no weights given");
+
+  auto wrong = std::make_shared<ModelWeights>(*m.weights);
+  wrong->layers.pop_back();
+  EXPECT_DSV4_ERROR(Engine::create(m.config, wrong, {}), "the weights have 8 layers, the config 9");
+  wrong = std::make_shared<ModelWeights>(*m.weights);
+  auto& wq_b = *wrong->layers[3].tensors[static_cast<int>(WeightRole::wq_b)];
+  wq_b.shape = {wq_b.shape[1], wq_b.shape[0]};
+  EXPECT_DSV4_ERROR(Engine::create(m.config, wrong, {}), "layer 3 weight 'attn.wq_b.weight' has shape [128, 2048], expected [2048, 128]");
+}
+
+TEST(EngineNames, BackendsAndPrecisionsRoundTrip) {
+  for (Backend b : {Backend::cpu, Backend::cuda}) EXPECT_EQ(parse_backend(backend_name(b)), b);
+  for (Precision p : {Precision::fp32, Precision::reference}) EXPECT_EQ(parse_precision(precision_name(p)), p);
+  EXPECT_DSV4_ERROR(parse_backend("tpu"), "unknown backend 'tpu', expected cpu or cuda");
+  EXPECT_DSV4_ERROR(parse_precision("bf16"), "unknown precision 'bf16', expected fp32 or reference");
+}
+
+}  // namespace
+}  // namespace dsv4
