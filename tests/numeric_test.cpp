@@ -403,6 +403,18 @@ TEST(FakeQuant, ScaleBytesMatchOracle) {
   }
 }
 
+// vLLM multiplies amax by fl(1/448) (and fl(1/6)) where the reference divides; both must give the
+// same power-of-two scale. Every mantissa of one binade covers all normal amaxes, since scaling by
+// a power of two is exact there.
+TEST(FakeQuant, ReciprocalMultiplicationGivesTheSameScaleExponent) {
+  const float inverse_448 = 1.0f / 448.0f, inverse_6 = 1.0f / 6.0f;
+  for (uint32_t mantissa = 0; mantissa < 0x800000u; ++mantissa) {
+    const float amax = from_bits((127u << 23) | mantissa);
+    ASSERT_EQ(ceil_log2_exponent(amax / 448.0f), ceil_log2_exponent(amax * inverse_448)) << std::hexfloat << amax;
+    ASSERT_EQ(ceil_log2_exponent(amax / 6.0f), ceil_log2_exponent(amax * inverse_6)) << std::hexfloat << amax;
+  }
+}
+
 TEST(FakeQuant, Fp8Ue8m0MatchesOracle) {
   SEED_TRACE();
   std::mt19937_64 rng(test_seed());

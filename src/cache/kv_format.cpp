@@ -3,8 +3,6 @@
 #include "dsv4/kv_format.h"
 
 #include <cmath>
-#include <cstring>
-#include <limits>
 
 #include "dsv4/error.h"
 
