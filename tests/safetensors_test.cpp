@@ -76,6 +76,13 @@ float decode_bf16(uint16_t bits) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+float decode_f16(uint16_t bits) {
+  const int sign = bits >> 15, exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+  if (exponent == 31) return mantissa ? std::nanf("") : (sign ? -INFINITY : INFINITY);
+  const float magnitude =
+      exponent == 0 ? std::ldexp(mantissa / 1024.0f, -14) : std::ldexp(1.0f + mantissa / 1024.0f, exponent - 15);
+  return sign ? -magnitude : magnitude;
+}
 float decode_e4m3(uint8_t code) {
   const int sign = code >> 7, exponent = (code >> 3) & 0xf, mantissa = code & 7;
   if (exponent == 15 && mantissa == 7) return std::nanf("");
@@ -101,6 +108,12 @@ TEST(Safetensors, WriterRoundTripKeepsBytesShapesAndMetadata) {
   HostTensor i64 = random_tensor(DType::i64, {2}, rng);
   HostTensor u8 = random_tensor(DType::u8, {7}, rng);  // odd size: later tensors unaligned
   HostTensor e4m3 = random_tensor(DType::e4m3, {2, 8}, rng);
+  HostTensor f16 = random_tensor(DType::f16, {64}, rng);
+  f16.as<uint16_t>()[0] = 0x0001;  // the smallest subnormal
+  f16.as<uint16_t>()[1] = 0xfc00;  // -inf
+  HostTensor ue8m0 = random_tensor(DType::ue8m0, {9}, rng);
+  ue8m0.as<uint8_t>()[0] = 1;
+  ue8m0.as<uint8_t>()[1] = 254;
   HostTensor empty(DType::f32, {0, 4});
   HostTensor scalar(DType::f64, {});
   scalar.as<double>()[0] = 2.5;
@@ -113,6 +126,8 @@ TEST(Safetensors, WriterRoundTripKeepsBytesShapesAndMetadata) {
   writer.add("d.e4m3", e4m3);
   writer.add("e.empty", empty);
   writer.add("f.scalar", scalar);
+  writer.add("g.f16", f16);
+  writer.add("h.ue8m0", ue8m0);
   writer.set_metadata("format", "pt");
   writer.write(dir.file("t.safetensors"));
   EXPECT_FALSE(fs::exists(dir.file("t.safetensors.partial")));
@@ -120,15 +135,16 @@ TEST(Safetensors, WriterRoundTripKeepsBytesShapesAndMetadata) {
   auto file = SafetensorsFile::open(dir.file("t.safetensors"));
   EXPECT_EQ(file->header().data_offset % 8, 0u);
   EXPECT_EQ(file->metadata().at("format"), "pt");
-  ASSERT_EQ(file->header().entries.size(), 7u);
+  ASSERT_EQ(file->header().entries.size(), 9u);
   // The writer lays tensors out sorted by name; entries come back in data order.
   std::vector<std::string> order;
   for (const auto& e : file->header().entries) order.push_back(e.name);
-  EXPECT_EQ(order, (std::vector<std::string>{"a.bf16", "b.f32", "c.u8", "d.e4m3", "e.empty", "f.scalar", "z.i64"}));
+  EXPECT_EQ(order, (std::vector<std::string>{"a.bf16", "b.f32", "c.u8", "d.e4m3", "e.empty", "f.scalar", "g.f16",
+                                             "h.ue8m0", "z.i64"}));
 
   for (const auto& [name, original] : std::vector<std::pair<std::string, const HostTensor*>>{
            {"b.f32", &f32}, {"a.bf16", &bf16}, {"z.i64", &i64}, {"c.u8", &u8}, {"d.e4m3", &e4m3},
-           {"e.empty", &empty}, {"f.scalar", &scalar}}) {
+           {"e.empty", &empty}, {"f.scalar", &scalar}, {"g.f16", &f16}, {"h.ue8m0", &ue8m0}}) {
     const HostTensor back = file->read(name);
     EXPECT_EQ(back.dtype(), original->dtype()) << name;
     EXPECT_EQ(back.shape(), original->shape()) << name;
@@ -149,6 +165,22 @@ TEST(Safetensors, WriterRoundTripKeepsBytesShapesAndMetadata) {
       EXPECT_TRUE(std::isnan(e4m3_f.as<float>()[i])) << i;
     else
       EXPECT_EQ(e4m3_f.as<float>()[i], want) << i;
+  }
+  const HostTensor f16_f = file->read_as("g.f16", DType::f32);
+  for (int64_t i = 0; i < f16.numel(); ++i) {
+    const float want = decode_f16(f16.as<uint16_t>()[i]);
+    if (std::isnan(want))
+      EXPECT_TRUE(std::isnan(f16_f.as<float>()[i])) << i;
+    else
+      EXPECT_EQ(f16_f.as<float>()[i], want) << i;
+  }
+  const HostTensor ue8m0_f = file->read_as("h.ue8m0", DType::f32);
+  for (int64_t i = 0; i < ue8m0.numel(); ++i) {
+    const uint8_t b = ue8m0.as<uint8_t>()[i];
+    if (b == 255)
+      EXPECT_TRUE(std::isnan(ue8m0_f.as<float>()[i])) << i;
+    else
+      EXPECT_EQ(ue8m0_f.as<float>()[i], std::ldexp(1.0f, b - 127)) << i;
   }
   const HostTensor i64_f = file->read_as("z.i64", DType::f32);
   for (int64_t i = 0; i < i64.numel(); ++i)
