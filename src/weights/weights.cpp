@@ -166,6 +166,77 @@ std::string scale_problem(const SafetensorsEntry& scale, const std::vector<int64
   return {};
 }
 
+struct Found {
+  std::vector<Located> tensors, scales;
+};
+
+InspectedTensor inspected_row(const Located& t, std::string role, int layer, std::string problem = {}) {
+  return InspectedTensor{t.name, std::move(role), layer, dtype_name(t.entry->dtype), t.entry->shape, std::move(problem)};
+}
+
+// Checks what the checkpoint holds for one role of one layer against what the plan expects:
+// appends the rows and problems to `a`, and resolves the role when everything fits.
+void check_role(int layer, WeightRole role, const LayerPlan& plan, const std::optional<ExpectedWeight>& expected,
+                const Found& f, weight_names::Style style, const ModelConfig& config, Analysis& a) {
+  std::vector<InspectedTensor> rows;
+  for (const Located& t : f.tensors) rows.push_back(inspected_row(t, weight_role_name(role), layer));
+  for (const Located& s : f.scales) rows.push_back(inspected_row(s, weight_names::scale_role_name(role), layer));
+  const auto tensor_rows = std::span(rows).first(f.tensors.size());
+  const auto scale_rows = std::span(rows).subspan(f.tensors.size());
+  // Each row reports its first problem.
+  const auto flag = [&](InspectedTensor& t, const std::string& problem) {
+    if (!t.problem.empty()) return;
+    t.problem = problem;
+    a.errors.push_back("layer " + std::to_string(layer) + " tensor '" + t.checkpoint_name + "' " + problem);
+  };
+
+  if (f.tensors.empty()) {
+    if (expected) {
+      const std::string name = weight_names::name_of(layer, role, style);
+      a.report.missing.push_back(name);
+      a.errors.push_back("layer " + std::to_string(layer) + " has no tensor '" + name + "' (" +
+                         weight_role_name(role) + ", expected shape " + shape_string(expected->shape) + ")");
+    }
+    for (InspectedTensor& s : scale_rows)
+      flag(s, "holds block scales of '" + weight_names::name_of(layer, role, style) + "', which the checkpoint lacks");
+  } else if (f.tensors.size() > 1) {
+    for (size_t i = 0; i < f.tensors.size(); ++i)
+      flag(tensor_rows[i], "stores " + std::string(weight_role_name(role)) + ", as does '" +
+                               f.tensors[i == 0 ? 1 : 0].name + "'");
+  } else if (!expected) {
+    flag(tensor_rows[0], "is not used by layer " + std::to_string(layer) + " (" + describe_plan(plan) + ")");
+  } else {
+    const SafetensorsEntry& e = *f.tensors[0].entry;
+    const bool fp8 = e.dtype == DType::e4m3;
+    if (e.shape != expected->shape) {
+      flag(tensor_rows[0], "has shape " + shape_string(e.shape) + ", expected " + shape_string(expected->shape));
+    } else if (!(e.dtype == DType::bf16 || e.dtype == DType::f32 || (fp8 && expected->fp8_allowed))) {
+      flag(tensor_rows[0], std::string("has dtype ") + dtype_name(e.dtype) + ", expected " +
+                               allowed_dtypes(expected->fp8_allowed));
+    } else if (fp8 && !config.weight_quantization) {
+      flag(tensor_rows[0], "is F8_E4M3, but the config has no weight quantization (quantization_config) to give "
+                           "its block size");
+    } else if (fp8 && f.scales.empty()) {
+      flag(tensor_rows[0], "is F8_E4M3 without block scales '" + weight_names::name_of(layer, role, style, true) + "'");
+    } else if (fp8 && f.scales.size() > 1) {
+      flag(tensor_rows[0], "has two block scale tensors, '" + f.scales[0].name + "' and '" + f.scales[1].name + "'");
+    }
+    for (size_t i = 0; i < f.scales.size(); ++i) {
+      if (!fp8) {
+        flag(scale_rows[i], "holds block scales, but '" + f.tensors[0].name + "' is " + dtype_name(e.dtype) +
+                                ", not F8_E4M3");
+      } else if (config.weight_quantization && e.shape == expected->shape) {
+        const std::string problem = scale_problem(*f.scales[i].entry, e.shape, *config.weight_quantization);
+        if (!problem.empty()) flag(scale_rows[i], problem);
+      }
+    }
+    if (std::all_of(rows.begin(), rows.end(), [](const InspectedTensor& t) { return t.problem.empty(); }))
+      a.layers[static_cast<size_t>(layer)][static_cast<int>(role)] =
+          Resolved{f.tensors[0], fp8 ? std::optional<Located>(f.scales[0]) : std::nullopt};
+  }
+  a.report.tensors.insert(a.report.tensors.end(), rows.begin(), rows.end());
+}
+
 Analysis analyze(const Checkpoint& ckpt, const ModelConfig& config, const ModelTopology& topology) {
   Analysis a;
   const int num_layers = topology.size();
@@ -173,20 +244,11 @@ Analysis analyze(const Checkpoint& ckpt, const ModelConfig& config, const ModelT
 
   std::map<const SafetensorsFile*, std::shared_ptr<SafetensorsFile>> owner_of;
   for (const auto& f : ckpt.files()) owner_of[f.get()] = f;
-  const auto locate = [&](const std::string& name) {
-    const auto [file, entry] = ckpt.find(name);
-    return Located{name, owner_of.at(file), entry};
-  };
-  const auto row = [](const Located& t, std::string role, int layer, std::string problem) {
-    return InspectedTensor{t.name, std::move(role), layer, dtype_name(t.entry->dtype), t.entry->shape, std::move(problem)};
-  };
 
-  struct Found {
-    std::vector<Located> tensors, scales;
-  };
+  // Sort the checkpoint's attention tensors by layer and role.
   std::vector<std::array<Found, kNumWeightRoles>> found(static_cast<size_t>(num_layers));
   std::vector<InspectedTensor> beyond;  // attention tensors of layers the config does not have
-  weight_names::Style style;
+  weight_names::Style style;            // how the checkpoint spells names, for the missing ones
   for (const std::string& name : ckpt.names()) {
     const auto parsed = weight_names::parse(name, config);
     if (!parsed) {
@@ -195,14 +257,15 @@ Analysis analyze(const Checkpoint& ckpt, const ModelConfig& config, const ModelT
     }
     if (parsed->style.scheme == weight_names::Scheme::transformers) style.scheme = parsed->style.scheme;
     style.model_prefix = style.model_prefix || parsed->style.model_prefix;
-    const Located t = locate(name);
+    const auto [file, entry] = ckpt.find(name);
+    const Located t{name, owner_of.at(file), entry};
     if (parsed->layer >= num_layers) {
       const std::string role = parsed->is_scale ? weight_names::scale_role_name(parsed->role)
                                                 : weight_role_name(parsed->role);
       std::ostringstream problem;
       problem << "belongs to layer " << parsed->layer << ", but the config has " << num_layers << " layers ("
               << config.num_layers << " + " << config.num_mtp_layers << " MTP)";
-      beyond.push_back(row(t, role, parsed->layer, problem.str()));
+      beyond.push_back(inspected_row(t, role, parsed->layer, problem.str()));
       continue;
     }
     Found& f = found[static_cast<size_t>(parsed->layer)][static_cast<int>(parsed->role)];
@@ -219,69 +282,8 @@ Analysis analyze(const Checkpoint& ckpt, const ModelConfig& config, const ModelT
       a.report.absent_mtp_layers.push_back(l);
       continue;
     }
-    for (int r = 0; r < kNumWeightRoles; ++r) {
-      const auto role = static_cast<WeightRole>(r);
-      const Found& f = layer_found[r];
-      const auto& exp = expected[r];
-      std::vector<InspectedTensor> rows;
-      // One problem per tensor row; the first problem of a row is the one reported.
-      const auto flag = [&](InspectedTensor& t, const std::string& problem) {
-        if (!t.problem.empty()) return;
-        t.problem = problem;
-        a.errors.push_back("layer " + std::to_string(l) + " tensor '" + t.checkpoint_name + "' " + problem);
-      };
-      for (const Located& t : f.tensors) rows.push_back(row(t, weight_role_name(role), l, ""));
-      for (const Located& s : f.scales) rows.push_back(row(s, weight_names::scale_role_name(role), l, ""));
-      InspectedTensor* tensor_row = f.tensors.empty() ? nullptr : &rows[0];
-      const auto scale_rows = std::span(rows).subspan(f.tensors.size());
-
-      if (!tensor_row) {
-        if (exp) {
-          const std::string name = weight_names::name_of(l, role, style);
-          a.report.missing.push_back(name);
-          a.errors.push_back("layer " + std::to_string(l) + " has no tensor '" + name + "' (" + weight_role_name(role) +
-                             ", expected shape " + shape_string(exp->shape) + ")");
-        }
-        for (InspectedTensor& s : scale_rows) flag(s, std::string("holds block scales of '") +
-                                                            weight_names::name_of(l, role, style) +
-                                                            "', which the checkpoint lacks");
-      } else if (f.tensors.size() > 1) {
-        for (size_t i = 0; i < f.tensors.size(); ++i)
-          flag(rows[i], "stores " + std::string(weight_role_name(role)) + ", as does '" +
-                            f.tensors[i == 0 ? 1 : 0].name + "'");
-      } else if (!exp) {
-        flag(*tensor_row, "is not used by layer " + std::to_string(l) + " (" + describe_plan(plan) + ")");
-      } else {
-        const SafetensorsEntry& e = *f.tensors[0].entry;
-        const bool fp8 = e.dtype == DType::e4m3;
-        if (e.shape != exp->shape) {
-          flag(*tensor_row, "has shape " + shape_string(e.shape) + ", expected " + shape_string(exp->shape));
-        } else if (!(e.dtype == DType::bf16 || e.dtype == DType::f32 || (fp8 && exp->fp8_allowed))) {
-          flag(*tensor_row, std::string("has dtype ") + dtype_name(e.dtype) + ", expected " +
-                                allowed_dtypes(exp->fp8_allowed));
-        } else if (fp8 && !config.weight_quantization) {
-          flag(*tensor_row, "is F8_E4M3, but the config has no weight quantization (quantization_config) to give "
-                            "its block size");
-        } else if (fp8 && f.scales.empty()) {
-          flag(*tensor_row, "is F8_E4M3 without block scales '" + weight_names::name_of(l, role, style, true) + "'");
-        } else if (fp8 && f.scales.size() > 1) {
-          flag(*tensor_row, "has two block scale tensors, '" + f.scales[0].name + "' and '" + f.scales[1].name + "'");
-        }
-        for (size_t i = 0; i < f.scales.size(); ++i) {
-          if (!fp8) {
-            flag(scale_rows[i], std::string("holds block scales, but '") + f.tensors[0].name + "' is " +
-                                    dtype_name(e.dtype) + ", not F8_E4M3");
-          } else if (config.weight_quantization && e.shape == exp->shape) {
-            const std::string problem = scale_problem(*f.scales[i].entry, e.shape, *config.weight_quantization);
-            if (!problem.empty()) flag(scale_rows[i], problem);
-          }
-        }
-        if (std::all_of(rows.begin(), rows.end(), [](const InspectedTensor& t) { return t.problem.empty(); }))
-          a.layers[static_cast<size_t>(l)][r] =
-              Resolved{f.tensors[0], fp8 ? std::optional<Located>(f.scales[0]) : std::nullopt};
-      }
-      a.report.tensors.insert(a.report.tensors.end(), rows.begin(), rows.end());
-    }
+    for (int r = 0; r < kNumWeightRoles; ++r)
+      check_role(l, static_cast<WeightRole>(r), plan, expected[r], layer_found[r], style, config, a);
   }
   for (InspectedTensor& t : beyond) {
     a.errors.push_back("layer " + std::to_string(t.layer) + " tensor '" + t.checkpoint_name + "' " + t.problem);
