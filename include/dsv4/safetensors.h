@@ -47,7 +47,8 @@ class SafetensorsFile {
   const SafetensorsEntry* find(const std::string& name) const;  // nullptr when absent
   const SafetensorsEntry& at(const std::string& name) const;    // throws naming the file
   const std::byte* data(const SafetensorsEntry& e) const { return base_ + header_.data_offset + e.begin; }
-  // A read-only view of the tensor in the mapping (valid while the file lives).
+  // A read-only view of the tensor in the mapping (valid while the file lives). The format does not
+  // align tensors: the data may be misaligned for its dtype (read() copies).
   TensorView view(const std::string& name) const;
   // A copy, converted to `as` when given (f32 from bf16/f16/e4m3/f64/ints supported).
   HostTensor read(const std::string& name) const;

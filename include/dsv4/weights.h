@@ -101,9 +101,11 @@ struct InspectReport {
 };
 InspectReport inspect_weights(const std::string& path, const ModelConfig& config);
 
-// Deterministic random weights for any config (so the tool runs without a checkpoint): bf16
-// (or e4m3 + block scales when `fp8` and the config has a weight quantization) with scales that
-// keep activations of order one.
+// Deterministic random weights for any config (so the tool runs without a checkpoint): bf16, fp32
+// sinks, the fp8-capable projections as e4m3 + block scales when `fp8` and the config has a weight
+// quantization. Projections ~ N(0, 1/in), norms 1 ± 0.1, sinks and position biases ~ N(0, 0.01),
+// so activations stay of order one. Values depend on (seed, layer, role, row) only, not on the
+// thread count or on `fp8`.
 ModelWeights random_weights(const ModelConfig& config, const ModelTopology& topology, uint64_t seed, bool fp8);
 
 // Writes the weights with native names (`layers.{l}.attn.*`), fp8 scales as `*.scale`.
