@@ -46,10 +46,18 @@ Model tiny_model(const std::string& preset, bool fp8) {
   return m;
 }
 
-std::unique_ptr<Engine> make_engine(const Model& m, Precision precision, int threads = 0) {
+// Paged caches (a kv_format) are sized up front: 8 sequences of 256 tokens.
+std::unique_ptr<Engine> make_engine(const Model& m, Precision precision, int threads = 0,
+                                    const std::string& kv_format = "") {
   EngineOptions options;
   options.precision = precision;
   options.num_threads = threads;
+  options.kv_format = kv_format;
+  if (!kv_format.empty()) {
+    options.max_sequences = 8;
+    options.max_context = 256;
+    options.max_tokens_per_step = 512;
+  }
   return Engine::create(m.config, m.weights, options);
 }
 
@@ -149,12 +157,14 @@ std::map<int, std::vector<float>> outputs_from(const std::map<int, std::vector<f
 struct Variant {
   const char* preset;
   Precision precision;
-  bool fp8;
+  bool fp8;                // fp8 weights
+  const char* kv_format;   // "": float storage
 };
 
 std::string variant_name(const testing::TestParamInfo<Variant>& info) {
   std::string name = std::string(info.param.preset) + "_" + precision_name(info.param.precision) +
-                     (info.param.fp8 ? "_fp8" : "_bf16");
+                     (info.param.fp8 ? "_fp8" : "_bf16") + "_" +
+                     (*info.param.kv_format ? info.param.kv_format : "float");
   std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(static_cast<unsigned char>(c)); }, '_');
   return name;
 }
@@ -162,13 +172,14 @@ std::string variant_name(const testing::TestParamInfo<Variant>& info) {
 class EngineSteps : public testing::TestWithParam<Variant> {
  protected:
   void SetUp() override { model_ = tiny_model(GetParam().preset, GetParam().fp8); }
-  std::unique_ptr<Engine> engine(int threads = 0) const { return make_engine(model_, GetParam().precision, threads); }
+  std::unique_ptr<Engine> engine() const { return make_engine(model_, GetParam().precision, 0, GetParam().kv_format); }
   Model model_;
 };
 
 // One 70-token prefill == chunks of 5, 11, 1, 16, 2, 35 (groups closing inside chunks and at their
 // ends, windows spanning three chunks) == token by token, with the three sequences sharing ragged
-// steps. Per token the math is the same, so the results are bitwise equal in both precisions.
+// steps. Per token the math is the same, so the results are bitwise equal in both precisions and
+// with every storage (a step attends its own window rows as the cache will return them).
 TEST_P(EngineSteps, AnySplitIntoStepsGivesTheSameResults) {
   auto e = engine();
   Driver d(*e);
@@ -222,10 +233,12 @@ TEST_P(EngineSteps, ReleasedSequenceLeavesTheOthersUntouched) {
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyPresets, EngineSteps,
-                         testing::Values(Variant{"tiny-v4.1", Precision::reference, true},
-                                         Variant{"tiny-v4.1", Precision::fp32, false},
-                                         Variant{"tiny-v4", Precision::reference, false},
-                                         Variant{"tiny-v4", Precision::fp32, true}),
+                         testing::Values(Variant{"tiny-v4.1", Precision::reference, true, ""},
+                                         Variant{"tiny-v4.1", Precision::fp32, false, ""},
+                                         Variant{"tiny-v4", Precision::reference, false, ""},
+                                         Variant{"tiny-v4", Precision::fp32, true, ""},
+                                         Variant{"tiny-v4.1", Precision::fp32, true, "fp8_ds_mla"},
+                                         Variant{"tiny-v4", Precision::reference, false, "fp8"}),
                          variant_name);
 
 // ---------------------------------------------------------------------------------------------
@@ -244,6 +257,24 @@ TEST(Engine, ResultsDoNotDependOnTheThreadCount) {
   }
   EXPECT_EQ(outputs_a[0], outputs_a[1]);
   EXPECT_EQ(outputs_b[0], outputs_b[1]);
+}
+
+// The V4.1 cache formats store exactly the reference's fake-quantized rows (FP8 window rows, FP4
+// compressed rows, MXFP4 index keys), so paged "v4.1-native" caches change nothing in reference
+// precision; in fp32 precision they quantize what float storage keeps exact.
+TEST(Engine, NativeV41FormatsReproduceTheReferenceQuantization) {
+  const Model m = tiny_model("tiny-v4.1", true);
+  const auto run = [&](Precision precision, const std::string& kv_format) {
+    auto e = make_engine(m, precision, 0, kv_format);
+    Driver d(*e);
+    const int a = d.add(1), b = d.add(2);
+    d.step({{a, 37}, {b, 1}});
+    for (int i = 0; i < 6; ++i) d.step({{a, 1}, {b, 5}});
+    EXPECT_GT(e->sequence_cache_bytes(d.id(a)), 0);
+    return std::make_pair(d.outputs(a), d.outputs(b));
+  };
+  EXPECT_EQ(run(Precision::reference, "v4.1-native"), run(Precision::reference, ""));
+  EXPECT_NE(run(Precision::fp32, "v4.1-native"), run(Precision::fp32, ""));
 }
 
 // Picks are sorted, visible ((p + 1) // ratio) and as many as there are eligible entries up to k;
@@ -394,8 +425,8 @@ TEST_F(EngineErrors, StepsAndSequencesAreChecked) {
 TEST(EngineCreate, OptionsAndWeightsAreChecked) {
   const Model m = tiny_model("tiny-v4.1", false);
   EngineOptions options;
-  options.kv_format = "v4.1-native";
-  EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "kv_format 'v4.1-native' is not supported");
+  options.kv_format = "fp4";
+  EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "unknown KV format set 'fp4'");
   options = {};
   options.backend = Backend::cuda;
   EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "backend 'cuda' is not available");

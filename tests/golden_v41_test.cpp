@@ -202,25 +202,25 @@ TEST(GoldenV41, FinalCachesMatch) {
   for (int l = 0; l < g.config.num_layers; ++l) {
     const std::string prefix = "state.layers." + std::to_string(l) + ".";
     std::vector<float> window, compressed, keys, kv_state, score_state;
+    const reference::CacheStore& store = cpu.cache_store();
     for (SequenceId s : r.sequences) {
-      const reference::SequenceState& state = cpu.sequence_state(s);
-      const int64_t length = state.length();
+      const int64_t length = store.length(s);
       std::vector<float> rows(static_cast<size_t>(W * D)), ring(rows.size());
-      state.read_window_rows(l, length - W, W, rows.data());
+      store.read_window_rows(s, l, length - W, W, rows.data());
       for (int64_t i = 0; i < W; ++i)
         std::copy_n(rows.data() + i * D, D, ring.data() + ((length - W + i) % W) * D);
       window.insert(window.end(), ring.begin(), ring.end());
       if (!g.topology[l].owns_compressor) continue;
-      const int64_t n = state.compressed_entries(l);
+      const int64_t n = store.compressed_entries(s, l);
       std::vector<int64_t> all(static_cast<size_t>(n));
       std::iota(all.begin(), all.end(), 0);
       std::vector<float> entries(static_cast<size_t>(n * D)), k(static_cast<size_t>(n * dI));
-      state.read_compressed_entries(l, all.data(), n, entries.data());
-      state.read_index_keys(l, 0, n, k.data());
+      store.read_compressed_entries(s, l, all.data(), n, entries.data());
+      store.read_index_keys(s, l, 0, n, k.data());
       compressed.insert(compressed.end(), entries.begin(), entries.end());
       keys.insert(keys.end(), k.begin(), k.end());
       // The ring rows are [kv | score] per slot.
-      const std::span<const float> c = state.compressor_state(l);
+      const std::span<const float> c = store.compressor_state(s, l);
       for (size_t slot = 0; g.topology[l].compress_ratio > 1 && slot < c.size() / (2 * D); ++slot) {
         kv_state.insert(kv_state.end(), c.begin() + slot * 2 * D, c.begin() + slot * 2 * D + D);
         score_state.insert(score_state.end(), c.begin() + slot * 2 * D + D, c.begin() + (slot + 1) * 2 * D);

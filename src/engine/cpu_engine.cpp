@@ -41,8 +41,6 @@ CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeigh
   DSV4_CHECK(weights_ != nullptr, "engine: create: no weights given");
   DSV4_CHECK(static_cast<int>(weights_->layers.size()) == config_.total_layers(), "engine: create: the weights have ",
              weights_->layers.size(), " layers, the config ", config_.total_layers());
-  DSV4_CHECK(options_.kv_format.empty(), "engine: create: the cpu backend keeps its caches as fp32 rows; kv_format '",
-             options_.kv_format, "' is not supported by it (leave kv_format empty)");
   DSV4_CHECK(options_.max_sequences >= 1, "engine: create: max_sequences is ", options_.max_sequences, ", expected >= 1");
   DSV4_CHECK(options_.max_tokens_per_step >= 1, "engine: create: max_tokens_per_step is ", options_.max_tokens_per_step,
              ", expected >= 1");
@@ -60,7 +58,7 @@ CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeigh
                  topology_[source].kv_source, ", but layer ", plan.layer, " scores those of kv source ", plan.kv_source);
     }
 
-  auto shapes = std::make_shared<std::vector<reference::LayerCacheShape>>();
+  std::vector<reference::LayerCacheShape> shapes;
   for (int l = 0; l < config_.total_layers(); ++l) {
     const LayerPlan& plan = topology_[l];
     const LayerWeights& w = weights_->layers[static_cast<size_t>(l)];
@@ -73,61 +71,65 @@ CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeigh
       layers_.emplace_back();
       layers_.back().plan = plan;
     }
-    shapes->push_back(present ? reference::layer_cache_shape(config_, layers_.back()) : reference::LayerCacheShape{});
+    shapes.push_back(present ? reference::layer_cache_shape(config_, layers_.back()) : reference::LayerCacheShape{});
   }
-  cache_shapes_ = std::move(shapes);
+  caches_ = options_.kv_format.empty()
+                ? reference::make_float_cache_store(std::move(shapes))
+                : reference::make_paged_cache_store(config_, topology_, std::move(shapes), options_);
   published_.resize(layers_.size());
 }
 
 // ---------------------------------------------------------------------------------------------
 // Sequences
 
-reference::SequenceState& CpuEngine::state(const char* operation, SequenceId sequence) {
+std::vector<uint8_t>& CpuEngine::skipped_layers(const char* operation, SequenceId sequence) {
   auto it = sequences_.find(sequence);
   DSV4_CHECK(it != sequences_.end(), "engine: ", operation, ": sequence ", sequence, " does not exist");
-  return *it->second;
+  return it->second;
 }
 
-const reference::SequenceState& CpuEngine::state(const char* operation, SequenceId sequence) const {
-  auto it = sequences_.find(sequence);
-  DSV4_CHECK(it != sequences_.end(), "engine: ", operation, ": sequence ", sequence, " does not exist");
-  return *it->second;
+const std::vector<uint8_t>& CpuEngine::skipped_layers(const char* operation, SequenceId sequence) const {
+  return const_cast<CpuEngine*>(this)->skipped_layers(operation, sequence);
 }
 
-SequenceId CpuEngine::insert_sequence(std::unique_ptr<reference::SequenceState> s) {
+SequenceId CpuEngine::insert_sequence(const std::function<void(SequenceId)>& create, std::vector<uint8_t> skipped) {
   DSV4_CHECK(static_cast<int64_t>(sequences_.size()) < options_.max_sequences, "engine: ", sequences_.size(),
              " sequences are live, the maximum is ", options_.max_sequences, " (EngineOptions::max_sequences)");
-  const SequenceId id = next_sequence_++;
-  sequences_.emplace(id, std::move(s));
+  const SequenceId id = next_sequence_;
+  create(id);
+  ++next_sequence_;
+  sequences_.emplace(id, std::move(skipped));
   return id;
 }
 
 SequenceId CpuEngine::add_sequence() {
-  return insert_sequence(std::make_unique<reference::SequenceState>(cache_shapes_));
+  return insert_sequence([&](SequenceId id) { caches_->add_sequence(id); },
+                         std::vector<uint8_t>(layers_.size(), 0));
 }
 
 SequenceId CpuEngine::fork_sequence(SequenceId parent) {
-  const reference::SequenceState& s = state("fork_sequence", parent);
+  const std::vector<uint8_t>& skipped = skipped_layers("fork_sequence", parent);
   DSV4_CHECK(!(in_step_ && step_contains(step_entries_, parent)), "engine: fork_sequence: sequence ", parent,
              " is part of the running step; fork it before begin_step or after end_step");
-  return insert_sequence(std::make_unique<reference::SequenceState>(s));
+  return insert_sequence([&](SequenceId id) { caches_->fork_sequence(parent, id); }, skipped);
 }
 
 void CpuEngine::release_sequence(SequenceId sequence) {
-  state("release_sequence", sequence);
+  skipped_layers("release_sequence", sequence);
   DSV4_CHECK(!(in_step_ && step_contains(step_entries_, sequence)), "engine: release_sequence: sequence ", sequence,
              " is part of the running step; release it after end_step");
+  caches_->release_sequence(sequence);
   sequences_.erase(sequence);
 }
 
-int64_t CpuEngine::sequence_length(SequenceId sequence) const { return state("sequence_length", sequence).length(); }
-
-int64_t CpuEngine::sequence_cache_bytes(SequenceId sequence) const {
-  return state("sequence_cache_bytes", sequence).cache_bytes();
+int64_t CpuEngine::sequence_length(SequenceId sequence) const {
+  skipped_layers("sequence_length", sequence);
+  return caches_->length(sequence);
 }
 
-const reference::SequenceState& CpuEngine::sequence_state(SequenceId sequence) const {
-  return state("sequence_state", sequence);
+int64_t CpuEngine::sequence_cache_bytes(SequenceId sequence) const {
+  skipped_layers("sequence_cache_bytes", sequence);
+  return caches_->cache_bytes(sequence);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -141,22 +143,24 @@ void CpuEngine::begin_step(const std::vector<StepEntry>& entries) {
   int64_t tokens = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
     const StepEntry& e = entries[i];
-    reference::SequenceState& s = state("begin_step", e.sequence);
+    skipped_layers("begin_step", e.sequence);
+    const int64_t length = caches_->length(e.sequence);
     DSV4_CHECK(seen.insert(e.sequence).second, "engine: begin_step: sequence ", e.sequence,
                " appears more than once in the step");
     DSV4_CHECK(e.num_tokens >= 1, "engine: begin_step: entry ", i, " (sequence ", e.sequence, ") has num_tokens ",
                e.num_tokens, ", expected >= 1");
     DSV4_CHECK(e.num_tokens <= options_.max_tokens_per_step - tokens, "engine: begin_step: the step has more than ",
                options_.max_tokens_per_step, " tokens (EngineOptions::max_tokens_per_step)");
-    DSV4_CHECK(e.num_tokens <= options_.max_context - s.length(), "engine: begin_step: sequence ", e.sequence,
-               " would grow to ", s.length() + e.num_tokens, " tokens, beyond max_context ", options_.max_context);
-    layout.chunks.push_back({&s, tokens, e.num_tokens, s.length()});
+    DSV4_CHECK(e.num_tokens <= options_.max_context - length, "engine: begin_step: sequence ", e.sequence,
+               " would grow to ", length + e.num_tokens, " tokens, beyond max_context ", options_.max_context);
+    layout.chunks.push_back({e.sequence, tokens, e.num_tokens, length});
     for (int64_t k = 0; k < e.num_tokens; ++k) {
-      layout.positions.push_back(s.length() + k);
+      layout.positions.push_back(length + k);
       layout.chunk_of.push_back(static_cast<int32_t>(i));
     }
     tokens += e.num_tokens;
   }
+  caches_->reserve(entries);  // all-or-nothing: a full pool throws here and nothing changed
   step_entries_ = entries;
   step_ = std::move(layout);
   published_.assign(layers_.size(), {});
@@ -197,7 +201,7 @@ void CpuEngine::check_layer_inputs(int layer) const {
     DSV4_CHECK(ran(config_.candidate_source_layer), "engine: layer ", layer, " applies the candidates of layer ",
                config_.candidate_source_layer, ", which has not run in this step");
   for (const reference::StepChunk& ch : step_.chunks)
-    DSV4_CHECK(!ch.state->skipped_layer(layer), "engine: run_layer: layer ", layer,
+    DSV4_CHECK(!skipped_layers("run_layer", ch.sequence)[static_cast<size_t>(layer)], "engine: run_layer: layer ", layer,
                " did not run in an earlier step of a sequence in this step; its caches of that sequence are incomplete");
 }
 
@@ -208,7 +212,7 @@ void CpuEngine::run_layer(int layer, const TensorView& hidden_in, const TensorVi
   check_activation("hidden_in", hidden_in, layer);
   check_activation("attn_out", attn_out, layer);
   ThreadCountScope threads(options_.num_threads);
-  reference::run_layer_step(config_, layers_[static_cast<size_t>(layer)], step_, hidden_in.ptr<float>(),
+  reference::run_layer_step(config_, layers_[static_cast<size_t>(layer)], step_, *caches_, hidden_in.ptr<float>(),
                             attn_out.ptr<float>(), published_, record_index_scores_);
 }
 
@@ -230,9 +234,10 @@ void CpuEngine::end_step() {
   for (int l = 0; l < config_.num_layers; ++l)
     DSV4_CHECK(published_[static_cast<size_t>(l)].ran, "engine: end_step: layer ", l, " has not run in this step");
   for (const reference::StepChunk& ch : step_.chunks) {
+    std::vector<uint8_t>& skipped = skipped_layers("end_step", ch.sequence);
     for (int l = config_.num_layers; l < topology_.size(); ++l)
-      if (!published_[static_cast<size_t>(l)].ran) ch.state->mark_skipped_layer(l);
-    ch.state->advance(ch.tokens);
+      if (!published_[static_cast<size_t>(l)].ran) skipped[static_cast<size_t>(l)] = 1;
+    caches_->commit(ch.sequence, ch.tokens);
   }
   in_step_ = false;
 }

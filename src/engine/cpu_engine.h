@@ -2,13 +2,14 @@
 // Exposed inside the library (and to tests) for the diagnostics the public interface does not carry.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
 
 #include "dsv4/engine.h"
 #include "reference/layer.h"
-#include "reference/sequence_state.h"
+#include "reference/cache_store.h"
 
 namespace dsv4 {
 
@@ -35,16 +36,17 @@ class CpuEngine final : public Engine {
   void set_record_index_scores(bool on) { record_index_scores_ = on; }
   // What `layer` published in the current (or last) step.
   const reference::LayerPublication& publication(int layer) const;
-  // A sequence's caches, e.g. to compare them with a reference's final state.
-  const reference::SequenceState& sequence_state(SequenceId sequence) const;
+  // Every sequence's caches, e.g. to compare them with a reference's final state.
+  const reference::CacheStore& cache_store() const { return *caches_; }
 
  private:
-  reference::SequenceState& state(const char* operation, SequenceId sequence);
-  const reference::SequenceState& state(const char* operation, SequenceId sequence) const;
+  // Per live sequence: the layers (optional MTP ones) that skipped one of its steps.
+  std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence);
+  const std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence) const;
+  SequenceId insert_sequence(const std::function<void(SequenceId)>& create, std::vector<uint8_t> skipped);
   void check_layer(const char* operation, int layer) const;
   void check_activation(const char* name, const TensorView& v, int layer) const;
   void check_layer_inputs(int layer) const;
-  SequenceId insert_sequence(std::unique_ptr<reference::SequenceState> state);
 
   ModelConfig config_;
   ModelTopology topology_;
@@ -52,8 +54,8 @@ class CpuEngine final : public Engine {
   EngineOptions options_;
   std::vector<reference::LayerParameters> layers_;
   std::vector<bool> layer_has_weights_;  // false for MTP layers absent from the checkpoint
-  std::shared_ptr<const std::vector<reference::LayerCacheShape>> cache_shapes_;
-  std::map<SequenceId, std::unique_ptr<reference::SequenceState>> sequences_;
+  std::unique_ptr<reference::CacheStore> caches_;
+  std::map<SequenceId, std::vector<uint8_t>> sequences_;
   SequenceId next_sequence_ = 0;
 
   bool in_step_ = false;

@@ -107,7 +107,7 @@ struct NewEntries {
 // the step (reading earlier tokens' projected rows from the sequence's ring), then stores the
 // step's rows in the ring for the entries still open.
 NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& c, const StepLayout& step,
-                          const float* x) {
+                          CacheStore& caches, const float* x) {
   const CompressorGeometry& g = c.geometry;
   const int layer = L.plan.layer;
   const int64_t T = step.tokens(), width = g.row_width();
@@ -132,7 +132,7 @@ NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& 
 #pragma omp parallel for schedule(static) if (E * g.span() * g.dim >= kMinParallelWork)
   for (int64_t i = 0; i < E; ++i) {
     const StepChunk& ch = step.chunks[static_cast<size_t>(e.chunk[i])];
-    const float* ring = std::as_const(*ch.state).compressor_state(layer).data() + c.state_offset;
+    const float* ring = std::as_const(caches).compressor_state(ch.sequence, layer).data() + c.state_offset;
     // Earlier tokens of the entry's span were stored in the ring by previous steps.
     const auto row_at = [&](int64_t pos) {
       return pos >= ch.start ? rows.data() + (ch.first_token + pos - ch.start) * width : ring + (pos % g.span()) * width;
@@ -145,7 +145,7 @@ NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& 
   rms_norm(pooled.data(), E, g.dim, c.norm.data(), L.eps, e.latent.data(), L.bf16);
 
   for (const StepChunk& ch : step.chunks) {
-    float* ring = ch.state->compressor_state(layer).data() + c.state_offset;
+    float* ring = caches.compressor_state(ch.sequence, layer).data() + c.state_offset;
     for (int64_t pos = std::max(ch.start, ch.start + ch.tokens - g.span()); pos < ch.start + ch.tokens; ++pos) {
       const float* src = rows.data() + (ch.first_token + pos - ch.start) * width;
       std::copy(src, src + width, ring + (pos % g.span()) * width);
@@ -156,10 +156,10 @@ NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& 
 
 // Compressed rows and index keys of a kv-source layer for the entries closing in this step.
 void update_compressed_caches(const ModelConfig& config, const LayerParameters& L, const StepLayout& step,
-                              const float* x) {
+                              CacheStore& caches, const float* x) {
   const int layer = L.plan.layer;
   const int64_t D = config.head_dim, rd = config.rope_head_dim;
-  NewEntries main = run_compressor(L, L.compressor, step, x);
+  NewEntries main = run_compressor(L, L.compressor, step, caches, x);
   const int64_t E = static_cast<int64_t>(main.chunk.size());
 
   // Index keys first: V4.1 derives them from the pre-RoPE latent (SPEC §4.1).
@@ -171,7 +171,7 @@ void update_compressed_caches(const ModelConfig& config, const LayerParameters& 
       project(main.latent.data(), E, L.indexer_wk, keys.data(), L.bf16);
       rms_norm(keys.data(), E, dI, L.indexer_k_norm.data(), L.eps, keys.data(), L.bf16);
     } else {
-      NewEntries index = run_compressor(L, L.index_compressor, step, x);
+      NewEntries index = run_compressor(L, L.index_compressor, step, caches, x);
       keys = std::move(index.latent);
     }
     apply_rope(keys.data(), E, 1, dI, L.rope_freqs.data(), rd, main.position.data(), false, L.bf16);
@@ -186,16 +186,17 @@ void update_compressed_caches(const ModelConfig& config, const LayerParameters& 
   for (int64_t i = 0; i < E;) {
     int64_t end = i;
     while (end < E && main.chunk[end] == main.chunk[i]) ++end;
-    SequenceState& s = *step.chunks[static_cast<size_t>(main.chunk[i])].state;
-    s.append_compressed_entries(layer, end - i, rows.data() + i * D);
-    if (L.plan.owns_index_keys) s.append_index_keys(layer, end - i, keys.data() + i * dI);
+    const SequenceId s = step.chunks[static_cast<size_t>(main.chunk[i])].sequence;
+    caches.append_compressed_entries(s, layer, end - i, rows.data() + i * D);
+    if (L.plan.owns_index_keys) caches.append_index_keys(s, layer, end - i, keys.data() + i * dI);
     i = end;
   }
 }
 
 // The indexer of an index-source layer: scores, candidate blocks, top-k picks (SPEC §4).
-void run_indexer(const ModelConfig& config, const LayerParameters& L, const StepLayout& step, const float* x,
-                 const float* qr, std::vector<LayerPublication>& published, bool record_scores) {
+void run_indexer(const ModelConfig& config, const LayerParameters& L, const StepLayout& step,
+                 const CacheStore& caches, const float* x, const float* qr, std::vector<LayerPublication>& published,
+                 bool record_scores) {
   const int layer = L.plan.layer, kv_src = L.plan.kv_source;
   const int64_t T = step.tokens(), nI = config.index_n_heads, dI = config.index_head_dim, k = config.index_topk;
   const int64_t ratio = L.plan.compress_ratio;
@@ -212,9 +213,10 @@ void run_indexer(const ModelConfig& config, const LayerParameters& L, const Step
   // Every key of the kv source, per chunk, and ragged per-token rows over them.
   std::vector<std::vector<float>> keys(step.chunks.size());
   for (size_t c = 0; c < step.chunks.size(); ++c) {
-    const SequenceState& s = *step.chunks[c].state;
-    keys[c].resize(static_cast<size_t>(s.index_keys(kv_src) * dI));
-    s.read_index_keys(kv_src, 0, s.index_keys(kv_src), keys[c].data());
+    const SequenceId s = step.chunks[c].sequence;
+    const int64_t n = caches.index_keys(s, kv_src);
+    keys[c].resize(static_cast<size_t>(n * dI));
+    caches.read_index_keys(s, kv_src, 0, n, keys[c].data());
   }
   std::vector<int64_t> offset(static_cast<size_t>(T) + 1, 0);
   for (int64_t t = 0; t < T; ++t)
@@ -256,16 +258,16 @@ struct ChunkAttendedRows {
   std::vector<float> entries;          // [read entries, D]
 };
 
-ChunkAttendedRows read_attended_rows(const ModelConfig& config, const LayerParameters& L, const StepChunk& ch,
-                                     const std::vector<LayerPublication>& published) {
+ChunkAttendedRows read_attended_rows(const ModelConfig& config, const LayerParameters& L, const CacheStore& caches,
+                                     const StepChunk& ch, const std::vector<LayerPublication>& published) {
   const int64_t D = config.head_dim, k = config.index_topk;
   ChunkAttendedRows a;
   a.window_first = std::max<int64_t>(0, ch.start - config.sliding_window + 1);
   a.window_rows.resize(static_cast<size_t>((ch.start - a.window_first) * D));
-  ch.state->read_window_rows(L.plan.layer, a.window_first, ch.start - a.window_first, a.window_rows.data());
+  caches.read_window_rows(ch.sequence, L.plan.layer, a.window_first, ch.start - a.window_first, a.window_rows.data());
   const int kv_src = L.plan.kv_source;
   if (kv_src < 0) return a;
-  const int64_t count = ch.state->compressed_entries(kv_src);
+  const int64_t count = caches.compressed_entries(ch.sequence, kv_src);
   a.entry_row.assign(static_cast<size_t>(count), -1);
   if (L.plan.index_source >= 0) {
     const std::vector<int32_t>& picks = published[static_cast<size_t>(L.plan.index_source)].picks;
@@ -286,7 +288,7 @@ ChunkAttendedRows read_attended_rows(const ModelConfig& config, const LayerParam
       read.push_back(j);
     }
   a.entries.resize(read.size() * static_cast<size_t>(D));
-  ch.state->read_compressed_entries(kv_src, read.data(), static_cast<int64_t>(read.size()), a.entries.data());
+  caches.read_compressed_entries(ch.sequence, kv_src, read.data(), static_cast<int64_t>(read.size()), a.entries.data());
   return a;
 }
 
@@ -377,6 +379,7 @@ LayerCacheShape layer_cache_shape(const ModelConfig& config, const LayerParamete
   LayerCacheShape s;
   s.window = config.sliding_window;
   s.row_dim = config.head_dim;
+  s.compress_ratio = L.plan.compress_ratio;
   s.has_compressed = L.plan.owns_compressor;
   if (L.plan.owns_index_keys) s.index_key_dim = config.index_head_dim;
   for (const CompressorParameters* c : {&L.compressor, &L.index_compressor})
@@ -384,8 +387,9 @@ LayerCacheShape layer_cache_shape(const ModelConfig& config, const LayerParamete
   return s;
 }
 
-void run_layer_step(const ModelConfig& config, const LayerParameters& L, const StepLayout& step, const float* hidden_in,
-                    float* attn_out, std::vector<LayerPublication>& published, bool record_index_scores) {
+void run_layer_step(const ModelConfig& config, const LayerParameters& L, const StepLayout& step, CacheStore& caches,
+                    const float* hidden_in, float* attn_out, std::vector<LayerPublication>& published,
+                    bool record_index_scores) {
   const int64_t T = step.tokens(), hidden = config.hidden_size, H = config.num_heads, D = config.head_dim;
   const int64_t rd = config.rope_head_dim, G = config.o_groups, R = config.o_lora_rank;
   const bool bf16 = L.bf16;
@@ -407,15 +411,16 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
   rms_norm(kv.data(), T, D, L.kv_norm.data(), L.eps, kv.data(), bf16);
   apply_rope(kv.data(), T, 1, D, L.rope_freqs.data(), rd, step.positions.data(), false, bf16);
   quantize_rows(L.window_quantization, kv.data(), T, D, rd);
+  caches.round_trip_window_rows(L.plan.layer, kv.data(), T);
 
-  if (L.plan.owns_compressor) update_compressed_caches(config, L, step, x.data());
-  if (L.plan.owns_indexer) run_indexer(config, L, step, x.data(), qr.data(), published, record_index_scores);
+  if (L.plan.owns_compressor) update_compressed_caches(config, L, step, caches, x.data());
+  if (L.plan.owns_indexer) run_indexer(config, L, step, caches, x.data(), qr.data(), published, record_index_scores);
 
   // Sparse attention (SPEC §5).
   std::vector<float> o(static_cast<size_t>(T * H * D));
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   std::vector<ChunkAttendedRows> attended;
-  for (const StepChunk& ch : step.chunks) attended.push_back(read_attended_rows(config, L, ch, published));
+  for (const StepChunk& ch : step.chunks) attended.push_back(read_attended_rows(config, L, caches, ch, published));
   const int64_t attended_rows = T * (config.sliding_window + (L.plan.kv_source >= 0 ? config.index_topk : 0));
 #pragma omp parallel for schedule(dynamic, 1) if (attended_rows * H * D >= kMinParallelWork)
   for (int64_t t = 0; t < T; ++t) {
@@ -425,7 +430,7 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
                      scale, bf16, o.data() + t * H * D);
   }
   for (const StepChunk& ch : step.chunks)
-    ch.state->write_window_rows(L.plan.layer, ch.start, ch.tokens, kv.data() + ch.first_token * D);
+    caches.write_window_rows(ch.sequence, L.plan.layer, ch.start, ch.tokens, kv.data() + ch.first_token * D);
 
   // Output projection (SPEC §6).
   apply_rope(o.data(), T, H, D, L.rope_freqs.data(), rd, step.positions.data(), true, bf16);

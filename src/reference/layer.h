@@ -10,7 +10,7 @@
 #include "dsv4/engine.h"
 #include "dsv4/weights.h"
 #include "reference/ops.h"
-#include "reference/sequence_state.h"
+#include "reference/cache_store.h"
 
 namespace dsv4::reference {
 
@@ -68,13 +68,13 @@ struct LayerParameters {
 LayerParameters prepare_layer(const ModelConfig& config, const LayerPlan& plan, const LayerWeights& weights,
                               Precision precision);
 
-// The cache shape of a layer (what SequenceState allocates).
+// What the layer caches per sequence.
 LayerCacheShape layer_cache_shape(const ModelConfig& config, const LayerParameters& layer);
 
 // One sequence's tokens in a step: tokens [first_token, first_token + tokens) of the step at
 // positions [start, start + tokens).
 struct StepChunk {
-  SequenceState* state = nullptr;
+  SequenceId sequence = 0;
   int64_t first_token = 0;
   int64_t tokens = 0;
   int64_t start = 0;
@@ -106,9 +106,9 @@ struct LayerPublication {
 
 // Runs layer `layer.plan.layer` of the step: hidden_in, attn_out [T, hidden] (may alias).
 // `published` holds every layer's publication of this step (indexed by layer); the layer writes
-// its own into published[layer]. Appends the layer's new cache rows to the sequences' states.
+// its own into published[layer]. Writes the layer's new cache rows to `caches`.
 void run_layer_step(const ModelConfig& config, const LayerParameters& layer, const StepLayout& step,
-                    const float* hidden_in, float* attn_out, std::vector<LayerPublication>& published,
-                    bool record_index_scores);
+                    CacheStore& caches, const float* hidden_in, float* attn_out,
+                    std::vector<LayerPublication>& published, bool record_index_scores);
 
 }  // namespace dsv4::reference
