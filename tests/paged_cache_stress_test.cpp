@@ -450,7 +450,7 @@ INSTANTIATE_TEST_SUITE_P(
         // Real byte formats (512-wide rows, the formats' own page sizes are too large here).
         StressSetup{"v41_native_pages_8_4_4", 4, 300, std::string("v4.1-native"), 8, 4, 4},
         StressSetup{"fp8_ds_mla_pages_4_8_2", 5, 200, std::string("fp8_ds_mla"), 4, 8, 2}),
-    [](const ::testing::TestParamInfo<StressSetup>& info) { return info.param.name; });
+    [](const ::testing::TestParamInfo<StressSetup>& setup) { return setup.param.name; });
 
 }  // namespace
 }  // namespace dsv4

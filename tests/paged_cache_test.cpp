@@ -517,9 +517,9 @@ TEST(KvCacheManager, OneCopyWhenEveryHolderOfASharedPageWritesInOneStep) {
   Tiny t;
   KvCacheManager m(t.config, t.topology, float_options(40, 40, 80));
   std::mt19937 rng(52);
-  Written a;
+  Written unchecked;
   m.add_sequence(1);
-  extend(m, t, 1, 10, rng, a);
+  extend(m, t, 1, 10, rng, unchecked);
   m.fork_sequence(1, 2);
   const int64_t free_before = m.pool(CacheKind::window, 0).free_pages();
   m.reserve({{1, 1}, {2, 1}});
@@ -652,7 +652,7 @@ TEST(KvCacheManager, RejectsInvalidRequests) {
   expect_error([&] { KvCacheManager(t.config, t.topology, bad); },
                "dsv4: kv_cache: compressor_state_floats has 3 entries, expected 9 (one per layer) or none");
   expect_error([&] { KvCacheManager(t.config, t.topology, float_options(20, 20, 20, 0)); },
-               "dsv4: kv_cache: capacity.max_sequences is 0, expected > 0");
+               "dsv4: kv_cache: capacity.max_sequences is 0, expected in [1, 1048576]");
   ModelTopology short_topology = t.topology;
   short_topology.layers.pop_back();
   expect_error([&] { KvCacheManager(t.config, short_topology, float_options(20, 20, 20)); },

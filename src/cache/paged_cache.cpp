@@ -14,6 +14,9 @@ namespace dsv4 {
 namespace {
 
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+// Far above any serving setup, low enough that page and state products stay in int64.
+constexpr int64_t kMaxSequences = int64_t{1} << 20;
+constexpr int64_t kMaxTokens = int64_t{1} << 40;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -234,7 +237,9 @@ void check_topology(const ModelConfig& config, const ModelTopology& topology) {
              " layers, expected ", config.total_layers(), " (config '", config.name, "')");
   DSV4_CHECK(config.sliding_window > 0, "kv_cache: sliding_window is ", config.sliding_window,
              ", expected > 0");
-  for (const LayerPlan& plan : topology.layers) {
+  for (int l = 0; l < topology.size(); ++l) {
+    const LayerPlan& plan = topology[l];
+    DSV4_CHECK(plan.layer == l, "kv_cache: topology entry ", l, " describes layer ", plan.layer);
     DSV4_CHECK(!(plan.owns_compressor || plan.owns_index_keys) || plan.compress_ratio > 0,
                "kv_cache: layer ", plan.layer, " owns a compressed cache but has compress ratio ",
                plan.compress_ratio, ", expected > 0");
@@ -247,9 +252,11 @@ KvCacheCapacity plan_kv_cache_capacity(const ModelConfig& config, const ModelTop
                                        const KvCacheOptions& options, int64_t max_sequences,
                                        int64_t max_context, int64_t max_step_tokens) {
   check_topology(config, topology);
-  DSV4_CHECK(max_sequences > 0 && max_context > 0 && max_step_tokens > 0,
+  DSV4_CHECK(max_sequences > 0 && max_sequences <= kMaxSequences && max_context > 0 &&
+                 max_context <= kMaxTokens && max_step_tokens > 0 && max_step_tokens <= kMaxTokens,
              "kv_cache: plan_kv_cache_capacity: max_sequences ", max_sequences, ", max_context ",
-             max_context, ", max_step_tokens ", max_step_tokens, ", expected all > 0");
+             max_context, ", max_step_tokens ", max_step_tokens, ": expected sequences in [1, ",
+             kMaxSequences, "] and token counts in [1, ", kMaxTokens, "]");
   KvCacheCapacity cap;
   cap.max_sequences = max_sequences;
   // Between steps a sequence holds positions [L - W, L); a step appends n more. The positions
@@ -277,8 +284,9 @@ KvCacheManager::KvCacheManager(const ModelConfig& config, const ModelTopology& t
     : options_(std::move(options)), window_(config.sliding_window) {
   check_topology(config, topology);
   const KvCacheCapacity& cap = options_.capacity;
-  DSV4_CHECK(cap.max_sequences > 0, "kv_cache: capacity.max_sequences is ", cap.max_sequences,
-             ", expected > 0");
+  DSV4_CHECK(cap.max_sequences > 0 && cap.max_sequences <= kMaxSequences,
+             "kv_cache: capacity.max_sequences is ", cap.max_sequences, ", expected in [1, ",
+             kMaxSequences, "]");
   DSV4_CHECK(cap.window_pages >= 0 && cap.compressed_pages >= 0 && cap.index_key_pages >= 0,
              "kv_cache: capacity pages (window ", cap.window_pages, ", compressed ",
              cap.compressed_pages, ", index keys ", cap.index_key_pages, ") must be >= 0");
