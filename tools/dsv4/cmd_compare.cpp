@@ -25,6 +25,7 @@ struct CompareOptions {
   std::string out_path;
   double tolerance = 2e-2;
   bool ignore_ambiguous = true;
+  bool skip_differing_picks = false;
   bool json = false;
 };
 
@@ -34,7 +35,8 @@ struct LayerComparison {
   int layer = 0;
   bool attn_out_missing = false;
   int64_t rows = 0;          // B * S
-  int64_t rows_skipped = 0;  // flagged ambiguous and left out
+  int64_t rows_ambiguous = 0;     // flagged ambiguous by the reference: left out of both comparisons
+  int64_t rows_picks_differ = 0;  // left out of the attn_out error because the picked sets differ
   double rel_l2 = 0.0;       // ||reference - out|| / ||reference|| over the rows compared
   double max_abs_error = 0.0;
   std::vector<int64_t> worst_index;  // [b, s, h] of the largest |reference - out|
@@ -80,7 +82,7 @@ std::vector<int64_t> picked_set(const int64_t* row, int64_t k) {
 
 LayerComparison compare_layer(const SafetensorsFile& reference, const CallIndex& reference_index,
                               const SafetensorsFile& out, const CallIndex& out_index, int call, int layer,
-                              bool ignore_ambiguous) {
+                              const CompareOptions& o) {
   LayerComparison result;
   result.call = call;
   result.layer = layer;
@@ -89,45 +91,14 @@ LayerComparison compare_layer(const SafetensorsFile& reference, const CallIndex&
   const int64_t batch = expected.size(0), tokens = expected.size(1), hidden = expected.size(2);
   result.rows = batch * tokens;
 
-  std::vector<uint8_t> skip(static_cast<size_t>(result.rows), 0);
-  if (ignore_ambiguous && reference_index.has(call, layer, kAmbiguous)) {
+  std::vector<uint8_t> ambiguous(static_cast<size_t>(result.rows), 0);
+  if (o.ignore_ambiguous && reference_index.has(call, layer, kAmbiguous)) {
     const std::string flag_name = layer_tensor_name(call, layer, kAmbiguous);
     const SafetensorsEntry& flags = expect_tensor(reference, flag_name, DType::u8, {batch, tokens}, "compare",
                                                   "B and S of " + name);
     const auto* flag = reinterpret_cast<const uint8_t*>(reference.data(flags));
-    for (int64_t r = 0; r < result.rows; ++r) skip[r] = flag[r] != 0;
-    result.rows_skipped = std::count(skip.begin(), skip.end(), 1);
-  }
-
-  if (out.find(name) == nullptr) {
-    result.attn_out_missing = true;
-  } else {
-    const HostTensor actual = read_outputs(out, name);
-    DSV4_CHECK(actual.shape() == expected.shape(), "compare: ", name, " has shape ", shape_string(actual.shape()),
-               " in ", out.path(), ", expected ", shape_string(expected.shape()), " as in ", reference.path());
-    double error_sq = 0.0, reference_sq = 0.0;
-    result.max_abs_error = -1.0;
-    for (int64_t r = 0; r < result.rows; ++r) {
-      if (skip[r]) continue;
-      for (int64_t h = 0; h < hidden; ++h) {
-        const int64_t i = r * hidden + h;
-        const double a = expected.as<float>()[i], b = actual.as<float>()[i];
-        const double diff = a - b;
-        // NaN counts as the largest error, so that it is reported and fails.
-        const double abs_error = std::isnan(diff) ? std::numeric_limits<double>::infinity() : std::fabs(diff);
-        error_sq += diff * diff;
-        reference_sq += a * a;
-        if (abs_error > result.max_abs_error) {
-          result.max_abs_error = abs_error;
-          result.worst_index = {r / tokens, r % tokens, h};
-          result.reference_value = static_cast<float>(a);
-          result.out_value = static_cast<float>(b);
-        }
-      }
-    }
-    result.max_abs_error = std::max(result.max_abs_error, 0.0);
-    result.rel_l2 = reference_sq > 0.0 ? std::sqrt(error_sq / reference_sq)
-                                       : (error_sq == 0.0 ? 0.0 : std::numeric_limits<double>::infinity());
+    for (int64_t r = 0; r < result.rows; ++r) ambiguous[r] = flag[r] != 0;
+    result.rows_ambiguous = std::count(ambiguous.begin(), ambiguous.end(), 1);
   }
 
   // Picks: the reference's and OUT's, each under either name (replay writes topk).
@@ -136,24 +107,56 @@ LayerComparison compare_layer(const SafetensorsFile& reference, const CallIndex&
       if (index.has(call, layer, field)) return field;
     return "";
   };
+  std::vector<uint8_t> picks_differ(static_cast<size_t>(result.rows), 0);
   result.topk_field = picks_field(reference_index);
-  if (!result.topk_field.empty()) {
-    const std::string out_field = picks_field(out_index);
-    result.topk_missing = out_field.empty();
-    if (!result.topk_missing) {
-      int64_t k_reference = 0, k_out = 0;
-      const std::vector<int64_t> expected_picks =
-          read_picks(reference, layer_tensor_name(call, layer, result.topk_field), batch, tokens, &k_reference);
-      const std::vector<int64_t> actual_picks =
-          read_picks(out, layer_tensor_name(call, layer, out_field), batch, tokens, &k_out);
-      for (int64_t r = 0; r < result.rows; ++r) {
-        if (skip[r]) continue;
-        result.topk_rows += 1;
-        result.topk_rows_equal += picked_set(expected_picks.data() + r * k_reference, k_reference) ==
-                                  picked_set(actual_picks.data() + r * k_out, k_out);
+  const std::string out_field = picks_field(out_index);
+  result.topk_missing = !result.topk_field.empty() && out_field.empty();
+  if (!result.topk_field.empty() && !out_field.empty()) {
+    int64_t k_reference = 0, k_out = 0;
+    const std::vector<int64_t> expected_picks =
+        read_picks(reference, layer_tensor_name(call, layer, result.topk_field), batch, tokens, &k_reference);
+    const std::vector<int64_t> actual_picks =
+        read_picks(out, layer_tensor_name(call, layer, out_field), batch, tokens, &k_out);
+    for (int64_t r = 0; r < result.rows; ++r) {
+      if (ambiguous[r]) continue;
+      picks_differ[r] = picked_set(expected_picks.data() + r * k_reference, k_reference) !=
+                        picked_set(actual_picks.data() + r * k_out, k_out);
+      result.topk_rows += 1;
+      result.topk_rows_equal += !picks_differ[r];
+    }
+    if (o.skip_differing_picks) result.rows_picks_differ = result.topk_rows - result.topk_rows_equal;
+  }
+
+  if (out.find(name) == nullptr) {
+    result.attn_out_missing = true;
+    return result;
+  }
+  const HostTensor actual = read_outputs(out, name);
+  DSV4_CHECK(actual.shape() == expected.shape(), "compare: ", name, " has shape ", shape_string(actual.shape()),
+             " in ", out.path(), ", expected ", shape_string(expected.shape()), " as in ", reference.path());
+  double error_sq = 0.0, reference_sq = 0.0;
+  result.max_abs_error = -1.0;
+  for (int64_t r = 0; r < result.rows; ++r) {
+    if (ambiguous[r] || (o.skip_differing_picks && picks_differ[r])) continue;
+    for (int64_t h = 0; h < hidden; ++h) {
+      const int64_t i = r * hidden + h;
+      const double a = expected.as<float>()[i], b = actual.as<float>()[i];
+      const double diff = a - b;
+      // NaN counts as the largest error, so that it is reported and fails.
+      const double abs_error = std::isnan(diff) ? std::numeric_limits<double>::infinity() : std::fabs(diff);
+      error_sq += diff * diff;
+      reference_sq += a * a;
+      if (abs_error > result.max_abs_error) {
+        result.max_abs_error = abs_error;
+        result.worst_index = {r / tokens, r % tokens, h};
+        result.reference_value = static_cast<float>(a);
+        result.out_value = static_cast<float>(b);
       }
     }
   }
+  result.max_abs_error = std::max(result.max_abs_error, 0.0);
+  result.rel_l2 = reference_sq > 0.0 ? std::sqrt(error_sq / reference_sq)
+                                     : (error_sq == 0.0 ? 0.0 : std::numeric_limits<double>::infinity());
   return result;
 }
 
@@ -168,7 +171,7 @@ void print_table(const std::vector<LayerComparison>& results) {
               "max_abs", "worst [b, s, h]", "reference", "out", "topk_equal");
   for (const LayerComparison& r : results) {
     std::printf("%5d %5d %6lld %7lld ", r.call, r.layer, static_cast<long long>(r.rows),
-                static_cast<long long>(r.rows_skipped));
+                static_cast<long long>(r.rows_ambiguous + r.rows_picks_differ));
     if (r.attn_out_missing) {
       std::printf("%10s %10s %17s %12s %12s ", "MISSING", "-", "-", "-", "-");
     } else if (r.worst_index.empty()) {  // every row was skipped
@@ -191,7 +194,8 @@ void print_table(const std::vector<LayerComparison>& results) {
 }
 
 nlohmann::json to_json(const LayerComparison& r) {
-  nlohmann::json j{{"call", r.call}, {"layer", r.layer}, {"rows", r.rows}, {"rows_skipped", r.rows_skipped},
+  nlohmann::json j{{"call", r.call}, {"layer", r.layer}, {"rows", r.rows}, {"rows_ambiguous", r.rows_ambiguous},
+                   {"rows_picks_differ", r.rows_picks_differ},
                    {"attn_out_missing", r.attn_out_missing}};
   if (!r.attn_out_missing) {
     // JSON has no infinity: a non-finite error is written as null.
@@ -220,8 +224,7 @@ int compare(const CompareOptions& o) {
     for (int call : reference_index.calls())
       for (int layer : reference_index.layers(call))
         if (reference_index.has(call, layer, kAttnOut))
-          results.push_back(compare_layer(*reference, reference_index, *out, out_index, call, layer,
-                                                  o.ignore_ambiguous));
+          results.push_back(compare_layer(*reference, reference_index, *out, out_index, call, layer, o));
     DSV4_CHECK(!results.empty(), "compare: ", o.reference_path, " has no 'calls.{c}.layers.{l}.attn_out' tensors");
   } catch (const Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
@@ -229,9 +232,11 @@ int compare(const CompareOptions& o) {
   }
 
   const LayerComparison* worst = nullptr;
-  int64_t above = 0, missing = 0, topk_rows = 0, topk_rows_equal = 0;
+  int64_t above = 0, missing = 0, topk_rows = 0, topk_rows_equal = 0, rows_ambiguous = 0, rows_picks_differ = 0;
   for (const LayerComparison& r : results) {
     missing += r.attn_out_missing + r.topk_missing;
+    rows_ambiguous += r.rows_ambiguous;
+    rows_picks_differ += r.rows_picks_differ;
     above += !r.attn_out_missing && !r.within(o.tolerance);
     topk_rows += r.topk_rows;
     topk_rows_equal += r.topk_rows_equal;
@@ -242,9 +247,11 @@ int compare(const CompareOptions& o) {
   if (o.json) {
     nlohmann::json report{{"reference", o.reference_path}, {"out", o.out_path},
                           {"tolerance", o.tolerance},      {"ignore_ambiguous", o.ignore_ambiguous},
+                          {"skip_differing_picks", o.skip_differing_picks},
                           {"layers", nlohmann::json::array()}, {"above_tolerance", above},
                           {"missing", missing},            {"topk_rows", topk_rows},
-                          {"topk_rows_equal", topk_rows_equal}, {"pass", pass}};
+                          {"topk_rows_equal", topk_rows_equal}, {"rows_ambiguous", rows_ambiguous},
+                          {"rows_picks_differ", rows_picks_differ}, {"pass", pass}};
     for (const LayerComparison& r : results) report["layers"].push_back(to_json(r));
     if (worst != nullptr) report["worst"] = to_json(*worst);
     std::printf("%s\n", report.dump(1).c_str());
@@ -256,6 +263,9 @@ int compare(const CompareOptions& o) {
     if (topk_rows > 0)
       std::printf("top-k sets equal: %lld/%lld rows (%.2f%%)\n", static_cast<long long>(topk_rows_equal),
                   static_cast<long long>(topk_rows), 100.0 * static_cast<double>(topk_rows_equal) / topk_rows);
+    if (rows_ambiguous + rows_picks_differ > 0)
+      std::printf("left out: %lld rows flagged ambiguous, %lld rows whose picks differ\n",
+                  static_cast<long long>(rows_ambiguous), static_cast<long long>(rows_picks_differ));
     if (pass)
       std::printf("PASS: %zu outputs within tolerance\n", results.size());
     else
@@ -275,6 +285,9 @@ const CommandRegistration registration{
           ->capture_default_str();
       app.add_flag("--ignore-ambiguous,!--no-ignore-ambiguous", o->ignore_ambiguous,
                    "Leave out rows the reference flags ambiguous (default on)");
+      app.add_flag("--skip-differing-picks", o->skip_differing_picks,
+                   "Leave rows whose picked set differs from the reference's out of the attn_out error (references "
+                   "without ambiguity flags whose ties break differently)");
       app.add_flag("--json", o->json, "Print the report as JSON");
       return [o] { return compare(*o); };
     }};

@@ -20,13 +20,14 @@ void Progress::update(int64_t done, const std::string& detail) {
   const auto now = std::chrono::steady_clock::now();
   const double elapsed = std::chrono::duration<double>(now - start_).count();
   const double fraction = std::clamp(static_cast<double>(done) / static_cast<double>(total_), 0.0, 1.0);
+  const int percent = static_cast<int>(fraction * 100.0);  // rounded down: 100 % only when done
   if (terminal_) {
     constexpr int kWidth = 30;
     const int filled = static_cast<int>(fraction * kWidth);
     const std::string bar = std::string(static_cast<size_t>(filled), '#') + std::string(kWidth - filled, '.');
     // \r and "erase to end of line" redraw the bar in place.
-    std::fprintf(stderr, "\r%s [%s] %3.0f%% %s | %.1f s\x1b[K", label_.c_str(), bar.c_str(), fraction * 100.0,
-                 detail.c_str(), elapsed);
+    std::fprintf(stderr, "\r%s [%s] %3d%% %s | %.1f s\x1b[K", label_.c_str(), bar.c_str(), percent, detail.c_str(),
+                 elapsed);
     std::fflush(stderr);
     bar_drawn_ = true;
     return;
@@ -34,7 +35,7 @@ void Progress::update(int64_t done, const std::string& detail) {
   const bool complete = done >= total_;
   if (!complete && std::chrono::duration<double>(now - last_line_).count() < line_interval_s_) return;
   last_line_ = now;
-  std::fprintf(stderr, "%s: %3.0f%% %s | %.1f s\n", label_.c_str(), fraction * 100.0, detail.c_str(), elapsed);
+  std::fprintf(stderr, "%s: %3d%% %s | %.1f s\n", label_.c_str(), percent, detail.c_str(), elapsed);
 }
 
 void Progress::finish() {

@@ -1,0 +1,101 @@
+// `dsv4 run` as a user runs it: the built CLI with small workloads; the summary's numbers are
+// checked against the workload the flags describe.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <regex>
+#include <string>
+
+namespace {
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr
+};
+
+CommandResult run_cli(const std::string& args) {
+  const std::string command = "'" + std::string(DSV4_CLI_PATH) + "' " + args + " 2>&1";
+  CommandResult result;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) result.output.append(buffer, n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+// The first match of `pattern`'s group `group` in `text`, or "" when it does not match.
+std::string find(const std::string& text, const std::string& pattern, int group = 1) {
+  std::smatch m;
+  return std::regex_search(text, m, std::regex(pattern)) ? m[group].str() : "";
+}
+
+int64_t find_int(const std::string& text, const std::string& pattern, int group = 1) {
+  const std::string s = find(text, pattern, group);
+  EXPECT_FALSE(s.empty()) << "no match for '" << pattern << "' in:\n" << text;
+  return s.empty() ? -1 : std::stoll(s);
+}
+
+// 3 sequences of mean prompt 40 and the default spread 0.5: prompts of 20, 40 and 60 tokens.
+const std::string kSmallWorkload =
+    "run --batch 3 --prompt-len 40 --gen-len 5 --chunk 16 --max-running 2 --step-tokens 24 --seed 7";
+
+void expect_consistent_summary(const std::string& out) {
+  EXPECT_EQ(find_int(out, R"(workload: (\d+) sequences)"), 3);
+  EXPECT_EQ(find(out, R"(prompts of (\d+\.\.\d+) tokens)"), "20..60");
+  EXPECT_EQ(find_int(out, R"(\((\d+) in all\))"), 120);
+  // Every prompt token is prefilled once; 5 decode steps for each of the 3 sequences, some of them
+  // inside steps that also prefill.
+  EXPECT_EQ(find_int(out, R"(prefill: (\d+) tokens)"), 120);
+  EXPECT_EQ(find_int(out, R"(also decoded (\d+) tokens)") + find_int(out, R"(decode: (\d+) tokens)"), 15);
+  // With 2 running and 24 tokens per step, prefill (16-token chunks) overlaps other sequences' decode.
+  EXPECT_GT(find_int(out, R"(also decoded (\d+) tokens)"), 0);
+  EXPECT_GT(find_int(out, R"(steps: \d+ \(\d+ with prefill, (\d+) decode only\))"), 0);
+  EXPECT_NE(find(out, R"(prefill: .* ([0-9.]+) tok/s)"), "");
+  EXPECT_NE(find(out, R"(decode: .* ([0-9.]+) tok/s)"), "");
+  EXPECT_NE(find(out, R"(kv cache: ([0-9.]+ [KMG]?i?B) per sequence)"), "");
+  EXPECT_NE(find(out, R"(check: sequence \d+ .* rel L2 ([0-9.e+-]+))"), "");
+}
+
+TEST(CliRun, SmallWorkloadPassesItsCheck) {
+  const CommandResult r = run_cli(kSmallWorkload);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_consistent_summary(r.output);
+  EXPECT_NE(r.output.find("tolerance 2e-02: PASS"), std::string::npos) << r.output;
+}
+
+TEST(CliRun, Fp32CheckPassesAtTightTolerance) {
+  const CommandResult r = run_cli(kSmallWorkload + " --precision fp32");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_consistent_summary(r.output);
+  EXPECT_NE(r.output.find("precision fp32"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("tolerance 1e-04: PASS"), std::string::npos) << r.output;
+}
+
+TEST(CliRun, RejectsAnInvalidWorkload) {
+  const CommandResult chunk = run_cli("run --chunk 0");
+  EXPECT_NE(chunk.exit_code, 0);
+  EXPECT_NE(chunk.output.find("dsv4: run: --chunk is 0, expected >= 1"), std::string::npos) << chunk.output;
+  const CommandResult budget = run_cli("run --max-running 8 --step-tokens 4");
+  EXPECT_NE(budget.exit_code, 0);
+  EXPECT_NE(budget.output.find("--step-tokens is 4, expected >= --max-running (8)"), std::string::npos)
+      << budget.output;
+  const CommandResult preset = run_cli("run --preset no-such-model");
+  EXPECT_NE(preset.exit_code, 0);
+  EXPECT_NE(preset.output.find("no-such-model"), std::string::npos) << preset.output;
+}
+
+#ifndef DSV4_WITH_CUDA
+TEST(CliRun, CudaRequestFallsBackToCpuWithoutTheBackend) {
+  const CommandResult r = run_cli(kSmallWorkload + " --backend cuda");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("backend cuda is not usable"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("engine: backend cpu"), std::string::npos) << r.output;
+  expect_consistent_summary(r.output);
+}
+#endif
+
+}  // namespace

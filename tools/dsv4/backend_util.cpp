@@ -1,0 +1,143 @@
+#include "dsv4/backend_util.h"
+
+#include <cstdio>
+#include <cstring>
+#include <memory>
+
+#include "dsv4/config.h"
+#include "dsv4/error.h"
+#include "dsv4/weights.h"
+
+#ifdef DSV4_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace dsv4::cli {
+
+#ifdef DSV4_WITH_CUDA
+namespace {
+void check_cuda(cudaError_t status, const char* what) {
+  DSV4_CHECK(status == cudaSuccess, "cuda: ", what, " failed: ", cudaGetErrorString(status));
+}
+}  // namespace
+#endif
+
+bool built_with_cuda() {
+#ifdef DSV4_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool cuda_backend_usable(std::string* why) {
+#ifdef DSV4_WITH_CUDA
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    *why = "no CUDA device is present";
+    return false;
+  }
+  // The backend may be compiled in but not implemented for every configuration: a small engine
+  // tells for sure before a large model is loaded for it.
+  try {
+    const ModelConfig probe_config = preset_config("tiny-v4.1");
+    const ModelTopology topology = resolve_topology(probe_config);
+    auto weights = std::make_shared<const ModelWeights>(random_weights(probe_config, topology, 0, false));
+    EngineOptions options;
+    options.backend = Backend::cuda;
+    options.max_sequences = 1;
+    options.max_tokens_per_step = 16;
+    options.max_context = 16;
+    Engine::create(probe_config, weights, options);
+  } catch (const Error& e) {
+    *why = std::string("the CUDA backend could not create an engine: ") + e.what();
+    return false;
+  }
+  return true;
+#else
+  *why = "this binary was built without the CUDA backend (configure with -DDSV4_CUDA=ON)";
+  return false;
+#endif
+}
+
+Backend usable_backend(Backend requested, const std::string& command) {
+  if (requested != Backend::cuda) return requested;
+  std::string why;
+  if (cuda_backend_usable(&why)) return Backend::cuda;
+  std::fprintf(stderr, "dsv4: %s: backend cuda is not usable: %s; falling back to cpu\n", command.c_str(), why.c_str());
+  return Backend::cpu;
+}
+
+void wait_for_device(Backend backend) {
+#ifdef DSV4_WITH_CUDA
+  if (backend == Backend::cuda) check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+#else
+  (void)backend;
+#endif
+}
+
+DeviceRows::DeviceRows(Backend backend, int64_t capacity_rows, int64_t cols)
+    : backend_(backend), capacity_rows_(capacity_rows), cols_(cols) {
+  DSV4_CHECK(capacity_rows >= 0 && cols >= 1, "device rows: shape [", capacity_rows, ", ", cols,
+             "] is invalid, expected rows >= 0 and cols >= 1");
+  const size_t bytes = static_cast<size_t>(capacity_rows * cols) * sizeof(float);
+  if (backend == Backend::cuda) {
+#ifdef DSV4_WITH_CUDA
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&data_), bytes), "cudaMalloc");
+#else
+    fail("device rows: backend cuda is not built into this binary");
+#endif
+  } else {
+    data_ = new float[bytes / sizeof(float)];
+  }
+}
+
+DeviceRows::~DeviceRows() {
+#ifdef DSV4_WITH_CUDA
+  if (backend_ == Backend::cuda) {
+    cudaFree(data_);
+    return;
+  }
+#endif
+  delete[] data_;
+}
+
+void DeviceRows::check_rows(int64_t rows, const char* what) const {
+  DSV4_CHECK(rows >= 0 && rows <= capacity_rows_, "device rows: ", what, " of ", rows, " rows, capacity is ",
+             capacity_rows_);
+}
+
+TensorView DeviceRows::view(int64_t rows) const {
+  check_rows(rows, "view");
+  return TensorView::contiguous(data_, DType::f32, {rows, cols_},
+                                backend_ == Backend::cuda ? Device::cuda : Device::cpu);
+}
+
+void DeviceRows::upload(const float* host, int64_t rows) {
+  check_rows(rows, "upload");
+  const size_t bytes = static_cast<size_t>(rows * cols_) * sizeof(float);
+#ifdef DSV4_WITH_CUDA
+  if (backend_ == Backend::cuda) {
+    // The engine may run on its own stream and still be reading the previous rows.
+    wait_for_device(backend_);
+    check_cuda(cudaMemcpy(data_, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to the device");
+    return;
+  }
+#endif
+  std::memcpy(data_, host, bytes);
+}
+
+void DeviceRows::download(float* host, int64_t rows) const {
+  check_rows(rows, "download");
+  const size_t bytes = static_cast<size_t>(rows * cols_) * sizeof(float);
+#ifdef DSV4_WITH_CUDA
+  if (backend_ == Backend::cuda) {
+    wait_for_device(backend_);
+    check_cuda(cudaMemcpy(host, data_, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to the host");
+    return;
+  }
+#endif
+  std::memcpy(host, data_, bytes);
+}
+
+}  // namespace dsv4::cli

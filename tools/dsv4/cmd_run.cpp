@@ -1,0 +1,561 @@
+// dsv4 run: the main job. Serves a synthetic workload through the engine the way a serving loop
+// would (continuous batching: chunked prefill of new sequences interleaved with decode steps of
+// running ones, sequences released as they finish), reports throughput and KV-cache size, and
+// checks one sequence against an independent recomputation in a fresh engine.
+//
+// Layer inputs are synthetic: layer 0 of every token gets uniform random values of unit variance
+// that depend only on (seed, sequence, position); layer l+1 gets RMSNorm(h_l + attn_out_l) of
+// the same token (no weight), a residual stream in miniature. Both are per-token functions, so
+// the same sequence gets the same inputs however its tokens are grouped into steps.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dsv4/backend_util.h"
+#include "dsv4/command.h"
+#include "dsv4/config.h"
+#include "dsv4/engine.h"
+#include "dsv4/error.h"
+#include "dsv4/progress.h"
+#include "dsv4/weights.h"
+
+namespace dsv4::cli {
+namespace {
+
+// The defaults of the workload flags, by where the run happens.
+struct RunProfile {
+  std::string preset;
+  int64_t sequences;
+  int64_t prompt_len;
+  double prompt_spread;
+  int64_t gen_len;
+  int64_t chunk;
+  int64_t max_running;
+  int64_t step_tokens;
+};
+
+// Small enough for a minute on two cores: six sequences of 100..300 prompt tokens, four at a time.
+RunProfile cpu_profile() { return {"tiny-v4.1", 6, 200, 0.5, 32, 64, 4, 256}; }
+// A serving-like load: 64 sequences of 4096 prompt tokens, then 128 decode steps.
+RunProfile gpu_profile() { return {"v4.1-flash", 64, 4096, 0.0, 128, 2048, 64, 16384}; }
+
+// The backend when --backend is not given: cuda when this binary has it and it runs here.
+Backend default_backend() { return built_with_cuda() ? usable_backend(Backend::cuda, "run") : Backend::cpu; }
+
+struct RunOptions {
+  std::string preset;
+  std::string config_path;
+  std::string weights_path;
+  std::string backend;
+  std::string precision = "reference";
+  std::string kv_format;
+  int64_t sequences = 0;
+  int64_t prompt_len = 0;
+  double prompt_spread = 0.0;
+  int64_t gen_len = 0;
+  int64_t chunk = 0;
+  int64_t max_running = 0;
+  int64_t step_tokens = 0;
+  uint64_t seed = 1;
+  double check_tolerance = 0.0;
+  int threads = 0;
+  // The flags whose defaults depend on the profile; those not given take the profile's.
+  std::map<std::string, const CLI::Option*> profile_flags;
+  bool was_given(const std::string& flag) const { return profile_flags.at(flag)->count() > 0; }
+};
+
+// --- synthetic inputs ------------------------------------------------------------------------
+
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Layer-0 input of one token: uniform on [-sqrt(3), sqrt(3)] (unit variance).
+void fill_token_input(uint64_t seed, int64_t sequence, int64_t position, float* row, int64_t hidden) {
+  uint64_t state = seed;
+  state = splitmix64(state) ^ static_cast<uint64_t>(sequence);
+  state = splitmix64(state) ^ static_cast<uint64_t>(position);
+  const double scale = std::sqrt(3.0) * 2.0 / 18446744073709551616.0;  // 2^64
+  for (int64_t h = 0; h < hidden; ++h) row[h] = static_cast<float>(static_cast<double>(splitmix64(state)) * scale -
+                                                                    std::sqrt(3.0));
+}
+
+// Host work this large is spread over threads; below it, waking the thread team (which then spins,
+// taking cores from the engine) costs more than it saves.
+constexpr int64_t kParallelElements = int64_t{1} << 22;
+
+// hidden <- RMSNorm(hidden + attn_out) row by row (no weight, eps 1e-6).
+void chain_residual(float* hidden, const float* attn_out, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* h = hidden + r * cols;
+    const float* a = attn_out + r * cols;
+    double sum_sq = 0.0;
+    for (int64_t c = 0; c < cols; ++c) {
+      h[c] += a[c];
+      sum_sq += static_cast<double>(h[c]) * h[c];
+    }
+    const float inv_rms = static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(cols) + 1e-6));
+    for (int64_t c = 0; c < cols; ++c) h[c] *= inv_rms;
+  }
+}
+
+// One step's token rows: which sequence and positions each entry covers.
+struct StepRows {
+  struct Span {
+    int sequence;  // index into the workload
+    int64_t first_position;
+    int64_t tokens;
+  };
+  std::vector<Span> spans;
+  int64_t rows = 0;
+};
+
+void fill_step_inputs(uint64_t seed, const StepRows& step, int64_t hidden, std::vector<float>& rows) {
+  rows.resize(static_cast<size_t>(step.rows * hidden));
+  int64_t row = 0;
+  for (const StepRows::Span& span : step.spans) {
+#pragma omp parallel for schedule(static) if (span.tokens * hidden >= kParallelElements)
+    for (int64_t t = 0; t < span.tokens; ++t)
+      fill_token_input(seed, span.sequence, span.first_position + t, rows.data() + (row + t) * hidden, hidden);
+    row += span.tokens;
+  }
+}
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Runs every layer of a begun step on `hidden` (layer 0's input, [rows, H], chained in place);
+// `on_layer(l, attn_out)` sees each layer's output on the host. Returns the seconds spent in the
+// engine (run_layer until its device work finished), the rest being host-side input handling.
+double run_layers(Engine& engine, Backend backend, int64_t rows, std::vector<float>& hidden,
+                  std::vector<float>& attn_out, DeviceRows& device_in, DeviceRows& device_out,
+                  const std::function<void(int, const float*)>& on_layer) {
+  const int64_t cols = engine.config().hidden_size;
+  attn_out.resize(static_cast<size_t>(rows * cols));
+  double engine_seconds = 0.0;
+  const int layers = engine.config().total_layers();
+  for (int l = 0; l < layers; ++l) {
+    device_in.upload(hidden.data(), rows);
+    const auto start = Clock::now();
+    engine.run_layer(l, device_in.view(rows), device_out.view(rows));
+    wait_for_device(backend);
+    engine_seconds += seconds_since(start);
+    device_out.download(attn_out.data(), rows);
+    on_layer(l, attn_out.data());
+    if (l + 1 < layers) chain_residual(hidden.data(), attn_out.data(), rows, cols);
+  }
+  return engine_seconds;
+}
+
+// --- the workload ----------------------------------------------------------------------------
+
+struct Workload {
+  std::vector<int64_t> prompt_lengths;  // per sequence, in arrival order
+  int64_t gen_len = 0;
+  int64_t chunk = 0;
+  int64_t max_running = 0;
+  int64_t step_tokens = 0;
+  int64_t longest() const { return *std::max_element(prompt_lengths.begin(), prompt_lengths.end()) + gen_len; }
+  int64_t total_tokens() const {
+    int64_t total = 0;
+    for (int64_t p : prompt_lengths) total += p + gen_len;
+    return total;
+  }
+};
+
+// Prompt lengths spread evenly over prompt_len * (1 +- spread), in a seeded random order.
+std::vector<int64_t> spread_prompt_lengths(int64_t sequences, int64_t prompt_len, double spread, uint64_t seed) {
+  std::vector<int64_t> lengths;
+  for (int64_t i = 0; i < sequences; ++i) {
+    const double t = sequences == 1 ? 0.5 : static_cast<double>(i) / static_cast<double>(sequences - 1);
+    lengths.push_back(std::max<int64_t>(1, std::llround(prompt_len * (1.0 - spread + 2.0 * spread * t))));
+  }
+  uint64_t state = seed ^ 0x5EED5EEDull;
+  for (size_t i = lengths.size(); i > 1; --i) std::swap(lengths[i - 1], lengths[splitmix64(state) % i]);
+  return lengths;
+}
+
+struct SequenceState {
+  enum class Phase { waiting, running, finished };
+  Phase phase = Phase::waiting;
+  SequenceId id = -1;
+  int64_t length = 0;  // tokens already in the engine
+  int64_t cache_bytes_at_end = 0;
+};
+
+// The next step, as a serving scheduler would plan it: one decode token for every running
+// sequence past its prompt, then prefill chunks for running sequences still in their prompt, then
+// newly admitted sequences while the token budget and the running limit allow.
+StepRows plan_step(const Workload& w, std::vector<SequenceState>& states, Engine& engine) {
+  StepRows step;
+  int64_t budget = w.step_tokens;
+  int64_t running = 0;
+  auto add = [&](int i, int64_t tokens) {
+    step.spans.push_back({i, states[i].length, tokens});
+    step.rows += tokens;
+    budget -= tokens;
+  };
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (states[i].phase != SequenceState::Phase::running) continue;
+    running += 1;
+    if (states[i].length >= w.prompt_lengths[i]) add(static_cast<int>(i), 1);
+  }
+  for (size_t i = 0; i < states.size() && budget > 0; ++i) {
+    const int64_t remaining = w.prompt_lengths[i] - states[i].length;
+    if (states[i].phase == SequenceState::Phase::running && remaining > 0)
+      add(static_cast<int>(i), std::min({w.chunk, remaining, budget}));
+  }
+  for (size_t i = 0; i < states.size() && budget > 0 && running < w.max_running; ++i) {
+    if (states[i].phase != SequenceState::Phase::waiting) continue;
+    states[i].phase = SequenceState::Phase::running;
+    states[i].id = engine.add_sequence();
+    running += 1;
+    add(static_cast<int>(i), std::min({w.chunk, w.prompt_lengths[i], budget}));
+  }
+  return step;
+}
+
+// The sequence checked against a recomputation, and the outputs recorded at sampled positions.
+struct Probe {
+  static constexpr int64_t kMaxPositions = 32;
+  int sequence = 0;
+  int64_t length = 0;
+  std::vector<int64_t> positions;          // sampled, ascending
+  std::vector<int64_t> slot_of_position;   // [length], -1 when not sampled
+  std::vector<float> outputs;              // [layers, positions, hidden]
+
+  Probe(const Workload& w, uint64_t seed, int layers, int64_t hidden) {
+    uint64_t state = seed ^ 0x9B0BEull;
+    sequence = static_cast<int>(splitmix64(state) % w.prompt_lengths.size());
+    const int64_t prompt = w.prompt_lengths[sequence];
+    length = prompt + w.gen_len;
+    // The last prompt token and the last token (a decode step when there is one), then random ones.
+    std::vector<bool> sampled(static_cast<size_t>(length), false);
+    sampled[prompt - 1] = sampled[length - 1] = true;
+    int64_t count = prompt - 1 == length - 1 ? 1 : 2;
+    while (count < std::min(kMaxPositions, length)) {
+      const int64_t p = static_cast<int64_t>(splitmix64(state) % static_cast<uint64_t>(length));
+      if (!sampled[p]) {
+        sampled[p] = true;
+        count += 1;
+      }
+    }
+    slot_of_position.assign(static_cast<size_t>(length), -1);
+    for (int64_t p = 0; p < length; ++p)
+      if (sampled[p]) {
+        slot_of_position[p] = static_cast<int64_t>(positions.size());
+        positions.push_back(p);
+      }
+    outputs.assign(static_cast<size_t>(layers) * positions.size() * hidden, 0.0f);
+  }
+
+  // Keeps the sampled rows of layer `layer`'s output for a span of this sequence at `first_row`.
+  void record(std::vector<float>& into, int layer, int64_t first_position, int64_t tokens, const float* attn_out,
+              int64_t first_row, int64_t hidden) const {
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t slot = slot_of_position[first_position + t];
+      if (slot < 0) continue;
+      std::copy_n(attn_out + (first_row + t) * hidden, hidden,
+                  into.data() + (static_cast<int64_t>(layer) * positions.size() + slot) * hidden);
+    }
+  }
+};
+
+struct WorkloadStats {
+  int64_t steps = 0, prefill_steps = 0, decode_steps = 0;
+  int64_t prefill_tokens = 0;            // prompt tokens (all in steps with prefill)
+  int64_t decode_tokens_mixed = 0;       // decode tokens in steps with prefill
+  int64_t decode_tokens_alone = 0;       // decode tokens in decode-only steps
+  double prefill_step_seconds = 0.0;     // engine time of steps with prefill
+  double decode_step_seconds = 0.0;      // engine time of decode-only steps
+  double wall_seconds = 0.0;
+  int64_t peak_cache_bytes = 0;          // all running sequences together, after a step
+  std::vector<int64_t> cache_bytes;      // per sequence, at its end
+  double engine_seconds() const { return prefill_step_seconds + decode_step_seconds; }
+};
+
+WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe) {
+  const int64_t hidden = engine.config().hidden_size;
+  std::vector<SequenceState> states(w.prompt_lengths.size());
+  DeviceRows device_in(backend, w.step_tokens, hidden), device_out(backend, w.step_tokens, hidden);
+  std::vector<float> inputs, outputs;
+  WorkloadStats stats;
+  Progress progress("run", w.total_tokens());
+  int64_t tokens_done = 0, finished = 0;
+  const auto start = Clock::now();
+
+  while (finished < static_cast<int64_t>(states.size())) {
+    const StepRows step = plan_step(w, states, engine);
+    DSV4_CHECK(step.rows > 0, "run: internal: the scheduler planned an empty step");
+    std::vector<StepEntry> entries;
+    int64_t prefill_tokens = 0;
+    for (const StepRows::Span& span : step.spans) {
+      entries.push_back({states[span.sequence].id, span.tokens});
+      if (span.first_position < w.prompt_lengths[span.sequence]) prefill_tokens += span.tokens;
+    }
+    fill_step_inputs(seed, step, hidden, inputs);
+
+    auto step_start = Clock::now();
+    engine.begin_step(entries);
+    double engine_seconds = seconds_since(step_start);
+    engine_seconds += run_layers(engine, backend, step.rows, inputs, outputs, device_in, device_out,
+                                 [&](int layer, const float* attn_out) {
+                                   int64_t row = 0;
+                                   for (const StepRows::Span& span : step.spans) {
+                                     if (span.sequence == probe.sequence)
+                                       probe.record(probe.outputs, layer, span.first_position, span.tokens, attn_out,
+                                                    row, hidden);
+                                     row += span.tokens;
+                                   }
+                                 });
+    step_start = Clock::now();
+    engine.end_step();
+    engine_seconds += seconds_since(step_start);
+
+    stats.steps += 1;
+    if (prefill_tokens > 0) {
+      stats.prefill_steps += 1;
+      stats.prefill_tokens += prefill_tokens;
+      stats.decode_tokens_mixed += step.rows - prefill_tokens;
+      stats.prefill_step_seconds += engine_seconds;
+    } else {
+      stats.decode_steps += 1;
+      stats.decode_tokens_alone += step.rows;
+      stats.decode_step_seconds += engine_seconds;
+    }
+    int64_t cache_bytes = 0;
+    for (const StepRows::Span& span : step.spans) {
+      SequenceState& s = states[span.sequence];
+      s.length += span.tokens;
+      cache_bytes += engine.sequence_cache_bytes(s.id);
+    }
+    stats.peak_cache_bytes = std::max(stats.peak_cache_bytes, cache_bytes);
+    for (size_t i = 0; i < states.size(); ++i) {
+      SequenceState& s = states[i];
+      if (s.phase != SequenceState::Phase::running || s.length < w.prompt_lengths[i] + w.gen_len) continue;
+      s.cache_bytes_at_end = engine.sequence_cache_bytes(s.id);
+      engine.release_sequence(s.id);
+      s.phase = SequenceState::Phase::finished;
+      finished += 1;
+    }
+    tokens_done += step.rows;
+    progress.update(tokens_done, "step " + std::to_string(stats.steps) + " (" + std::to_string(step.rows) +
+                                     " tokens of " + std::to_string(step.spans.size()) + " sequences), " +
+                                     std::to_string(finished) + "/" + std::to_string(states.size()) + " finished");
+  }
+  progress.finish();
+  stats.wall_seconds = seconds_since(start);
+  for (const SequenceState& s : states) stats.cache_bytes.push_back(s.cache_bytes_at_end);
+  return stats;
+}
+
+// --- the check -------------------------------------------------------------------------------
+
+struct CheckResult {
+  double rel_l2 = 0.0;        // all sampled outputs together
+  int worst_layer = 0;
+  double worst_layer_rel_l2 = 0.0;
+  bool outputs_nonzero = false;  // all-zero outputs would agree trivially
+};
+
+// Recomputes the probe's sequence from scratch in a fresh engine, all its tokens prefilled in one
+// step, and compares the sampled outputs with those of the workload (relative to the recomputation).
+CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
+                        EngineOptions options, uint64_t seed, const Probe& probe) {
+  options.max_sequences = 1;
+  options.max_tokens_per_step = probe.length;
+  options.max_context = probe.length;
+  const std::unique_ptr<Engine> engine = Engine::create(config, std::move(weights), options);
+  const int64_t hidden = config.hidden_size;
+  StepRows step;
+  step.spans.push_back({probe.sequence, 0, probe.length});
+  step.rows = probe.length;
+  std::vector<float> inputs, outputs, recomputed(probe.outputs.size());
+  fill_step_inputs(seed, step, hidden, inputs);
+  DeviceRows device_in(options.backend, probe.length, hidden), device_out(options.backend, probe.length, hidden);
+  engine->begin_step({{engine->add_sequence(), probe.length}});
+  run_layers(*engine, options.backend, probe.length, inputs, outputs, device_in, device_out,
+             [&](int layer, const float* attn_out) {
+               probe.record(recomputed, layer, 0, probe.length, attn_out, 0, hidden);
+             });
+  engine->end_step();
+
+  CheckResult result;
+  const size_t per_layer = probe.positions.size() * static_cast<size_t>(hidden);
+  double error_sq = 0.0, norm_sq = 0.0;
+  result.worst_layer_rel_l2 = -1.0;
+  for (int l = 0; l < config.total_layers(); ++l) {
+    double layer_error_sq = 0.0, layer_norm_sq = 0.0;
+    for (size_t i = l * per_layer; i < (l + 1) * per_layer; ++i) {
+      const double diff = static_cast<double>(probe.outputs[i]) - recomputed[i];
+      layer_error_sq += diff * diff;
+      layer_norm_sq += static_cast<double>(recomputed[i]) * recomputed[i];
+    }
+    const double layer_rel = std::sqrt(layer_error_sq / std::max(layer_norm_sq, 1e-300));
+    if (!(layer_rel <= result.worst_layer_rel_l2)) {
+      result.worst_layer = l;
+      result.worst_layer_rel_l2 = layer_rel;
+    }
+    error_sq += layer_error_sq;
+    norm_sq += layer_norm_sq;
+  }
+  result.rel_l2 = std::sqrt(error_sq / std::max(norm_sq, 1e-300));
+  result.outputs_nonzero = norm_sq > 0.0;
+  return result;
+}
+
+// --- command ---------------------------------------------------------------------------------
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  for (; bytes >= 1024.0 && u < 4; ++u) bytes /= 1024.0;
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return buffer;
+}
+
+std::string format_rate(int64_t tokens, double seconds) {
+  if (tokens == 0 || seconds <= 0.0) return "n/a";
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%.1f tok/s", static_cast<double>(tokens) / seconds);
+  return buffer;
+}
+
+int run(const RunOptions& o) {
+  const Backend backend = o.was_given("--backend") ? usable_backend(parse_backend(o.backend), "run")
+                                                   : default_backend();
+  const RunProfile profile = backend == Backend::cuda ? gpu_profile() : cpu_profile();
+  auto pick = [&](const char* flag, auto given, auto fallback) { return o.was_given(flag) ? given : fallback; };
+
+  const int64_t sequences = pick("--batch", o.sequences, profile.sequences);
+  const int64_t prompt_len = pick("--prompt-len", o.prompt_len, profile.prompt_len);
+  const double prompt_spread = pick("--prompt-spread", o.prompt_spread, profile.prompt_spread);
+  Workload w;
+  w.gen_len = pick("--gen-len", o.gen_len, profile.gen_len);
+  w.chunk = pick("--chunk", o.chunk, profile.chunk);
+  w.max_running = pick("--max-running", o.max_running, profile.max_running);
+  w.step_tokens = pick("--step-tokens", o.step_tokens, profile.step_tokens);
+  DSV4_CHECK(sequences >= 1, "run: --batch is ", sequences, ", expected >= 1");
+  DSV4_CHECK(prompt_len >= 1, "run: --prompt-len is ", prompt_len, ", expected >= 1");
+  DSV4_CHECK(prompt_spread >= 0.0 && prompt_spread < 1.0, "run: --prompt-spread is ", prompt_spread,
+             ", expected in [0, 1)");
+  DSV4_CHECK(w.gen_len >= 0, "run: --gen-len is ", w.gen_len, ", expected >= 0");
+  DSV4_CHECK(w.chunk >= 1, "run: --chunk is ", w.chunk, ", expected >= 1");
+  DSV4_CHECK(w.max_running >= 1, "run: --max-running is ", w.max_running, ", expected >= 1");
+  DSV4_CHECK(w.step_tokens >= w.max_running, "run: --step-tokens is ", w.step_tokens, ", expected >= --max-running (",
+             w.max_running, "): every running sequence decodes one token per step");
+  w.prompt_lengths = spread_prompt_lengths(sequences, prompt_len, prompt_spread, o.seed);
+
+  const bool from_file = !o.config_path.empty();
+  const std::string preset = o.preset.empty() ? profile.preset : o.preset;
+  const ModelConfig config = from_file ? load_config_file(o.config_path) : preset_config(preset);
+  const ModelTopology topology = resolve_topology(config);
+  const bool fp8_weights = config.weight_quantization.has_value();
+  std::fprintf(stderr, "dsv4: run: %s weights for %s...\n", o.weights_path.empty() ? "generating random" : "loading",
+               config.name.c_str());
+  auto weights = std::make_shared<const ModelWeights>(
+      o.weights_path.empty() ? random_weights(config, topology, o.seed, fp8_weights)
+                             : load_weights(o.weights_path, config, topology));
+
+  EngineOptions options;
+  options.backend = backend;
+  options.precision = parse_precision(o.precision);
+  options.kv_format = o.kv_format;
+  options.max_sequences = w.max_running;
+  options.max_tokens_per_step = w.step_tokens;
+  options.max_context = w.longest();
+  options.num_threads = o.threads;
+  const std::unique_ptr<Engine> engine = Engine::create(config, weights, options);
+  const double tolerance = o.was_given("--check-tol") ? o.check_tolerance
+                           : options.precision == Precision::fp32 ? 1e-4 : 2e-2;
+
+  Probe probe(w, o.seed, config.total_layers(), config.hidden_size);
+  const WorkloadStats stats = serve(*engine, backend, w, o.seed, probe);
+  const CheckResult check = check_probe(config, weights, options, o.seed, probe);
+  const bool pass = check.outputs_nonzero && check.rel_l2 <= tolerance;  // false for NaN
+
+  const auto [shortest, longest] = std::minmax_element(w.prompt_lengths.begin(), w.prompt_lengths.end());
+  int64_t prompt_total = 0;
+  for (int64_t p : w.prompt_lengths) prompt_total += p;
+  std::printf("model: %s (%d layers, hidden %lld, %d heads), %s\n", config.name.c_str(), config.total_layers(),
+              static_cast<long long>(config.hidden_size), config.num_heads,
+              o.weights_path.empty()
+                  ? ("random weights (seed " + std::to_string(o.seed) + (fp8_weights ? ", fp8)" : ", bf16)")).c_str()
+                  : ("weights " + o.weights_path).c_str());
+  std::printf("engine: backend %s, precision %s, kv format %s\n", backend_name(backend),
+              precision_name(options.precision), o.kv_format.empty() ? "float" : o.kv_format.c_str());
+  std::printf(
+      "workload: %lld sequences, prompts of %lld..%lld tokens (%lld in all), %lld decode steps each, prefill chunks "
+      "of %lld, at most %lld running, at most %lld tokens per step\n",
+      static_cast<long long>(sequences), static_cast<long long>(*shortest), static_cast<long long>(*longest),
+      static_cast<long long>(prompt_total), static_cast<long long>(w.gen_len), static_cast<long long>(w.chunk),
+      static_cast<long long>(w.max_running), static_cast<long long>(w.step_tokens));
+  std::printf("steps: %lld (%lld with prefill, %lld decode only) in %.2f s, of which %.2f s in the engine\n",
+              static_cast<long long>(stats.steps), static_cast<long long>(stats.prefill_steps),
+              static_cast<long long>(stats.decode_steps), stats.wall_seconds, stats.engine_seconds());
+  std::printf("prefill: %lld tokens in %.2f s of steps with prefill: %s (these steps also decoded %lld tokens)\n",
+              static_cast<long long>(stats.prefill_tokens), stats.prefill_step_seconds,
+              format_rate(stats.prefill_tokens, stats.prefill_step_seconds).c_str(),
+              static_cast<long long>(stats.decode_tokens_mixed));
+  std::printf("decode: %lld tokens in %.2f s of decode-only steps: %s\n",
+              static_cast<long long>(stats.decode_tokens_alone), stats.decode_step_seconds,
+              format_rate(stats.decode_tokens_alone, stats.decode_step_seconds).c_str());
+  const auto [fewest, most] = std::minmax_element(stats.cache_bytes.begin(), stats.cache_bytes.end());
+  double total_bytes = 0.0;
+  for (int64_t b : stats.cache_bytes) total_bytes += static_cast<double>(b);
+  std::printf("kv cache: %s per sequence at its end (%s..%s, %s per token), peak %s for all running sequences\n",
+              format_bytes(total_bytes / static_cast<double>(sequences)).c_str(),
+              format_bytes(static_cast<double>(*fewest)).c_str(), format_bytes(static_cast<double>(*most)).c_str(),
+              format_bytes(total_bytes / static_cast<double>(w.total_tokens())).c_str(),
+              format_bytes(static_cast<double>(stats.peak_cache_bytes)).c_str());
+  std::printf(
+      "check: sequence %d (%lld tokens) recomputed as one %lld-token prefill in a fresh engine, %zu sampled "
+      "positions x %d layers: rel L2 %.2e (worst layer %d: %.2e), tolerance %.0e: %s\n",
+      probe.sequence, static_cast<long long>(probe.length), static_cast<long long>(probe.length),
+      probe.positions.size(), config.total_layers(), check.rel_l2, check.worst_layer, check.worst_layer_rel_l2,
+      tolerance, pass ? "PASS" : check.outputs_nonzero ? "FAIL" : "FAIL (the outputs are all zero)");
+  return pass ? 0 : 1;
+}
+
+const CommandRegistration registration{
+    "run", "Serve a synthetic workload (continuous batching), report throughput and KV size, check a sequence",
+    [](CLI::App& app) {
+      auto o = std::make_shared<RunOptions>();
+      auto* preset = app.add_option("--preset", o->preset, "Model preset (default tiny-v4.1; v4.1-flash on a GPU)");
+      auto* config = app.add_option("--config", o->config_path, "Model config file instead of a preset");
+      preset->excludes(config);
+      app.add_option("--weights", o->weights_path, "Weights (.safetensors or index JSON); default: random weights");
+      auto flag = [&](const std::string& name, auto& value, const std::string& description) {
+        o->profile_flags[name] = app.add_option(name, value, description);
+      };
+      flag("--backend", o->backend, "cpu or cuda (default: cuda when built with it and a GPU is present)");
+      flag("--batch", o->sequences, "Number of sequences (default 6; GPU 64)");
+      flag("--prompt-len", o->prompt_len, "Mean prompt length (default 200; GPU 4096)");
+      flag("--prompt-spread", o->prompt_spread, "Prompt lengths spread over len * (1 +- spread) (default 0.5; GPU 0)");
+      flag("--gen-len", o->gen_len, "Decode steps per sequence (default 32; GPU 128)");
+      flag("--chunk", o->chunk, "Prefill chunk size (default 64; GPU 2048)");
+      flag("--max-running", o->max_running, "Sequences in flight at once (default 4; GPU 64)");
+      flag("--step-tokens", o->step_tokens, "Token budget of one step (default 256; GPU 16384)");
+      flag("--check-tol", o->check_tolerance, "Largest relative L2 error of the check (default 1e-4 fp32, 2e-2 reference)");
+      app.add_option("--precision", o->precision, "fp32 or reference")->capture_default_str();
+      app.add_option("--kv-format", o->kv_format, "KV cache format set (empty: float storage)");
+      app.add_option("--seed", o->seed, "Seed of the random weights, prompt lengths and inputs")->capture_default_str();
+      app.add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();
+      return [o] { return run(*o); };
+    }};
+
+}  // namespace
+}  // namespace dsv4::cli
