@@ -75,6 +75,27 @@ TEST(CliRun, Fp32CheckPassesAtTightTolerance) {
   EXPECT_NE(r.output.find("tolerance 1e-04: PASS"), std::string::npos) << r.output;
 }
 
+// Bytes in KiB from a "kv cache: 310.0 KiB per sequence" line.
+double kv_kib_per_sequence(const std::string& out) {
+  const std::string value = find(out, R"(kv cache: ([0-9.]+ [KM]iB) per sequence)");
+  EXPECT_FALSE(value.empty()) << out;
+  if (value.empty()) return -1.0;
+  return std::stod(value) * (value.find("MiB") != std::string::npos ? 1024.0 : 1.0);
+}
+
+// The cache formats reach the engine: V4.1's native rows (528 / 288 / 68 bytes) take less room
+// than bf16 rows (1024 / 1024 / 256 bytes), and the check still passes in each.
+TEST(CliRun, KvFormatsPassTheCheckAndSizeTheCache) {
+  const CommandResult native = run_cli(kSmallWorkload + " --kv-format v4.1-native");
+  const CommandResult bf16 = run_cli(kSmallWorkload + " --kv-format bf16");
+  ASSERT_EQ(native.exit_code, 0) << native.output;
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  EXPECT_NE(native.output.find("kv format v4.1-native"), std::string::npos) << native.output;
+  EXPECT_NE(native.output.find(": PASS"), std::string::npos) << native.output;
+  EXPECT_NE(bf16.output.find(": PASS"), std::string::npos) << bf16.output;
+  EXPECT_LT(kv_kib_per_sequence(native.output), kv_kib_per_sequence(bf16.output));
+}
+
 TEST(CliRun, RejectsAnInvalidWorkload) {
   const CommandResult chunk = run_cli("run --chunk 0");
   EXPECT_NE(chunk.exit_code, 0);
