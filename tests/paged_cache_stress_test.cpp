@@ -10,6 +10,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "dsv4/config.h"
@@ -242,8 +243,33 @@ class Stress {
 
   bool try_reserve(const std::vector<CacheStepEntry>& step) {
     const auto before = snapshot();
+    std::vector<std::vector<std::vector<int64_t>>> tables;  // [entry][key] -> pages
+    for (const auto& e : step) {
+      tables.emplace_back();
+      for (const PoolKey& k : keys_) {
+        const BlockTableView bt = manager_.block_table(e.sequence, k.kind, k.layer);
+        tables.back().emplace_back(bt.pages.begin(), bt.pages.end());
+      }
+    }
     try {
-      manager_.reserve(step);
+      // Every held page that reserve replaced is one reported copy, with the same bytes.
+      using Move = std::tuple<CacheKind, int, int64_t, int64_t>;
+      std::multiset<Move> reported, observed;
+      for (const PageCopy& c : manager_.reserve(step)) {
+        reported.insert({c.kind, c.layer, c.from, c.to});
+        const PagePool& pool = manager_.pool(c.kind, c.layer);
+        EXPECT_TRUE(std::equal(pool.bytes().begin() + pool.page_offset(c.from),
+                               pool.bytes().begin() + pool.page_offset(c.from) + pool.page_stride(),
+                               pool.bytes().begin() + pool.page_offset(c.to)));
+      }
+      for (size_t e = 0; e < step.size(); ++e) {
+        for (size_t i = 0; i < keys_.size(); ++i) {
+          const BlockTableView bt = manager_.block_table(step[e].sequence, keys_[i].kind, keys_[i].layer);
+          for (size_t k = 0; k < tables[e][i].size(); ++k)
+            if (bt.pages[k] != tables[e][i][k]) observed.insert({keys_[i].kind, keys_[i].layer, tables[e][i][k], bt.pages[k]});
+        }
+      }
+      EXPECT_EQ(reported, observed);
       return true;
     } catch (const Error& err) {
       const std::string what = err.what();

@@ -522,10 +522,26 @@ TEST(KvCacheManager, OneCopyWhenEveryHolderOfASharedPageWritesInOneStep) {
   extend(m, t, 1, 10, rng, unchecked);
   m.fork_sequence(1, 2);
   const int64_t free_before = m.pool(CacheKind::window, 0).free_pages();
-  m.reserve({{1, 1}, {2, 1}});
+  const int64_t shared_window_tail = m.block_table(1, CacheKind::window, 0).pages[2];
+  const int64_t shared_entry_page = m.block_table(1, CacheKind::compressed, 4).pages[2];
+  const std::vector<PageCopy> copies = m.reserve({{1, 1}, {2, 1}});
   // Sequence 1 copies the shared tail page; sequence 2, then its only holder, writes in place.
   EXPECT_EQ(m.pool(CacheKind::window, 0).free_pages(), free_before - 1);
-  EXPECT_NE(m.block_table(1, CacheKind::window, 0).pages[2], m.block_table(2, CacheKind::window, 0).pages[2]);
+  EXPECT_EQ(m.block_table(2, CacheKind::window, 0).pages[2], shared_window_tail);
+  EXPECT_NE(m.block_table(1, CacheKind::window, 0).pages[2], shared_window_tail);
+  // The copies reported for a device mirror: the window tail of every layer and layer 4's entry
+  // page of entries 8-11 (position 10 closes no ratio-2 group; index-key entry 10 starts a new page).
+  ASSERT_EQ(copies.size(), static_cast<size_t>(t.topology.size() + 1));
+  for (const PageCopy& c : copies) {
+    const bool window = c.kind == CacheKind::window;
+    EXPECT_TRUE(window || (c.kind == CacheKind::compressed && c.layer == 4));
+    EXPECT_EQ(c.from, window ? shared_window_tail : shared_entry_page);  // pools allocate alike
+    EXPECT_EQ(c.to, m.block_table(1, c.kind, c.layer).pages[2]);
+    const PagePool& pool = m.pool(c.kind, c.layer);
+    EXPECT_TRUE(std::equal(pool.bytes().begin() + pool.page_offset(c.from),
+                           pool.bytes().begin() + pool.page_offset(c.from) + pool.page_stride(),
+                           pool.bytes().begin() + pool.page_offset(c.to)));
+  }
   // Still shared: exactly the pages both tables hold.
   for (int l = 0; l < t.topology.size(); ++l) {
     for (CacheKind k : {CacheKind::window, CacheKind::compressed, CacheKind::index_keys}) {
@@ -536,6 +552,39 @@ TEST(KvCacheManager, OneCopyWhenEveryHolderOfASharedPageWritesInOneStep) {
       EXPECT_EQ(m.pool(k, l).stats().shared_pages, common) << m.pool(k, l).name();
     }
   }
+}
+
+TEST(KvCacheManager, BookkeepingWithoutHostStorage) {
+  // What a device backend uses: pages, tables, sharing and copies, but no host bytes.
+  Tiny t;
+  KvCacheOptions o;
+  o.formats = kv_format_set("v4.1-native");
+  o.capacity = {4, 16, 8, 8};
+  o.host_storage = false;
+  KvCacheManager m(t.config, t.topology, o);
+  m.add_sequence(1);
+  m.reserve({{1, 40}});
+  m.commit(1, 40);
+  m.fork_sequence(1, 2);
+  const std::vector<PageCopy> copies = m.reserve({{2, 1}});
+  EXPECT_FALSE(copies.empty());
+  m.commit(2, 41);
+  for (const PagePool* pool : m.pools()) {
+    EXPECT_FALSE(pool->host_storage());
+    EXPECT_TRUE(pool->bytes().empty()) << pool->name();
+  }
+  // The window of 40 tokens at 32 rows per page: positions 24-39 in pages 0 and 1.
+  EXPECT_EQ(m.block_table(1, CacheKind::window, 0).pages.size(), 2u);
+  EXPECT_GT(m.sequence_bytes(2), 0);
+  const Rows x(512, 1.0f);
+  const std::vector<CacheStepEntry> step = {{2, 1}};
+  m.reserve(step);
+  expect_error([&] { m.write_slots(CacheKind::window, 0, m.step_slots(step, 0).window.data(), 1, x.data()); },
+               "dsv4: kv_cache: write_rows in pool 'layer 0 window (v41_fp8)': the pool keeps no host "
+               "bytes (host_storage is off)");
+  m.release_sequence(1);
+  m.release_sequence(2);
+  for (const PagePool* pool : m.pools()) EXPECT_EQ(pool->free_pages(), pool->num_pages()) << pool->name();
 }
 
 TEST(KvCacheManager, ForkAfterReserveCopiesAtTheWrite) {

@@ -44,6 +44,9 @@ struct PoolSpec {
   int64_t num_pages = 0;
   PagePlacement placement = PagePlacement::segregated;  // encoded pools only
   float tensor_scale = 1.0f;          // fp8_per_tensor only
+  // false: page bookkeeping only, no host arena (the bytes live elsewhere, e.g. on a GPU, and the
+  // row operations below throw).
+  bool host_storage = true;
 };
 
 struct PoolStats {
@@ -68,9 +71,10 @@ class PagePool {
   int64_t num_pages() const { return spec_.num_pages; }
   int64_t page_stride() const { return page_stride_; }
   float tensor_scale() const { return spec_.tensor_scale; }
+  bool host_storage() const { return spec_.host_storage; }
 
-  // The whole arena (num_pages * page_stride bytes); page p starts at p * page_stride. Float
-  // storage: page p holds rows_per_page rows of dims fp32 values, row after row.
+  // The whole arena (num_pages * page_stride bytes; empty without host storage); page p starts at
+  // p * page_stride. Float storage: page p holds rows_per_page rows of dims fp32, row after row.
   std::span<const std::byte> bytes() const { return bytes_; }
   int64_t page_offset(int64_t page) const;
 
@@ -86,6 +90,7 @@ class PagePool {
   std::string exhausted_message(int64_t asked) const;
 
   // Copies page `from` (bytes and which rows are written) onto page `to`; both must be in use.
+  // Without host storage only the checks remain: the owner of the bytes copies them.
   void copy_page(int64_t from, int64_t to);
 
   // Stores n fp32 rows x [n, dims] at `slots` through the pool's format (slot < 0 is skipped).
@@ -100,6 +105,7 @@ class PagePool {
  private:
   void check_page(const char* operation, int64_t page) const;
   void check_slot(const char* operation, int64_t slot) const;
+  void check_host(const char* operation) const;
 
   PoolSpec spec_;
   std::optional<PageGeometry> geometry_;  // set for encoded pools
@@ -135,6 +141,9 @@ struct KvCacheOptions {
   int64_t index_key_rows_per_page = 0;
   PagePlacement placement = PagePlacement::segregated;
   float fp8_tensor_scale = 1.0f;  // tensor scale of fp8_per_tensor pools
+  // false: the pools keep no host bytes (PoolSpec::host_storage), for a backend that holds the
+  // arenas on its device and mirrors reserve()'s page copies there.
+  bool host_storage = true;
   // Floats of compressor partial-group state per sequence, per layer id (total_layers() entries,
   // or empty for none). Only layers that own a compressor may have a nonzero count.
   std::vector<int64_t> compressor_state_floats;
@@ -158,6 +167,14 @@ struct CacheStepEntry {
 struct BlockTableView {
   int64_t first_logical_page = 0;
   std::span<const int64_t> pages;
+};
+
+// A page reserve() copied on write: a device mirror of the arena performs the same copy.
+struct PageCopy {
+  CacheKind kind;
+  int layer;
+  int64_t from;  // the shared page
+  int64_t to;    // the sequence's new page
 };
 
 // The slots a kernel writes for one layer in a step; tokens are those of the step's entries,
@@ -204,7 +221,8 @@ class KvCacheManager {
   // entry: new pages for rows past the held ones and a copy of each shared page the step writes
   // into (copy-on-write). All-or-nothing: when a pool lacks pages it throws naming the pool and
   // the request, and nothing changed. Reserving again before commit() allocates nothing new.
-  void reserve(const std::vector<CacheStepEntry>& step);
+  // Returns the page copies it made, in the order it made them (bytes already copied on the host).
+  std::vector<PageCopy> reserve(const std::vector<CacheStepEntry>& step);
   // Slots of every step token for `layer` (see LayerStepSlots); the step must be reserved.
   LayerStepSlots step_slots(const std::vector<CacheStepEntry>& step, int layer) const;
   // Advances the sequence to `new_length` (>= its length, within what is reserved) and returns the

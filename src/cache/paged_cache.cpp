@@ -48,9 +48,11 @@ PagePool::PagePool(PoolSpec spec) : spec_(std::move(spec)) {
   DSV4_CHECK(spec_.num_pages == 0 || page_stride_ <= kInt64Max / spec_.num_pages,
              "kv_cache: pool '", spec_.name, "': ", spec_.num_pages, " pages of ", page_stride_,
              " bytes overflow");
-  bytes_.assign(static_cast<size_t>(spec_.num_pages * page_stride_), std::byte{0});
+  if (spec_.host_storage) {
+    bytes_.assign(static_cast<size_t>(spec_.num_pages * page_stride_), std::byte{0});
+    written_.assign(static_cast<size_t>(spec_.num_pages * spec_.rows_per_page), 0);
+  }
   refcount_.assign(static_cast<size_t>(spec_.num_pages), 0);
-  written_.assign(static_cast<size_t>(spec_.num_pages * spec_.rows_per_page), 0);
   free_list_.reserve(static_cast<size_t>(spec_.num_pages));
   for (int64_t p = spec_.num_pages - 1; p >= 0; --p) free_list_.push_back(p);
 }
@@ -64,6 +66,11 @@ const PageGeometry& PagePool::geometry() const {
 void PagePool::check_page(const char* operation, int64_t page) const {
   DSV4_CHECK(page >= 0 && page < spec_.num_pages, "kv_cache: ", operation, " in pool '", spec_.name,
              "': page ", page, " is out of range [0, ", spec_.num_pages, ")");
+}
+
+void PagePool::check_host(const char* operation) const {
+  DSV4_CHECK(spec_.host_storage, "kv_cache: ", operation, " in pool '", spec_.name,
+             "': the pool keeps no host bytes (host_storage is off)");
 }
 
 void PagePool::check_slot(const char* operation, int64_t slot) const {
@@ -93,7 +100,8 @@ std::vector<int64_t> PagePool::allocate(int64_t n) {
     page = free_list_.back();
     free_list_.pop_back();
     refcount_[page] = 1;
-    std::fill_n(written_.begin() + page * spec_.rows_per_page, spec_.rows_per_page, uint8_t{0});
+    if (spec_.host_storage)
+      std::fill_n(written_.begin() + page * spec_.rows_per_page, spec_.rows_per_page, uint8_t{0});
   }
   return pages;
 }
@@ -135,6 +143,7 @@ void PagePool::copy_page(int64_t from, int64_t to) {
   DSV4_CHECK(refcount_[from] > 0 && refcount_[to] > 0, "kv_cache: copy_page in pool '", spec_.name,
              "': pages ", from, " -> ", to, " must both be in use (reference counts ",
              refcount_[from], ", ", refcount_[to], ")");
+  if (!spec_.host_storage) return;
   std::memcpy(bytes_.data() + to * page_stride_, bytes_.data() + from * page_stride_,
               static_cast<size_t>(page_stride_));
   std::copy_n(written_.begin() + from * spec_.rows_per_page, spec_.rows_per_page,
@@ -142,6 +151,7 @@ void PagePool::copy_page(int64_t from, int64_t to) {
 }
 
 bool PagePool::is_written(int64_t slot) const {
+  check_host("is_written");
   check_slot("is_written", slot);
   return written_[slot] != 0;
 }
@@ -149,6 +159,7 @@ bool PagePool::is_written(int64_t slot) const {
 void PagePool::write_rows(const float* x, int64_t n, const int64_t* slots) {
   DSV4_CHECK(n >= 0, "kv_cache: write_rows in pool '", spec_.name, "': row count ", n,
              ", expected >= 0");
+  check_host("write_rows");
   for (int64_t i = 0; i < n; ++i) {
     if (slots[i] < 0) continue;
     check_slot("write_rows", slots[i]);
@@ -174,6 +185,7 @@ void PagePool::write_rows(const float* x, int64_t n, const int64_t* slots) {
 void PagePool::read_rows(const int64_t* slots, int64_t n, float* out) const {
   DSV4_CHECK(n >= 0, "kv_cache: read_rows in pool '", spec_.name, "': row count ", n,
              ", expected >= 0");
+  check_host("read_rows");
   for (int64_t i = 0; i < n; ++i) {
     check_slot("read_rows", slots[i]);
     const int64_t page = slots[i] / spec_.rows_per_page;
@@ -309,6 +321,7 @@ KvCacheManager::KvCacheManager(const ModelConfig& config, const ModelTopology& t
     spec.num_pages = pages;
     spec.placement = options_.placement;
     spec.tensor_scale = options_.fp8_tensor_scale;
+    spec.host_storage = options_.host_storage;
     pool_of_layer_[plan.layer][static_cast<size_t>(kind)] = static_cast<int>(pools_.size());
     pools_.push_back(CachePool{kind, plan.layer, tokens_per_row, PagePool(std::move(spec))});
   };
@@ -516,7 +529,7 @@ std::string describe_step(const std::vector<CacheStepEntry>& step,
 
 }  // namespace
 
-void KvCacheManager::reserve(const std::vector<CacheStepEntry>& step) {
+std::vector<PageCopy> KvCacheManager::reserve(const std::vector<CacheStepEntry>& step) {
   // Validate the request before planning anything.
   std::vector<Sequence*> seqs;
   std::vector<int64_t> lengths;
@@ -584,6 +597,7 @@ void KvCacheManager::reserve(const std::vector<CacheStepEntry>& step) {
   }
 
   // Execute: nothing below can fail.
+  std::vector<PageCopy> copies;
   for (size_t i = 0; i < pools_.size(); ++i) {
     PagePool& pool = pools_[i].pages;
     const std::vector<int64_t> fresh = pool.allocate(plans[i].need);
@@ -591,6 +605,7 @@ void KvCacheManager::reserve(const std::vector<CacheStepEntry>& step) {
     for (const Copy& c : plans[i].copies) {
       int64_t& page = seqs[c.sequence]->tables[i].pages[c.table_index];
       pool.copy_page(page, *next);
+      copies.push_back(PageCopy{pools_[i].kind, pools_[i].layer, page, *next});
       pool.release(page);
       page = *next++;
     }
@@ -600,6 +615,7 @@ void KvCacheManager::reserve(const std::vector<CacheStepEntry>& step) {
       next += plans[i].appended[e];
     }
   }
+  return copies;
 }
 
 LayerStepSlots KvCacheManager::step_slots(const std::vector<CacheStepEntry>& step, int layer) const {
