@@ -2,7 +2,7 @@
 //
 // A PagePool is an arena of equally sized pages holding rows of one format, with a free list and
 // per-page reference counts. It hands out page ids and byte offsets only, so that the same
-// bookkeeping can later drive an arena that lives on a GPU.
+// bookkeeping drives an arena that lives on a GPU (host_storage off: no host bytes at all).
 //
 // A KvCacheManager owns every pool of a model: one sliding-window pool per layer, one compressed
 // pool and one index-key pool per kv-source layer, plus the compressor partial-group state of each
@@ -234,6 +234,7 @@ class KvCacheManager {
   int64_t first_readable_row(SequenceId id, CacheKind kind, int layer) const;
   // Rows that hold pages (readable or reserved): rows < held_rows are addressable.
   int64_t held_rows(SequenceId id, CacheKind kind, int layer) const;
+  // The slot of a row that has a page and has not left the window (written or not).
   int64_t slot(SequenceId id, CacheKind kind, int layer, int64_t row) const;
   // Stores rows [first_row, first_row + n) (x: [n, dims] fp32). The rows must be past the
   // committed ones and reserved; a page still shared (forked after reserve) is copied first.
