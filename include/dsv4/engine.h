@@ -30,7 +30,10 @@ Precision parse_precision(const std::string& name);
 struct EngineOptions {
   Backend backend = Backend::cpu;
   Precision precision = Precision::reference;
-  std::string kv_format = "";        // a kv_format_set name; empty: float storage of the values
+  // A kv_format_set name: paged caches in those byte formats, allocated up front for
+  // max_sequences x max_context tokens. Empty: float storage of the values, growing with each
+  // sequence (the sizes below are then only limits).
+  std::string kv_format = "";
   int64_t max_sequences = 256;
   int64_t max_tokens_per_step = 8192;
   int64_t max_context = 1 << 16;     // sizes the cache pools: max_sequences x max_context tokens
@@ -63,12 +66,15 @@ class Engine {
   // length. All cache space is reserved here: if a pool is exhausted, this throws and nothing changes.
   virtual void begin_step(const std::vector<StepEntry>& entries) = 0;
   // Runs layer `layer` of the step. hidden_in / attn_out: [step_tokens, hidden_size] f32 on the
-  // engine's device, tokens of the entries concatenated in order.
+  // engine's device, tokens of the entries concatenated in order (they may be the same memory).
+  // Each layer runs once per step, after its kv source, index source and candidate source.
   virtual void run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) = 0;
   // The picks (compressed positions, sorted, -1 padded) an index-source layer published in this
-  // step: [step_tokens, k] i32 on the host. Empty before that layer ran.
+  // step: [step_tokens, index_topk] i32 on the host. Empty before that layer ran; kept until the
+  // next begin_step. Throws for a layer that is not an index source.
   virtual HostTensor layer_picks(int layer) const = 0;
-  // Commits the step: sequence lengths advance. Every layer must have run.
+  // Commits the step: sequence lengths advance. Every backbone layer must have run; MTP layers
+  // are optional, but a sequence whose step skipped one cannot run that layer any more.
   virtual void end_step() = 0;
 
   // Bytes of cache currently held by a sequence (all layers, all caches).
