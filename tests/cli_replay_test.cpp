@@ -120,6 +120,10 @@ class CliReplayTest : public ::testing::Test {
   static const Replay& v41a_reference() {
     return replayed("v41a", "v41a.weights.index.json", "v41a.reference.safetensors", "--precision reference");
   }
+  static const Replay& v41a_native_cache() {
+    return replayed("v41a", "v41a.weights.index.json", "v41a.native.safetensors",
+                    "--precision reference --kv-format v4.1-native");
+  }
   static const Replay& v41a_split() {
     return replayed("v41a", "v41a.weights.index.json", "v41a.split.safetensors", "--precision reference --split-steps");
   }
@@ -202,6 +206,19 @@ TEST_F(CliReplayTest, SplitStepsMatchGoldenAndTheBatchedReplay) {
   const CommandResult batched =
       run_cli("compare " + shell_quoted(v41a_out) + " " + shell_quoted(v41a_split_out) + " --tol 1e-5");
   EXPECT_EQ(batched.exit_code, 0) << batched.output;
+}
+
+// V4.1's own cache formats (FP8 window rows, FP4 compressed rows, MXFP4 index keys) hold exactly
+// the values the reference's fake quantization produces: the same outputs as float caches.
+TEST_F(CliReplayTest, NativeCacheFormatsReproduceTheFloatCaches) {
+  const Replay& float_caches = v41a_reference();
+  const Replay& native_caches = v41a_native_cache();
+  ASSERT_EQ(float_caches.result.exit_code, 0) << float_caches.result.output;
+  ASSERT_EQ(native_caches.result.exit_code, 0) << native_caches.result.output;
+  EXPECT_NE(native_caches.result.output.find("kv format v4.1-native"), std::string::npos);
+  const CommandResult same = run_cli("compare " + shell_quoted(float_caches.out) + " " +
+                                     shell_quoted(native_caches.out) + " --tol 1e-6");
+  EXPECT_EQ(same.exit_code, 0) << same.output;
 }
 
 TEST_F(CliReplayTest, CompareMeasuresAPerturbation) {

@@ -84,9 +84,10 @@ void fill_token_input(uint64_t seed, int64_t sequence, int64_t position, float* 
   uint64_t state = seed;
   state = splitmix64(state) ^ static_cast<uint64_t>(sequence);
   state = splitmix64(state) ^ static_cast<uint64_t>(position);
-  const double scale = std::sqrt(3.0) * 2.0 / 18446744073709551616.0;  // 2^64
-  for (int64_t h = 0; h < hidden; ++h) row[h] = static_cast<float>(static_cast<double>(splitmix64(state)) * scale -
-                                                                    std::sqrt(3.0));
+  const double half_width = std::sqrt(3.0);
+  const double scale = 2.0 * half_width / 18446744073709551616.0;  // 2^64
+  for (int64_t h = 0; h < hidden; ++h)
+    row[h] = static_cast<float>(static_cast<double>(splitmix64(state)) * scale - half_width);
 }
 
 // Host work this large is spread over threads; below it, waking the thread team (which then spins,
