@@ -1,0 +1,67 @@
+// The KV caches of the CUDA engine: a KvCacheManager does the page bookkeeping (allocation, block
+// tables, slots, fork sharing, copy-on-write, all-or-nothing reserve) and this class keeps the
+// pool bytes on the device, one arena per pool with the manager's page geometry, plus the
+// compressor rings (the projected rows of still-open groups) of every sequence slot. Every device change the manager's
+// bookkeeping implies (a page copied on write, a state zeroed or copied) is queued on the
+// engine's stream, so it is ordered with the kernels that read and write the pages.
+//
+// The manager's own host copy of the pool bytes is never read or written here.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "dsv4/cuda/runtime.h"
+#include "dsv4/kv_cache.h"
+
+namespace dsv4::cuda {
+
+class DeviceCaches {
+ public:
+  // Allocates every arena and compressor ring (zeroed). `ring_floats[layer]` lists the floats per
+  // sequence of each compressor ring of the layer (empty for layers without a compressor); the
+  // manager accounts their sum as the layer's compressor state.
+  DeviceCaches(const ModelConfig& config, const ModelTopology& topology, KvCacheOptions options,
+               const std::vector<std::vector<int64_t>>& ring_floats, cudaStream_t stream);
+
+  const KvCacheManager& manager() const { return manager_; }
+
+  void add_sequence(SequenceId id);
+  void fork_sequence(SequenceId parent, SequenceId child);
+  void release_sequence(SequenceId id);
+  // KvCacheManager::reserve, then the device copies of the pages it copied on write.
+  void reserve(const std::vector<CacheStepEntry>& step);
+  void commit(SequenceId id, int64_t new_length) { manager_.commit(id, new_length); }
+
+  bool has_pool(CacheKind kind, int layer) const { return manager_.has_pool(kind, layer); }
+  // The pool's device arena [num_pages, page_stride] u8 and its geometry.
+  TensorView pages(CacheKind kind, int layer) const;
+  const PageGeometry& geometry(CacheKind kind, int layer) const { return manager_.pool(kind, layer).geometry(); }
+  // Ring `ring` of the layer's compressors: [max_sequences, span, row_width] f32, indexed by
+  // KvCacheManager::sequence_slot; span · row_width must be the ring's floats per sequence.
+  TensorView compressor_ring(int layer, int ring, int64_t span, int64_t row_width) const;
+
+  // Device bytes of all arenas and state slabs.
+  int64_t device_bytes() const;
+
+ private:
+  struct Arena {
+    CacheKind kind;
+    int layer;
+    DeviceBuffer bytes;
+  };
+  const Arena& arena(CacheKind kind, int layer) const;
+
+  KvCacheManager manager_;
+  cudaStream_t stream_;
+  std::vector<Arena> arenas_;
+  std::vector<std::array<int, 3>> arena_of_layer_;  // [layer][kind] -> index in arenas_, -1 if none
+  struct Ring {
+    int64_t floats = 0;  // per sequence
+    DeviceBuffer slab;   // [max_sequences, floats]
+  };
+  std::vector<std::vector<Ring>> rings_;            // per layer
+};
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,55 @@
+// A layer's attention weights on the device, converted once when the engine is created and kept
+// in one allocation per layer: projections as bf16 (fp8 weights dequantized with their block
+// scales, exact for ue8m0 scales; f32 weights rounded), vectors (norm weights, attn_sink,
+// position biases) as f32. A compressor's gate projection follows its kv projection directly, so
+// that the two multiply as one fused [kv; gate] GEMM (compressor.h).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "dsv4/config.h"
+#include "dsv4/cuda/runtime.h"
+#include "dsv4/engine.h"
+#include "dsv4/weights.h"
+
+namespace dsv4::cuda {
+
+struct DeviceWeight {
+  void* data = nullptr;         // inside the layer's allocation
+  DType dtype = DType::bf16;
+  std::vector<int64_t> shape;   // empty: the layer has no such weight
+  int device = 0;
+  // > 0: the reference quantizes the activation to fp8 in tiles of this many input channels
+  // before this projection (fp8 checkpoint weight, Precision::reference).
+  int activation_block = 0;
+
+  bool present() const { return !shape.empty(); }
+  TensorView view() const { return TensorView::contiguous(data, dtype, shape, Device::cuda, device); }
+  // The same elements in another shape of equal size (e.g. wo_a as [groups, rank, in]).
+  TensorView view(const std::vector<int64_t>& as_shape) const;
+};
+
+class DeviceLayerWeights {
+ public:
+  // Checks every tensor the plan needs against its expected shape (expected_layer_weights), then
+  // uploads and converts it on `stream`, waiting for the conversions to finish.
+  DeviceLayerWeights(const ModelConfig& config, const LayerPlan& plan, const LayerWeights& weights,
+                     Precision precision, cudaStream_t stream);
+
+  bool has(WeightRole role) const { return weights_[static_cast<size_t>(role)].present(); }
+  // Throws naming the layer and the tensor when the layer has no such weight.
+  const DeviceWeight& get(WeightRole role) const;
+  // [kv rows + gate rows, in]: the kv projection and the gate projection stored right after it
+  // (just the kv projection when the layer has no `gate`).
+  TensorView fused(WeightRole kv, WeightRole gate) const;
+  int64_t device_bytes() const { return static_cast<int64_t>(memory_.bytes()); }
+
+ private:
+  int layer_ = -1;
+  DeviceBuffer memory_;
+  std::array<DeviceWeight, kNumWeightRoles> weights_;
+};
+
+}  // namespace dsv4::cuda
