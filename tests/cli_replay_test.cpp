@@ -424,6 +424,8 @@ TEST_F(CliReplayTest, ReplayRejectsMalformedCalls) {
                   {"calls.1.layers.2.hidden_in", "has shape [3, 1, 256], expected [2, 1, 256]"});
   edit_and_expect("calls.2.position_ids", [](HostTensor& t) { t.as<int64_t>()[0] += 1; },
                   {"calls.2.position_ids[0] is 39, expected 38"});
+  edit_and_expect("calls.0.position_ids", [](HostTensor& t) { t.as<int64_t>()[20] = 0; },
+                  {"calls.0.position_ids[20] is 0, expected 20 (a new sequence starts at position 0)"});
   edit_and_expect("calls.6.layers.0.hidden_in", nullptr, {"calls.6.layers.0.hidden_in"});
   edit_and_expect("calls.4.position_ids", nullptr, {"calls.4.position_ids"});
   edit_and_expect("calls.0.layers.1.hidden_in", [](HostTensor& t) { t = HostTensor(DType::bf16, {2, 37, 256}); },

@@ -136,10 +136,12 @@ ReplaySchedule read_replay_schedule(const SafetensorsFile& file, int64_t hidden_
                " has shape ", shape_string(positions_entry->shape), ", expected [S] with S >= 1");
     const std::vector<int64_t> positions = read_integers(file, *positions_entry);
     ScheduledCall call{c, schedule.total_positions(), positions_entry->shape[0]};
+    const std::string why = c == 0 ? "a new sequence starts at position 0"
+                                   : "positions continue from the previous call's end, " +
+                                         std::to_string(call.first_position);
     for (size_t t = 0; t < positions.size(); ++t)
       DSV4_CHECK(positions[t] == call.first_position + static_cast<int64_t>(t), op, ": ", positions_name, "[", t,
-                 "] is ", positions[t], ", expected ", call.first_position + static_cast<int64_t>(t),
-                 " (positions must continue from the previous call's end, ", call.first_position, ")");
+                 "] is ", positions[t], ", expected ", call.first_position + static_cast<int64_t>(t), " (", why, ")");
 
     // Layers: the same contiguous set 0..n-1 in every call.
     std::vector<int> layers;
