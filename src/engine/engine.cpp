@@ -3,6 +3,9 @@
 
 #include "dsv4/error.h"
 #include "engine/cpu_engine.h"
+#if defined(DSV4_WITH_CUDA)
+#include "cuda/engine/cuda_engine.h"
+#endif
 
 namespace dsv4 {
 
@@ -24,9 +27,12 @@ Precision parse_precision(const std::string& name) {
 
 std::unique_ptr<Engine> Engine::create(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
                                        const EngineOptions& options) {
-  DSV4_CHECK(options.backend == Backend::cpu, "engine: create: backend '", backend_name(options.backend),
-             "' is not available in this build");
-  return std::make_unique<CpuEngine>(config, std::move(weights), options);
+  if (options.backend == Backend::cpu) return std::make_unique<CpuEngine>(config, std::move(weights), options);
+#if defined(DSV4_WITH_CUDA)
+  return std::make_unique<cuda::CudaEngine>(config, std::move(weights), options);
+#else
+  fail("engine: create: backend 'cuda' is not available in this build (it was built without CUDA)");
+#endif
 }
 
 }  // namespace dsv4
