@@ -1,0 +1,84 @@
+// The q / kv path between the projections and the attention (SPEC §2.2, §4.2, §8): RMSNorm, RoPE
+// from a precomputed table, the QAT fake quantizers, and the insert of the finished row into a
+// paged cache in its byte format.
+//
+// Rounding follows the reference where outputs are bf16: the normalized row and the rotated row
+// are rounded to bf16 before the next step (with f32 outputs, or bf16_rounding = false for cache
+// inserts, everything stays fp32, the precision of the transformers V4.0 goldens). The norm sums
+// squares in double and the RoPE products are IEEE-rounded fp32 (no fused multiply-add), so bf16
+// results equal the CPU reference bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dsv4/cuda/runtime.h"
+#include "dsv4/tensor.h"
+
+namespace dsv4::cuda {
+
+// QAT fake quantization of a finished row (SPEC §8.2); every result is exact in bf16.
+enum class RowQuant : uint8_t {
+  none,
+  fp8_e4m3_32,       // V4.1 window rows: e4m3 + ue8m0 scale per 32 channels, all channels
+  fp8_e4m3_nope_64,  // V4.0 (DeepSeek): e4m3 + ue8m0 per 64 channels on the channels before the RoPE tail
+  fp4_ue8m0_32,      // indexer q and keys: e2m1 + ue8m0 per 32 channels
+  fp4_e4m3_16,       // V4.1 compressed rows: e2m1 + e4m3 scale per 16 channels
+};
+
+// The RoPE table of a layer: [max_positions, rope_dim] f32, row p = [cos(p·f_0) … cos(p·f_{n−1}),
+// sin(p·f_0) … sin(p·f_{n−1})] with the angle float(p)·f_i in fp32 (as reference::apply_rope),
+// n = rope_dim / 2 = frequencies.size(). Upload it once per layer kind.
+HostTensor rope_table(const std::vector<float>& frequencies, int64_t max_positions);
+
+// y = weight · x · rsqrt(mean(x²) + eps) per row (no weight: plain normalization).
+struct RmsNormParams {
+  TensorView x;          // [rows, dim] bf16 | f32
+  TensorView weight;     // optional: [dim] bf16 | f32
+  float eps = 1e-6f;     // > 0 (V4.1: 1e-20)
+  TensorView out;        // [rows, dim] bf16 | f32; may be x
+};
+
+void validate_rms_norm(const RmsNormParams& p);
+void run_rms_norm(const RmsNormParams& p, cudaStream_t stream);
+
+// Per head of every token: optional weightless RMS normalization (V4.0 q), RoPE on the last
+// rope_dim channels at the token's position (inverse: the output's un-rotation, SPEC §6.1), then
+// optional QAT (the indexer queries: fp4_ue8m0_32). Tokens whose position is outside the table
+// get NaN in their rotated channels.
+struct RopeHeadsParams {
+  TensorView x;               // [tokens, heads, head_dim] bf16 | f32
+  TensorView token_position;  // [tokens] i32
+  TensorView rope_table;      // [max_positions, rope_dim] f32, rope_dim even and <= head_dim
+  bool inverse = false;
+  bool head_norm = false;     // V4.0: q ← q · rsqrt(mean(q²) + eps) per head, before RoPE
+  float eps = 1e-6f;          // head_norm only
+  RowQuant quant = RowQuant::none;
+  TensorView out;             // [tokens, heads, head_dim] bf16 | f32; may be x
+};
+
+void validate_rope_heads(const RopeHeadsParams& p);
+void run_rope_heads(const RopeHeadsParams& p, cudaStream_t stream);
+
+// A finished cache row per token: optional RMSNorm with a weight (window kv: kv_norm; index keys:
+// k_norm), RoPE at token_position + position_offset (a compressed entry rotates at its group's
+// first position: offset 1 - ratio on the closing token), QAT, then the row is encoded into
+// `cache` at slots[t] (skipped when negative or when the position is outside the RoPE table).
+struct CacheInsertParams {
+  TensorView rows;            // [tokens, dim] bf16 | f32 (projection output, or the latent)
+  TensorView norm_weight;     // optional: [dim] bf16 | f32
+  float eps = 1e-6f;          // with norm_weight
+  TensorView token_position;  // [tokens] i32
+  int64_t position_offset = 0;
+  TensorView rope_table;      // [max_positions, rope_dim] f32
+  RowQuant quant = RowQuant::none;
+  bool bf16_rounding = true;  // round after the norm and after RoPE, as the reference
+  TensorView slots;           // [tokens] i64, -1: not stored
+  PagedCache cache;           // writer (its block_table is not read)
+  TensorView out;             // optional: [tokens, dim] bf16 | f32, the row as encoded (every token)
+};
+
+void validate_cache_insert(const CacheInsertParams& p);
+void run_cache_insert(const CacheInsertParams& p, cudaStream_t stream);
+
+}  // namespace dsv4::cuda
