@@ -153,9 +153,8 @@ TEST(GoldenV41, PicksMatchOnNonAmbiguousRows) {
     }
 }
 
-// Index scores are bf16 sums: a one-ulp difference in an FP4 index key (a quantization tile whose
-// value sits on a rounding boundary) shows in every score against that key. They must agree
-// almost everywhere, and the candidate flags everywhere the cut is unique.
+// The reference's index scores are bf16 sums of bf16 terms; computed the same way they agree
+// exactly, and so do the candidate flags wherever the block cut is unique.
 TEST(GoldenV41, IndexScoresAndCandidatesMatchOnNonAmbiguousRows) {
   const IndexAgreement& a = replayed().index_agreement;
   std::printf("v41a index scores: %lld of %lld differ (max %.3g); candidate flags: %lld of %lld differ\n",
@@ -163,8 +162,7 @@ TEST(GoldenV41, IndexScoresAndCandidatesMatchOnNonAmbiguousRows) {
               a.max_score_difference, static_cast<long long>(a.flags_differing),
               static_cast<long long>(a.flags_compared));
   EXPECT_GT(a.scores_compared, 10000);
-  EXPECT_LE(a.scores_differing, a.scores_compared / 1000);
-  EXPECT_LE(a.max_score_difference, 0.05);
+  EXPECT_EQ(a.scores_differing, 0);
   EXPECT_GT(a.flags_compared, 1000);
   EXPECT_EQ(a.flags_differing, 0);
 }
@@ -233,13 +231,15 @@ TEST(GoldenV41, FinalCachesMatch) {
       EXPECT_LE(err, tolerance) << prefix << name;
       std::printf("v41a %s%s: relative L2 error %.3g\n", prefix.c_str(), name.c_str(), err);
     };
-    check("window_kv", window, 2e-2);
+    // Fake-quantized rows agree exactly unless a value lands on the other side of a rounding
+    // boundary (one FP4 flip in a layer's cache is ~1e-3); the compressor state is fp32.
+    check("window_kv", window, 2e-3);
     if (!g.topology[l].owns_compressor) continue;
-    check("compress_kv", compressed, 2e-2);
-    check("index_k", keys, 2e-2);
+    check("compress_kv", compressed, 2e-3);
+    check("index_k", keys, 2e-3);
     if (g.topology[l].compress_ratio > 1) {
-      check("compressor_kv_state", kv_state, 1e-5);
-      check("compressor_score_state", score_state, 1e-5);
+      check("compressor_kv_state", kv_state, 1e-6);
+      check("compressor_score_state", score_state, 1e-6);
     }
   }
 }

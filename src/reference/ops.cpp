@@ -14,16 +14,17 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Dot product with eight running sums in a fixed order: vectorizable without reassociation,
-// identical on every thread.
+// Dot product accumulated in double (then rounded once to fp32): the fp32 result closest to the
+// exact one, whatever order a GEMM on the other side sums in. Eight running sums in a fixed order
+// keep it vectorizable without reassociation and identical on every thread.
 float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
-  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+    for (int k = 0; k < 8; ++k) acc[k] += static_cast<double>(a[i + k]) * b[i + k];
+  double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) sum += static_cast<double>(a[i]) * b[i];
+  return static_cast<float>(sum);
 }
 
 float maybe_bf16(float x, bool bf16) { return bf16 ? round_to_bf16(x) : x; }

@@ -2,8 +2,10 @@
 // operation on fp32 buffers with explicit shapes. They are the ground truth the engine is built
 // from and the oracle the CUDA kernels are tested against.
 //
-// Numerics: every function computes in fp32 (sums of squares in double) and, where the official
-// V4.1 code rounds its output to bf16, takes a `bf16` flag that rounds the result (SPEC §8.1).
+// Numerics: every function computes in fp32, with dot products and sums of squares accumulated in
+// double and rounded once (the fp32 value closest to the exact one, whatever order another
+// implementation sums in); where the official V4.1 code rounds its output to bf16, a `bf16` flag
+// rounds the result (SPEC §8.1).
 // Buffers are row-major and contiguous; shapes are given per argument. Functions that loop over
 // independent outputs use OpenMP; no reduction order depends on the thread count, so results are
 // bitwise identical for any number of threads.
@@ -33,12 +35,12 @@ struct LinearNumerics {
   bool bf16_output = false;
 };
 
-// y [n, out] = x [n, in] · w [out, in]ᵀ with fp32 accumulation. y must not alias x.
+// y [n, out] = x [n, in] · w [out, in]ᵀ (accumulated in double, rounded to fp32). y must not alias x.
 void linear(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y,
             const LinearNumerics& numerics);
 
 // Grouped low-rank output projection (SPEC §6.2): o [n, groups, in] (group g = heads g·H/G …),
-// w [groups, rank, in] → y [n, groups, rank], fp32 accumulation.
+// w [groups, rank, in] → y [n, groups, rank].
 void grouped_linear(const float* o, int64_t n, int64_t groups, int64_t in, const float* w, int64_t rank,
                     float* y, bool bf16_output);
 
