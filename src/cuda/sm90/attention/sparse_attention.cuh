@@ -144,7 +144,8 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
         }
         partial[j] = dot;
       }
-      const float score = row_valid ? reduce_scatter_rows(partial, lane) * a.scale : -INFINITY;
+      const float total = reduce_scatter_rows(partial, lane);  // every lane takes part in the shuffles
+      const float score = row_valid ? total * a.scale : -INFINITY;
       const float new_max = fmaxf(running_max[h], warp_max(score));
       if (new_max == -INFINITY) {  // no valid row yet
         probability[h] = 0.0f;
