@@ -253,14 +253,14 @@ void sparse_attention(const float* q, int64_t heads, int64_t dim, const float* c
       m = std::max(m, logit[i]);
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
-    float denominator = 0.0f;
+    double sum = 0.0;  // rounded once, like the dot products
     for (int64_t i = 0; i < n; ++i) {
       const float e = std::exp(logit[i] - m);
-      denominator += e;
+      sum += e;
       const float weight = maybe_bf16(e, bf16);
       for (int64_t c = 0; c < dim; ++c) acc[c] += weight * rows[i][c];
     }
-    denominator += std::exp(sink[h] - m);
+    const float denominator = static_cast<float>(sum + std::exp(sink[h] - m));
     float* oh = out + h * dim;
     for (int64_t c = 0; c < dim; ++c) oh[c] = maybe_bf16(n > 0 ? acc[c] / denominator : 0.0f, bf16);
   }
