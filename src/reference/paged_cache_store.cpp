@@ -1,6 +1,7 @@
 // Paged storage of the CPU reference's caches: the KvCacheManager's pools in the byte formats of a
 // kv_format set (window, compressed and index-key rows encoded and decoded by the row formats).
 #include <map>
+#include <new>
 
 #include "dsv4/error.h"
 #include "dsv4/kv_cache.h"
@@ -132,7 +133,12 @@ class PagedCacheStore final : public CacheStore {
 
 std::unique_ptr<CacheStore> make_paged_cache_store(const ModelConfig& config, const ModelTopology& topology,
                                                    std::vector<LayerCacheShape> shapes, const EngineOptions& options) {
-  return std::make_unique<PagedCacheStore>(config, topology, std::move(shapes), options);
+  try {
+    return std::make_unique<PagedCacheStore>(config, topology, std::move(shapes), options);
+  } catch (const std::bad_alloc&) {
+    fail("engine: create: the '", options.kv_format, "' cache pools for ", options.max_sequences, " sequences of ",
+         options.max_context, " tokens (EngineOptions::max_sequences, max_context) do not fit in memory");
+  }
 }
 
 }  // namespace dsv4::reference
