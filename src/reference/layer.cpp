@@ -233,8 +233,8 @@ void run_indexer(const ModelConfig& config, const LayerParameters& L, const Step
   for (int64_t t = 0; t < T; ++t) {
     const int64_t n = offset[t + 1] - offset[t];
     const int64_t n_visible = std::min(n, (step.positions[t] + 1) / ratio);
-    std::vector<float> local;
-    float* scores = record_scores ? out.index_scores.values.data() + offset[t] : (local.resize(n), local.data());
+    std::vector<float> local(static_cast<size_t>(record_scores ? 0 : n));
+    float* scores = record_scores ? out.index_scores.values.data() + offset[t] : local.data();
     index_scores(q.data() + t * nI * dI, w.data() + t * nI, nI, dI, keys[static_cast<size_t>(step.chunk_of[t])].data(),
                  n, n_visible, L.bf16, scores);
     if (L.plan.is_candidate_source)
