@@ -465,11 +465,12 @@ int run(const RunOptions& o) {
   const ModelConfig config = from_file ? load_config_file(o.config_path) : preset_config(preset);
   const ModelTopology topology = resolve_topology(config);
   const bool fp8_weights = config.weight_quantization.has_value();
-  std::fprintf(stderr, "dsv4: run: %s weights for %s...\n", o.weights_path.empty() ? "generating random" : "loading",
-               config.name.c_str());
+  auto setup_start = Clock::now();
   auto weights = std::make_shared<const ModelWeights>(
       o.weights_path.empty() ? random_weights(config, topology, o.seed, fp8_weights)
                              : load_weights(o.weights_path, config, topology));
+  std::fprintf(stderr, "dsv4: run: %s weights of %s in %.1f s\n", o.weights_path.empty() ? "generated random" : "loaded",
+               config.name.c_str(), seconds_since(setup_start));
 
   EngineOptions options;
   options.backend = backend;
@@ -479,7 +480,9 @@ int run(const RunOptions& o) {
   options.max_tokens_per_step = w.step_tokens;
   options.max_context = w.longest();
   options.num_threads = o.threads;
+  setup_start = Clock::now();
   const std::unique_ptr<Engine> engine = Engine::create(config, weights, options);
+  std::fprintf(stderr, "dsv4: run: created the %s engine in %.1f s\n", backend_name(backend), seconds_since(setup_start));
   const double tolerance = o.was_given("--check-tol") ? o.check_tolerance
                            : options.precision == Precision::fp32 ? 1e-4 : 2e-2;
 
