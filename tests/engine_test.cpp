@@ -305,7 +305,9 @@ TEST(Engine, PicksAndCandidateFiltering) {
         }
         ++valid;
         ASSERT_LT(picks[i], visible);
-        if (i > 0) ASSERT_LT(picks[i - 1], picks[i]);
+        if (i > 0) {
+          ASSERT_LT(picks[i - 1], picks[i]);
+        }
       }
       const uint8_t* mask = plan.uses_candidates ? cpu.publication(m.config.candidate_source_layer).candidate_mask.row(t)
                                                  : nullptr;

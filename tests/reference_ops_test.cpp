@@ -363,9 +363,11 @@ TEST(ReferenceOps, CandidateBlocksMatchBruteForce) {
     std::vector<uint8_t> mask(n);
     select_candidate_blocks(scores.data(), n, visible, block, top, mask.data());
     ASSERT_EQ(mask, candidate_mask_brute_force(scores, visible, block, top)) << "trial " << trial;
-    int64_t kept = std::count(mask.begin(), mask.begin() + visible, 1);
+    const int64_t kept = std::count(mask.begin(), mask.begin() + visible, 1);
     cases_with_exclusions += kept < visible;
-    if (visible > 0) EXPECT_EQ(mask[visible - 1], 1) << "the newest visible position is always kept";
+    if (visible > 0) {
+      EXPECT_EQ(mask[visible - 1], 1) << "the newest visible position is always kept";
+    }
   }
   EXPECT_GT(cases_with_exclusions, 50);
 }
