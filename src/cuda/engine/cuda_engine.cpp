@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <set>
+#include <type_traits>
 
 #include "cuda/engine/glue.h"
 #include "dsv4/cuda/attention.h"
@@ -81,6 +83,14 @@ TensorView rows_of(const TensorView& v, int64_t first, int64_t count) {
   return r;
 }
 
+// The current device; throws when there is none (before any stream or handle is created).
+int engine_device() {
+  DSV4_CHECK(device_count() > 0, "engine: create: backend 'cuda' needs a CUDA device, none is present");
+  int device = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
 LinearParams linear_params(const TensorView& x, const TensorView& weight, int activation_block, const TensorView& y,
                            cublasLtContext* blas) {
   LinearParams p;
@@ -148,9 +158,8 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
       topology_(resolve_topology(config)),
       weights_(std::move(weights)),
       options_(options),
-      formats_(engine_kv_formats(config, options)) {
-  DSV4_CHECK(device_count() > 0, "engine: create: backend 'cuda' needs a CUDA device, none is present");
-  DSV4_CUDA_CHECK(cudaGetDevice(&device_));
+      formats_(engine_kv_formats(config, options)),
+      device_(engine_device()) {
   DSV4_CHECK(weights_ != nullptr, "engine: create: no weights given");
   DSV4_CHECK(static_cast<int>(weights_->layers.size()) == config_.total_layers(), "engine: create: the weights have ",
              weights_->layers.size(), " layers, the config ", config_.total_layers());
@@ -239,9 +248,11 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
   Workspace& ws = *workspace_;
   ws.rows = options_.precision == Precision::fp32 ? DType::f32 : DType::bf16;
   const size_t row_size = dtype_size(ws.rows);
-  std::vector<std::pair<void**, size_t>> carve;
+  // Each buffer: where its address goes and its size.
+  std::vector<std::pair<std::function<void(std::byte*)>, size_t>> carve;
   const auto add = [&](auto** pointer, size_t bytes) {
-    carve.emplace_back(reinterpret_cast<void**>(pointer), align_workspace(bytes));
+    using Pointer = std::remove_pointer_t<decltype(pointer)>;
+    carve.emplace_back([pointer](std::byte* at) { *pointer = reinterpret_cast<Pointer>(at); }, align_workspace(bytes));
   };
   const auto n = [](int64_t a, int64_t b) { return static_cast<size_t>(a * b); };
   add(&ws.staged_in, n(T, hidden) * 4);
@@ -278,11 +289,11 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
     add(&ws.entry_picks, n(T, max_hca_entries) * 4);
   }
   size_t total = 0;
-  for (const auto& [pointer, bytes] : carve) total += bytes;
+  for (const auto& [place, bytes] : carve) total += bytes;
   ws.memory = DeviceBuffer(total);
   auto* cursor = static_cast<std::byte*>(ws.memory.data());
-  for (const auto& [pointer, bytes] : carve) {
-    *pointer = cursor;
+  for (const auto& [place, bytes] : carve) {
+    place(cursor);
     cursor += bytes;
   }
 
@@ -364,9 +375,13 @@ bool CudaEngine::in_running_step(SequenceId sequence) const {
                                  [&](const StepEntry& e) { return e.sequence == sequence; });
 }
 
-SequenceId CudaEngine::add_sequence() {
+void CudaEngine::check_room_for_sequence() const {
   DSV4_CHECK(static_cast<int64_t>(sequences_.size()) < options_.max_sequences, "engine: ", sequences_.size(),
              " sequences are live, the maximum is ", options_.max_sequences, " (EngineOptions::max_sequences)");
+}
+
+SequenceId CudaEngine::add_sequence() {
+  check_room_for_sequence();
   const SequenceId id = next_sequence_;
   caches_->add_sequence(id);
   ++next_sequence_;
@@ -378,8 +393,7 @@ SequenceId CudaEngine::fork_sequence(SequenceId parent) {
   const std::vector<uint8_t> skipped = skipped_layers("fork_sequence", parent);
   DSV4_CHECK(!in_running_step(parent), "engine: fork_sequence: sequence ", parent,
              " is part of the running step; fork it before begin_step or after end_step");
-  DSV4_CHECK(static_cast<int64_t>(sequences_.size()) < options_.max_sequences, "engine: ", sequences_.size(),
-             " sequences are live, the maximum is ", options_.max_sequences, " (EngineOptions::max_sequences)");
+  check_room_for_sequence();
   const SequenceId id = next_sequence_;
   caches_->fork_sequence(parent, id);
   ++next_sequence_;
@@ -462,6 +476,7 @@ void CudaEngine::begin_step(const std::vector<StepEntry>& entries) {
     PagedCache cache;
     cache.pages = caches_->pages(kind, layer);
     cache.geometry = caches_->geometry(kind, layer);
+    cache.tensor_scale = manager.pool(kind, layer).tensor_scale();
     cache.block_table = upload_->append(std::span<const int32_t>(table), DType::i32, {S, blocks});
     cache.first_logical_page = upload_->append(std::span<const int32_t>(first), DType::i32, {S});
     return cache;

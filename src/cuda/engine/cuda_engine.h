@@ -81,6 +81,7 @@ class CudaEngine final : public Engine {
   std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence);
   const std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence) const;
   bool in_running_step(SequenceId sequence) const;
+  void check_room_for_sequence() const;
 
   // Stages of run_layer.
   void project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const;

@@ -34,6 +34,13 @@ bool is_fp8_gemm(WeightRole role) {
          role == WeightRole::indexer_wq_b;
 }
 
+// The compressors' projections: the reference multiplies them in fp32 (SPEC §3.2), so fp32
+// checkpoint weights stay fp32 (an fp32 GEMM) instead of being rounded to bf16.
+bool is_compressor_projection(WeightRole role) {
+  return role == WeightRole::compressor_wkv || role == WeightRole::compressor_wgate ||
+         role == WeightRole::indexer_compressor_wkv || role == WeightRole::indexer_compressor_wgate;
+}
+
 // Gate projections are placed right after their kv projection (no alignment gap).
 bool follows_its_kv(WeightRole role) {
   return role == WeightRole::compressor_wgate || role == WeightRole::indexer_compressor_wgate;
@@ -45,7 +52,8 @@ int64_t element_count(const std::vector<int64_t>& shape) {
   return n;
 }
 
-void upload_projection(const WeightTensor& w, const DeviceWeight& d, cudaStream_t stream) {
+// A bf16 device copy of a projection.
+void upload_bf16(const WeightTensor& w, const DeviceWeight& d, cudaStream_t stream) {
   const int64_t n = w.numel();
   if (w.dtype == DType::bf16) {
     DSV4_CUDA_CHECK(cudaMemcpyAsync(d.data, w.data, static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice, stream));
@@ -70,7 +78,7 @@ void upload_projection(const WeightTensor& w, const DeviceWeight& d, cudaStream_
   }
 }
 
-void upload_vector(const WeightTensor& w, const DeviceWeight& d) {
+void upload_f32(const WeightTensor& w, const DeviceWeight& d) {
   const HostTensor values = w.to_f32();
   DSV4_CUDA_CHECK(cudaMemcpy(d.data, values.data(), values.nbytes(), cudaMemcpyHostToDevice));
 }
@@ -102,7 +110,8 @@ DeviceLayerWeights::DeviceLayerWeights(const ModelConfig& config, const LayerPla
                " weight '", weight_role_name(e.role), "' has dtype ", dtype_name(w.dtype),
                ", expected BF16, F32 or F8_E4M3");
     DeviceWeight& d = weights_[static_cast<size_t>(e.role)];
-    d.dtype = is_projection(e.role) ? DType::bf16 : DType::f32;
+    const bool keep_f32 = !is_projection(e.role) || (is_compressor_projection(e.role) && w.dtype == DType::f32);
+    d.dtype = keep_f32 ? DType::f32 : DType::bf16;
     d.shape = e.shape;
     d.device = device;
     if (precision == Precision::reference && w.is_fp8() && is_fp8_gemm(e.role)) d.activation_block = w.block_in;
@@ -115,8 +124,8 @@ DeviceLayerWeights::DeviceLayerWeights(const ModelConfig& config, const LayerPla
     const WeightRole role = expected[i].role;
     DeviceWeight& d = weights_[static_cast<size_t>(role)];
     d.data = static_cast<std::byte*>(memory_.data()) + offsets[i];
-    if (is_projection(role)) upload_projection(weights.get(role), d, stream);
-    else upload_vector(weights.get(role), d);
+    if (d.dtype == DType::bf16) upload_bf16(weights.get(role), d, stream);
+    else upload_f32(weights.get(role), d);
   }
   DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
@@ -132,7 +141,7 @@ TensorView DeviceLayerWeights::fused(WeightRole kv, WeightRole gate) const {
   if (!has(gate)) return k.view();
   const DeviceWeight& g = get(gate);
   DSV4_CHECK(g.data == static_cast<std::byte*>(k.data) + element_count(k.shape) * dtype_size(k.dtype) &&
-                 g.shape[1] == k.shape[1],
+                 g.shape[1] == k.shape[1] && g.dtype == k.dtype,
              "engine: layer ", layer_, " weights '", weight_role_name(kv), "' and '", weight_role_name(gate),
              "' are not stored as one fused projection");
   return TensorView::contiguous(k.data, k.dtype, {k.shape[0] + g.shape[0], k.shape[1]}, Device::cuda, k.device);

@@ -1,7 +1,7 @@
 // A layer's attention weights on the device, converted once when the engine is created and kept
 // in one allocation per layer: projections as bf16 (fp8 weights dequantized with their block
-// scales, exact for ue8m0 scales; f32 weights rounded), vectors (norm weights, attn_sink,
-// position biases) as f32. A compressor's gate projection follows its kv projection directly, so
+// scales, exact for ue8m0 scales; f32 weights rounded) except fp32 compressor projections, which
+// the reference multiplies in fp32; vectors (norm weights, attn_sink, position biases) as f32. A compressor's gate projection follows its kv projection directly, so
 // that the two multiply as one fused [kv; gate] GEMM (compressor.h).
 #pragma once
 

@@ -1,0 +1,422 @@
+// The CUDA engine against the CPU engine on the tiny presets with random weights, driven in
+// lockstep through a mixed workload: several sequences, chunked prefills next to decode tokens,
+// a fork whose first step copies shared pages on write, a release, and contexts long enough that
+// top-k selection and (tiny-v4.1) candidate filtering bite. Every layer of every step gets fresh
+// random inputs on both engines.
+//
+// What is compared and why:
+//  * attention outputs, relative L2 per layer over the whole workload <= 2e-2, and per step and
+//    layer <= 5e-2 (a decode step compares three rows, where a single FP8 / FP4 code that rounds
+//    the other way after a last-bit difference upstream weighs a lot), over the rows whose picks
+//    agree: the GPU indexer scores in fp32, the reference in bf16, so near-ties at the top-k cut
+//    may select different entries, and a row that attends other entries has another output;
+//  * the picks: every GPU selection must be a valid top-k of the CPU's scores up to 2^-5 of the
+//    row's largest score (the bf16 rounding of the reference scores and an occasional FP4 key
+//    that rounds the other way), and most rows must agree exactly;
+//  * the cache bytes each sequence holds (both engines keep the same paged layout).
+// Plus a CUDA graph capture of a decode step's run_layer calls, replayed against eager runs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_test_util.h"
+#include "cuda/engine/cuda_engine.h"
+#include "dsv4/config.h"
+#include "dsv4/engine.h"
+#include "dsv4/weights.h"
+#include "engine/cpu_engine.h"
+
+namespace dsv4 {
+namespace {
+
+using cuda::testing::CudaTest;
+
+constexpr double kTolerance = 2e-2;         // relative L2 per layer over the workload
+constexpr double kStepTolerance = 5e-2;     // relative L2 per step and layer
+constexpr double kMinPickAgreement = 0.5;   // rows whose GPU picks equal the CPU's, of all index rows
+
+struct Model {
+  ModelConfig config;
+  ModelTopology topology;
+  std::shared_ptr<const ModelWeights> weights;
+};
+
+Model tiny_model(const std::string& preset) {
+  Model m;
+  m.config = preset_config(preset);
+  m.topology = resolve_topology(m.config);
+  m.weights = std::make_shared<ModelWeights>(random_weights(m.config, m.topology, 11, true));
+  return m;
+}
+
+EngineOptions engine_options(Backend backend, Precision precision, const std::string& kv_format) {
+  EngineOptions o;
+  o.backend = backend;
+  o.precision = precision;
+  o.kv_format = kv_format;
+  o.max_sequences = 4;
+  o.max_context = 128;
+  o.max_tokens_per_step = 80;
+  return o;
+}
+
+std::vector<float> random_rows(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.5f, 1.5f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, ref = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    ref += static_cast<double>(b[i]) * b[i];
+  }
+  return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff);
+}
+
+// Whether `picks` (k entries, ascending, -1 padded) is a top-k of `scores` [n] (-inf: not
+// eligible) up to `slack` below the k-th best eligible score.
+bool valid_topk(const int32_t* picks, int64_t k, const float* scores, int64_t n, double slack) {
+  std::vector<float> eligible;
+  for (int64_t j = 0; j < n; ++j)
+    if (scores[j] != -std::numeric_limits<float>::infinity()) eligible.push_back(scores[j]);
+  const int64_t take = std::min<int64_t>(k, static_cast<int64_t>(eligible.size()));
+  std::sort(eligible.begin(), eligible.end(), std::greater<>());
+  const double cut = take > 0 ? eligible[static_cast<size_t>(take - 1)] : 0.0;
+  int32_t previous = -1;
+  for (int64_t i = 0; i < k; ++i) {
+    const int32_t j = picks[i];
+    if (i >= take) {
+      if (j != -1) return false;
+      continue;
+    }
+    if (j <= previous || j >= n || scores[j] == -std::numeric_limits<float>::infinity() || scores[j] < cut - slack)
+      return false;
+    previous = j;
+  }
+  return true;
+}
+
+struct Agreement {
+  double worst_step_error = 0;
+  int worst_step = -1, worst_step_layer = -1;
+  std::vector<std::vector<float>> gpu, cpu;  // per layer: the compared rows of every step
+  int64_t rows_compared = 0, rows_excluded = 0;
+  int64_t pick_rows = 0, picks_equal = 0, picks_invalid = 0;
+};
+
+// The two engines driven in lockstep; handles index both engines' sequence ids.
+class Lockstep {
+ public:
+  Lockstep(const Model& m, Precision precision, const std::string& kv_format)
+      : model_(m),
+        cuda_(Engine::create(m.config, m.weights, engine_options(Backend::cuda, precision, kv_format))),
+        cpu_(Engine::create(m.config, m.weights, engine_options(Backend::cpu, precision, kv_format))),
+        paged_(!kv_format.empty()) {
+    agreement_.gpu.resize(static_cast<size_t>(m.topology.size()));
+    agreement_.cpu.resize(static_cast<size_t>(m.topology.size()));
+    dynamic_cast<CpuEngine&>(*cpu_).set_record_index_scores(true);
+  }
+
+  int add() {
+    ids_.push_back({cuda_->add_sequence(), cpu_->add_sequence()});
+    return static_cast<int>(ids_.size()) - 1;
+  }
+  int fork(int parent) {
+    ids_.push_back({cuda_->fork_sequence(ids_[parent].first), cpu_->fork_sequence(ids_[parent].second)});
+    return static_cast<int>(ids_.size()) - 1;
+  }
+  void release(int h) {
+    cuda_->release_sequence(ids_[h].first);
+    cpu_->release_sequence(ids_[h].second);
+    ids_[h] = {-1, -1};
+  }
+
+  // Runs one step of (handle, tokens) entries through every layer of both engines.
+  void step(const std::vector<std::pair<int, int64_t>>& work) {
+    std::vector<StepEntry> on_cuda, on_cpu;
+    int64_t T = 0;
+    for (const auto& [h, n] : work) {
+      on_cuda.push_back({ids_[h].first, n});
+      on_cpu.push_back({ids_[h].second, n});
+      T += n;
+    }
+    cuda_->begin_step(on_cuda);
+    cpu_->begin_step(on_cpu);
+    const ModelConfig& c = model_.config;
+    const int64_t H = c.hidden_size, k = c.index_topk;
+    std::vector<std::vector<float>> gpu(static_cast<size_t>(model_.topology.size())), cpu = gpu;
+    std::vector<std::vector<uint8_t>> picks_agree(gpu.size());
+    for (int l = 0; l < model_.topology.size(); ++l) {
+      const std::vector<float> in = random_rows(T * H, static_cast<uint32_t>(1000 * steps_ + l));
+      gpu[l].assign(in.size(), 0.0f);
+      cpu[l].assign(in.size(), 0.0f);
+      cuda_->run_layer(l, TensorView::contiguous(const_cast<float*>(in.data()), DType::f32, {T, H}),
+                       TensorView::contiguous(gpu[l].data(), DType::f32, {T, H}));
+      cpu_->run_layer(l, TensorView::contiguous(const_cast<float*>(in.data()), DType::f32, {T, H}),
+                      TensorView::contiguous(cpu[l].data(), DType::f32, {T, H}));
+      const LayerPlan& plan = model_.topology[l];
+      if (!plan.owns_indexer) continue;
+      const HostTensor gp = cuda_->layer_picks(l), cp = cpu_->layer_picks(l);
+      ASSERT_EQ(gp.shape(), cp.shape()) << "layer " << l;
+      const reference::LayerPublication& pub = dynamic_cast<const CpuEngine&>(*cpu_).publication(l);
+      picks_agree[l].assign(static_cast<size_t>(T), 1);
+      for (int64_t t = 0; t < T; ++t) {
+        const int32_t* g = gp.as<int32_t>() + t * k;
+        const bool equal = std::equal(g, g + k, cp.as<int32_t>() + t * k);
+        picks_agree[l][static_cast<size_t>(t)] = equal;
+        ++agreement_.pick_rows;
+        agreement_.picks_equal += equal;
+        // A layer masked to candidates may see other candidates where block scores nearly tie.
+        if (plan.uses_candidates) continue;
+        const float* scores = pub.index_scores.row(t);
+        const int64_t n = pub.index_scores.length(t);
+        double largest = 0;
+        for (int64_t j = 0; j < n; ++j)
+          if (std::isfinite(scores[j])) largest = std::max(largest, std::abs(static_cast<double>(scores[j])));
+        if (!valid_topk(g, k, scores, n, std::ldexp(largest, -5) + 1e-6)) {
+          ++agreement_.picks_invalid;
+          ADD_FAILURE() << "step " << steps_ << " layer " << l << " token " << t << ": the GPU picks are no top-"
+                        << k << " of the CPU scores";
+        }
+      }
+    }
+    for (int l = 0; l < model_.topology.size(); ++l) {
+      const int source = model_.topology[l].index_source;
+      std::vector<float> a, b;
+      for (int64_t t = 0; t < T; ++t) {
+        if (source >= 0 && !picks_agree[static_cast<size_t>(source)][static_cast<size_t>(t)]) {
+          ++agreement_.rows_excluded;
+          continue;
+        }
+        a.insert(a.end(), gpu[l].begin() + t * H, gpu[l].begin() + (t + 1) * H);
+        b.insert(b.end(), cpu[l].begin() + t * H, cpu[l].begin() + (t + 1) * H);
+        ++agreement_.rows_compared;
+      }
+      if (a.empty()) continue;
+      const double err = relative_l2(a, b);
+      EXPECT_LE(err, kStepTolerance) << "step " << steps_ << " layer " << l;
+      if (!(err <= agreement_.worst_step_error))
+        agreement_.worst_step_error = err, agreement_.worst_step = steps_, agreement_.worst_step_layer = l;
+      agreement_.gpu[static_cast<size_t>(l)].insert(agreement_.gpu[static_cast<size_t>(l)].end(), a.begin(), a.end());
+      agreement_.cpu[static_cast<size_t>(l)].insert(agreement_.cpu[static_cast<size_t>(l)].end(), b.begin(), b.end());
+    }
+    cuda_->end_step();
+    cpu_->end_step();
+    for (const auto& [h, n] : work) {
+      EXPECT_EQ(cuda_->sequence_length(ids_[h].first), cpu_->sequence_length(ids_[h].second));
+      if (paged_)
+        EXPECT_EQ(cuda_->sequence_cache_bytes(ids_[h].first), cpu_->sequence_cache_bytes(ids_[h].second))
+            << "sequence handle " << h;
+    }
+    ++steps_;
+  }
+
+  const Agreement& agreement() const { return agreement_; }
+
+ private:
+  const Model& model_;
+  std::unique_ptr<Engine> cuda_, cpu_;
+  bool paged_;
+  std::vector<std::pair<SequenceId, SequenceId>> ids_;
+  int steps_ = 0;
+  Agreement agreement_;
+};
+
+struct WorkloadCase {
+  std::string preset;
+  std::string kv_format;
+  Precision precision;
+};
+
+std::string case_name(const ::testing::TestParamInfo<WorkloadCase>& info) {
+  std::string name = info.param.preset + "_" + (info.param.kv_format.empty() ? "default" : info.param.kv_format) + "_" +
+                     precision_name(info.param.precision);
+  for (char& ch : name)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return name;
+}
+
+class EngineCudaWorkload : public CudaTest, public ::testing::WithParamInterface<WorkloadCase> {};
+
+TEST_P(EngineCudaWorkload, MatchesTheCpuEngine) {
+  const WorkloadCase& wc = GetParam();
+  const Model m = tiny_model(wc.preset);
+  Lockstep run(m, wc.precision, wc.kv_format);
+  const int a = run.add(), b = run.add(), c = run.add();
+  run.step({{a, 37}, {b, 20}});            // two prefills
+  run.step({{a, 1}, {b, 13}, {c, 5}});     // a decode next to a prefill chunk and a new prefill
+  const int d = run.fork(a);               // shares a's pages: its first step copies them on write
+  run.step({{a, 1}, {d, 1}, {c, 9}});
+  run.release(b);
+  run.step({{d, 30}, {a, 1}, {c, 1}});     // d's chunk passes 64 entries of ratio 1 (candidates bite)
+  for (int i = 0; i < 3; ++i) run.step({{a, 1}, {c, 1}, {d, 1}});
+  run.step({{c, 40}, {d, 1}});
+
+  const Agreement& r = run.agreement();
+  double worst = 0;
+  int worst_layer = -1;
+  for (int l = 0; l < m.topology.size(); ++l) {
+    ASSERT_FALSE(r.gpu[static_cast<size_t>(l)].empty()) << "layer " << l << " was never compared";
+    const double err = relative_l2(r.gpu[static_cast<size_t>(l)], r.cpu[static_cast<size_t>(l)]);
+    EXPECT_LE(err, kTolerance) << "layer " << l;
+    if (!(err <= worst)) worst = err, worst_layer = l;
+  }
+  std::printf("%s %s %s: worst relative L2 %.3g per layer (layer %d), %.3g per step and layer (step %d, layer %d), "
+              "over %lld rows (%lld left out: other picks); picks equal on %lld of %lld index rows\n",
+              wc.preset.c_str(), wc.kv_format.empty() ? "(default formats)" : wc.kv_format.c_str(),
+              precision_name(wc.precision), worst, worst_layer, r.worst_step_error, r.worst_step, r.worst_step_layer,
+              static_cast<long long>(r.rows_compared), static_cast<long long>(r.rows_excluded),
+              static_cast<long long>(r.picks_equal), static_cast<long long>(r.pick_rows));
+  EXPECT_GT(r.pick_rows, 0);
+  EXPECT_EQ(r.picks_invalid, 0);
+  EXPECT_GE(static_cast<double>(r.picks_equal), kMinPickAgreement * static_cast<double>(r.pick_rows));
+  EXPECT_GE(r.rows_compared, 2 * r.rows_excluded);
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, EngineCudaWorkload,
+                         ::testing::Values(WorkloadCase{"tiny-v4.1", "v4.1-native", Precision::reference},
+                                           WorkloadCase{"tiny-v4.1", "fp8_ds_mla", Precision::reference},
+                                           WorkloadCase{"tiny-v4.1", "", Precision::reference},
+                                           WorkloadCase{"tiny-v4", "v4.1-native", Precision::reference},
+                                           WorkloadCase{"tiny-v4", "fp8_ds_mla", Precision::reference},
+                                           WorkloadCase{"tiny-v4", "", Precision::fp32}),
+                         case_name);
+
+// ---------------------------------------------------------------------------------------------
+// CUDA graphs: the run_layer calls of a decode step, captured and replayed, give what the same
+// calls give when run directly, and leave the same caches behind.
+
+struct DeviceLayers {
+  std::vector<cuda::DeviceBuffer> in, out;
+};
+
+DeviceLayers device_layers(const Model& m, int64_t T, uint32_t seed) {
+  DeviceLayers d;
+  const int64_t H = m.config.hidden_size;
+  for (int l = 0; l < m.topology.size(); ++l) {
+    const std::vector<float> host = random_rows(T * H, seed + static_cast<uint32_t>(l));
+    d.in.emplace_back(host.size() * sizeof(float));
+    d.in.back().upload(host.data(), host.size() * sizeof(float));
+    d.out.emplace_back(host.size() * sizeof(float));
+    d.out.back().fill_bytes(0xff);
+  }
+  return d;
+}
+
+void run_layers(Engine& e, const Model& m, const DeviceLayers& d, int64_t T) {
+  for (int l = 0; l < m.topology.size(); ++l)
+    e.run_layer(l, d.in[l].view(DType::f32, {T, m.config.hidden_size}), d.out[l].view(DType::f32, {T, m.config.hidden_size}));
+}
+
+std::vector<float> download(const cuda::DeviceBuffer& b) {
+  std::vector<float> v(b.bytes() / sizeof(float));
+  b.download(v.data(), b.bytes());
+  return v;
+}
+
+using EngineCudaGraph = CudaTest;
+
+TEST_F(EngineCudaGraph, DecodeStepReplaysFromAGraph) {
+  const Model m = tiny_model("tiny-v4.1");
+  const EngineOptions options = engine_options(Backend::cuda, Precision::reference, "v4.1-native");
+  auto eager = Engine::create(m.config, m.weights, options);
+  auto graphed = Engine::create(m.config, m.weights, options);
+  std::vector<SequenceId> ids;
+  for (Engine* e : {eager.get(), graphed.get()}) {
+    ids = {e->add_sequence(), e->add_sequence()};
+    e->begin_step({{ids[0], 40}, {ids[1], 9}});
+    const DeviceLayers prefill = device_layers(m, 49, 100);
+    run_layers(*e, m, prefill, 49);
+    e->end_step();
+  }
+  auto& g = dynamic_cast<cuda::CudaEngine&>(*graphed);
+  for (int step = 0; step < 2; ++step) {
+    const DeviceLayers a = device_layers(m, 2, 200 + step), b = device_layers(m, 2, 200 + step);
+    eager->begin_step({{ids[0], 1}, {ids[1], 1}});
+    run_layers(*eager, m, a, 2);
+    graphed->begin_step({{ids[0], 1}, {ids[1], 1}});
+    if (step == 0) {
+      // The first decode step: captured, then launched.
+      cudaGraph_t graph = nullptr;
+      DSV4_CUDA_CHECK(cudaStreamBeginCapture(g.stream(), cudaStreamCaptureModeThreadLocal));
+      run_layers(*graphed, m, b, 2);
+      DSV4_CUDA_CHECK(cudaStreamEndCapture(g.stream(), &graph));
+      cudaGraphExec_t exec = nullptr;
+      DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      DSV4_CUDA_CHECK(cudaGraphLaunch(exec, g.stream()));
+      DSV4_CUDA_CHECK(cudaStreamSynchronize(g.stream()));
+      DSV4_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      DSV4_CUDA_CHECK(cudaGraphDestroy(graph));
+    } else {
+      // The next step runs directly on the caches the replay wrote.
+      run_layers(*graphed, m, b, 2);
+    }
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    for (int l = 0; l < m.topology.size(); ++l)
+      EXPECT_LE(relative_l2(download(b.out[l]), download(a.out[l])), 1e-6) << "step " << step << " layer " << l;
+    eager->end_step();
+    graphed->end_step();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Arguments and order
+
+using EngineCudaValidation = CudaTest;
+
+TEST_F(EngineCudaValidation, RejectsBadActivationsAndOrder) {
+  const Model m = tiny_model("tiny-v4.1");
+  auto e = Engine::create(m.config, m.weights, engine_options(Backend::cuda, Precision::reference, "v4.1-native"));
+  const SequenceId s = e->add_sequence();
+  e->begin_step({{s, 3}});
+  const int64_t H = m.config.hidden_size;
+  std::vector<float> in(static_cast<size_t>(3 * H), 0.5f), out(in.size());
+  const TensorView good_in = TensorView::contiguous(in.data(), DType::f32, {3, H});
+  const TensorView good_out = TensorView::contiguous(out.data(), DType::f32, {3, H});
+  const auto message = [](auto&& f) { return cuda::testing::error_message(f); };
+  EXPECT_NE(message([&] { e->run_layer(0, TensorView::contiguous(in.data(), DType::f32, {2, H}), good_out); })
+                .find("has shape [2, 256], expected [3, 256]"),
+            std::string::npos);
+  EXPECT_NE(message([&] { e->run_layer(2, good_in, good_out); }).find("kv source 1, which has not run"),
+            std::string::npos);
+  EXPECT_NE(message([&] { e->run_layer(99, good_in, good_out); }).find("layer 99 does not exist"), std::string::npos);
+  EXPECT_NE(message([&] { e->layer_picks(2); }).find("is not an index source"), std::string::npos);
+  EXPECT_NE(message([&] { e->end_step(); }).find("has not run in this step"), std::string::npos);
+  EXPECT_NE(message([&] { e->release_sequence(s); }).find("part of the running step"), std::string::npos);
+  EXPECT_NE(message([&] { e->begin_step({{s, 1}}); }).find("a step is in progress"), std::string::npos);
+}
+
+TEST_F(EngineCudaValidation, RejectsStepsBeyondTheCapacity) {
+  const Model m = tiny_model("tiny-v4.1");
+  auto e = Engine::create(m.config, m.weights, engine_options(Backend::cuda, Precision::reference, "v4.1-native"));
+  const SequenceId s = e->add_sequence();
+  const auto message = [](auto&& f) { return cuda::testing::error_message(f); };
+  EXPECT_NE(message([&] { e->begin_step({{s, 81}}); }).find("more than 80 tokens"), std::string::npos);
+  EXPECT_NE(message([&] { e->begin_step({{s, 1}, {s, 1}}); }).find("appears more than once"), std::string::npos);
+  EXPECT_NE(message([&] { e->begin_step({{s + 7, 1}}); }).find("does not exist"), std::string::npos);
+  for (int i = 0; i < 3; ++i) e->add_sequence();
+  EXPECT_NE(message([&] { e->add_sequence(); }).find("the maximum is 4"), std::string::npos);
+}
+
+// Without a device the backend refuses to start, with a message that says why.
+TEST(EngineCudaNoDevice, CreateExplainsTheMissingDevice) {
+  if (cuda::device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
+  const Model m = tiny_model("tiny-v4.1");
+  const std::string message = cuda::testing::error_message(
+      [&] { Engine::create(m.config, m.weights, engine_options(Backend::cuda, Precision::reference, "")); });
+  EXPECT_NE(message.find("needs a CUDA device"), std::string::npos) << message;
+}
+
+}  // namespace
+}  // namespace dsv4
