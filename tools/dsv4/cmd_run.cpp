@@ -5,13 +5,12 @@
 //
 // Layer inputs are synthetic: layer 0 of every token gets uniform random values of unit variance
 // that depend only on (seed, sequence, position); layer l+1 gets RMSNorm(h_l + attn_out_l) of
-// the same token (no weight), a residual stream in miniature. Both are per-token functions, so
-// the same sequence gets the same inputs however its tokens are grouped into steps.
+// the same token (no weight), a residual stream in miniature. The check feeds the recomputation
+// the inputs each layer had in the workload, so that every layer is compared on its own.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -137,27 +136,17 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Runs every layer of a begun step on `hidden` (layer 0's input, [rows, H], chained in place);
-// `on_layer(l, attn_out)` sees each layer's output on the host. Returns the seconds spent in the
-// engine (run_layer until its device work finished), the rest being host-side input handling.
-double run_layers(Engine& engine, Backend backend, int64_t rows, std::vector<float>& hidden,
-                  std::vector<float>& attn_out, DeviceRows& device_in, DeviceRows& device_out,
-                  const std::function<void(int, const float*)>& on_layer) {
-  const int64_t cols = engine.config().hidden_size;
-  attn_out.resize(static_cast<size_t>(rows * cols));
-  double engine_seconds = 0.0;
-  const int layers = engine.config().total_layers();
-  for (int l = 0; l < layers; ++l) {
-    device_in.upload(hidden.data(), rows);
-    const auto start = Clock::now();
-    engine.run_layer(l, device_in.view(rows), device_out.view(rows));
-    wait_for_device(backend);
-    engine_seconds += seconds_since(start);
-    device_out.download(attn_out.data(), rows);
-    on_layer(l, attn_out.data());
-    if (l + 1 < layers) chain_residual(hidden.data(), attn_out.data(), rows, cols);
-  }
-  return engine_seconds;
+// Runs layer `layer` of a begun step on `rows` rows of `hidden` and brings its output to `attn_out`
+// on the host. Returns the seconds spent in the engine (run_layer until its device work finished).
+double run_layer_on_host_rows(Engine& engine, Backend backend, int layer, int64_t rows, const float* hidden,
+                              float* attn_out, DeviceRows& device_in, DeviceRows& device_out) {
+  device_in.upload(hidden, rows);
+  const auto start = Clock::now();
+  engine.run_layer(layer, device_in.view(rows), device_out.view(rows));
+  wait_for_device(backend);
+  const double seconds = seconds_since(start);
+  device_out.download(attn_out, rows);
+  return seconds;
 }
 
 // --- the workload ----------------------------------------------------------------------------
@@ -235,7 +224,8 @@ struct Probe {
   int64_t length = 0;
   std::vector<int64_t> positions;          // sampled, ascending
   std::vector<int64_t> slot_of_position;   // [length], -1 when not sampled
-  std::vector<float> outputs;              // [layers, positions, hidden]
+  std::vector<float> outputs;              // [layers, positions, hidden] at the sampled positions
+  std::vector<float> inputs;               // [layers, length, hidden] every layer's input, all positions
 
   Probe(const Workload& w, uint64_t seed, int layers, int64_t hidden) {
     uint64_t state = seed ^ 0x9B0BEull;
@@ -260,17 +250,27 @@ struct Probe {
         positions.push_back(p);
       }
     outputs.assign(static_cast<size_t>(layers) * positions.size() * hidden, 0.0f);
+    inputs.assign(static_cast<size_t>(layers * length * hidden), 0.0f);
   }
 
+  const float* layer_inputs(int layer, int64_t hidden) const { return inputs.data() + layer * length * hidden; }
+
   // Keeps the sampled rows of layer `layer`'s output for a span of this sequence at `first_row`.
-  void record(std::vector<float>& into, int layer, int64_t first_position, int64_t tokens, const float* attn_out,
-              int64_t first_row, int64_t hidden) const {
+  void record_outputs(std::vector<float>& into, int layer, int64_t first_position, int64_t tokens,
+                      const float* attn_out, int64_t first_row, int64_t hidden) const {
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t slot = slot_of_position[first_position + t];
       if (slot < 0) continue;
       std::copy_n(attn_out + (first_row + t) * hidden, hidden,
                   into.data() + (static_cast<int64_t>(layer) * positions.size() + slot) * hidden);
     }
+  }
+
+  // Keeps layer `layer`'s input rows of a span of this sequence at `first_row`.
+  void record_inputs(int layer, int64_t first_position, int64_t tokens, const float* hidden_in, int64_t first_row,
+                     int64_t hidden) {
+    std::copy_n(hidden_in + first_row * hidden, tokens * hidden,
+                inputs.data() + (layer * length + first_position) * hidden);
   }
 };
 
@@ -289,6 +289,7 @@ struct WorkloadStats {
 
 WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe) {
   const int64_t hidden = engine.config().hidden_size;
+  const int layers = engine.config().total_layers();
   std::vector<SequenceState> states(w.prompt_lengths.size());
   DeviceRows device_in(backend, w.step_tokens, hidden), device_out(backend, w.step_tokens, hidden);
   std::vector<float> inputs, outputs;
@@ -311,16 +312,20 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
     auto step_start = Clock::now();
     engine.begin_step(entries);
     double engine_seconds = seconds_since(step_start);
-    engine_seconds += run_layers(engine, backend, step.rows, inputs, outputs, device_in, device_out,
-                                 [&](int layer, const float* attn_out) {
-                                   int64_t row = 0;
-                                   for (const StepRows::Span& span : step.spans) {
-                                     if (span.sequence == probe.sequence)
-                                       probe.record(probe.outputs, layer, span.first_position, span.tokens, attn_out,
-                                                    row, hidden);
-                                     row += span.tokens;
-                                   }
-                                 });
+    outputs.resize(inputs.size());
+    for (int l = 0; l < layers; ++l) {
+      engine_seconds += run_layer_on_host_rows(engine, backend, l, step.rows, inputs.data(), outputs.data(),
+                                               device_in, device_out);
+      int64_t row = 0;
+      for (const StepRows::Span& span : step.spans) {
+        if (span.sequence == probe.sequence) {
+          probe.record_inputs(l, span.first_position, span.tokens, inputs.data(), row, hidden);
+          probe.record_outputs(probe.outputs, l, span.first_position, span.tokens, outputs.data(), row, hidden);
+        }
+        row += span.tokens;
+      }
+      if (l + 1 < layers) chain_residual(inputs.data(), outputs.data(), step.rows, hidden);
+    }
     step_start = Clock::now();
     engine.end_step();
     engine_seconds += seconds_since(step_start);
@@ -372,25 +377,24 @@ struct CheckResult {
 };
 
 // Recomputes the probe's sequence from scratch in a fresh engine, all its tokens prefilled in one
-// step, and compares the sampled outputs with those of the workload (relative to the recomputation).
+// step, each layer fed the inputs it had in the workload (so that layers are compared one by one,
+// not through a chain that compounds their differences), and compares the sampled outputs with
+// those of the workload, relative to the recomputation.
 CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
-                        EngineOptions options, uint64_t seed, const Probe& probe) {
+                        EngineOptions options, const Probe& probe) {
   options.max_sequences = 1;
   options.max_tokens_per_step = probe.length;
   options.max_context = probe.length;
   const std::unique_ptr<Engine> engine = Engine::create(config, std::move(weights), options);
   const int64_t hidden = config.hidden_size;
-  StepRows step;
-  step.spans.push_back({probe.sequence, 0, probe.length});
-  step.rows = probe.length;
-  std::vector<float> inputs, outputs, recomputed(probe.outputs.size());
-  fill_step_inputs(seed, step, hidden, inputs);
+  std::vector<float> outputs(static_cast<size_t>(probe.length * hidden)), recomputed(probe.outputs.size());
   DeviceRows device_in(options.backend, probe.length, hidden), device_out(options.backend, probe.length, hidden);
   engine->begin_step({{engine->add_sequence(), probe.length}});
-  run_layers(*engine, options.backend, probe.length, inputs, outputs, device_in, device_out,
-             [&](int layer, const float* attn_out) {
-               probe.record(recomputed, layer, 0, probe.length, attn_out, 0, hidden);
-             });
+  for (int l = 0; l < config.total_layers(); ++l) {
+    run_layer_on_host_rows(*engine, options.backend, l, probe.length, probe.layer_inputs(l, hidden), outputs.data(),
+                           device_in, device_out);
+    probe.record_outputs(recomputed, l, 0, probe.length, outputs.data(), 0, hidden);
+  }
   engine->end_step();
 
   CheckResult result;
@@ -488,7 +492,7 @@ int run(const RunOptions& o) {
 
   Probe probe(w, o.seed, config.total_layers(), config.hidden_size);
   const WorkloadStats stats = serve(*engine, backend, w, o.seed, probe);
-  const CheckResult check = check_probe(config, weights, options, o.seed, probe);
+  const CheckResult check = check_probe(config, weights, options, probe);
   const bool pass = check.outputs_nonzero && check.rel_l2 <= tolerance;  // false for NaN
 
   const auto [shortest, longest] = std::minmax_element(w.prompt_lengths.begin(), w.prompt_lengths.end());
@@ -526,8 +530,8 @@ int run(const RunOptions& o) {
               format_bytes(total_bytes / static_cast<double>(w.total_tokens())).c_str(),
               format_bytes(static_cast<double>(stats.peak_cache_bytes)).c_str());
   std::printf(
-      "check: sequence %d (%lld tokens) recomputed as one %lld-token prefill in a fresh engine, %zu sampled "
-      "positions x %d layers: rel L2 %.2e (worst layer %d: %.2e), tolerance %.0e: %s\n",
+      "check: sequence %d (%lld tokens) recomputed as one %lld-token prefill in a fresh engine from the same layer "
+      "inputs, %zu sampled positions x %d layers: rel L2 %.2e (worst layer %d: %.2e), tolerance %.0e: %s\n",
       probe.sequence, static_cast<long long>(probe.length), static_cast<long long>(probe.length),
       probe.positions.size(), config.total_layers(), check.rel_l2, check.worst_layer, check.worst_layer_rel_l2,
       tolerance, pass ? "PASS" : check.outputs_nonzero ? "FAIL" : "FAIL (the outputs are all zero)");
