@@ -341,12 +341,10 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
       stats.decode_tokens_alone += step.rows;
       stats.decode_step_seconds += engine_seconds;
     }
+    for (const StepRows::Span& span : step.spans) states[span.sequence].length += span.tokens;
     int64_t cache_bytes = 0;
-    for (const StepRows::Span& span : step.spans) {
-      SequenceState& s = states[span.sequence];
-      s.length += span.tokens;
-      cache_bytes += engine.sequence_cache_bytes(s.id);
-    }
+    for (const SequenceState& s : states)
+      if (s.phase == SequenceState::Phase::running) cache_bytes += engine.sequence_cache_bytes(s.id);
     stats.peak_cache_bytes = std::max(stats.peak_cache_bytes, cache_bytes);
     for (size_t i = 0; i < states.size(); ++i) {
       SequenceState& s = states[i];
@@ -463,6 +461,9 @@ int run(const RunOptions& o) {
   DSV4_CHECK(w.step_tokens >= w.max_running, "run: --step-tokens is ", w.step_tokens, ", expected >= --max-running (",
              w.max_running, "): every running sequence decodes one token per step");
   w.prompt_lengths = spread_prompt_lengths(sequences, prompt_len, prompt_spread, o.seed);
+  const Precision precision = parse_precision(o.precision);
+  const double tolerance = pick("--check-tol", o.check_tolerance, precision == Precision::fp32 ? 1e-4 : 2e-2);
+  DSV4_CHECK(tolerance >= 0.0, "run: --check-tol is ", tolerance, ", expected >= 0");
 
   const bool from_file = !o.config_path.empty();
   const std::string preset = o.preset.empty() ? profile.preset : o.preset;
@@ -478,7 +479,7 @@ int run(const RunOptions& o) {
 
   EngineOptions options;
   options.backend = backend;
-  options.precision = parse_precision(o.precision);
+  options.precision = precision;
   options.kv_format = o.kv_format;
   options.max_sequences = w.max_running;
   options.max_tokens_per_step = w.step_tokens;
@@ -487,8 +488,7 @@ int run(const RunOptions& o) {
   setup_start = Clock::now();
   const std::unique_ptr<Engine> engine = Engine::create(config, weights, options);
   std::fprintf(stderr, "dsv4: run: created the %s engine in %.1f s\n", backend_name(backend), seconds_since(setup_start));
-  const double tolerance = o.was_given("--check-tol") ? o.check_tolerance
-                           : options.precision == Precision::fp32 ? 1e-4 : 2e-2;
+
 
   Probe probe(w, o.seed, config.total_layers(), config.hidden_size);
   const WorkloadStats stats = serve(*engine, backend, w, o.seed, probe);
