@@ -57,6 +57,11 @@ void store_picks(const HostTensor& step_picks, int layer, int64_t rows, HostTens
 
 int replay(const ReplayOptions& o) {
   const auto started = std::chrono::steady_clock::now();
+  EngineOptions options;
+  options.precision = parse_precision(o.precision);
+  options.backend = usable_backend(parse_backend(o.backend), "replay");
+  options.kv_format = o.kv_format;
+  options.num_threads = o.threads;
   ModelConfig config = load_config_file(o.config_path);
   const std::shared_ptr<SafetensorsFile> calls = SafetensorsFile::open(o.calls_path);
   const ReplaySchedule schedule = read_replay_schedule(*calls, config.hidden_size);
@@ -70,14 +75,9 @@ int replay(const ReplayOptions& o) {
   int64_t longest_call = 0;
   for (const ScheduledCall& call : schedule.calls) longest_call = std::max(longest_call, call.num_tokens);
 
-  EngineOptions options;
-  options.backend = usable_backend(parse_backend(o.backend), "replay");
-  options.precision = parse_precision(o.precision);
-  options.kv_format = o.kv_format;
   options.max_sequences = batch;
   options.max_tokens_per_step = sequences_per_step * longest_call;
   options.max_context = schedule.total_positions();
-  options.num_threads = o.threads;
   const std::unique_ptr<Engine> engine = Engine::create(config, weights, options);
   std::vector<SequenceId> sequences;
   for (int64_t b = 0; b < batch; ++b) sequences.push_back(engine->add_sequence());
