@@ -16,6 +16,8 @@
 
 namespace dsv4 {
 
+class Communicator;  // dsv4/parallel.h
+
 enum class Backend : uint8_t { cpu, cuda };
 const char* backend_name(Backend b);
 Backend parse_backend(const std::string& name);
@@ -38,6 +40,16 @@ struct EngineOptions {
   int64_t max_tokens_per_step = 8192;
   int64_t max_context = 1 << 16;     // sizes the cache pools: max_sequences x max_context tokens
   int num_threads = 0;               // CPU backend; 0: all cores
+
+  // One rank of a tensor-parallel group (dsv4/parallel.h, docs/parallel.md): the config and weights
+  // given to create are the rank's shard (shard_config, shard_weights). The partial output of the
+  // rank's heads is computed in fp32, summed over the ranks with `communicator` and then rounded as
+  // the whole output is. nullptr (the default): the engine runs the whole model.
+  std::shared_ptr<Communicator> communicator;
+  // With a communicator and IndexerSharding::split: the whole model's index_n_heads (the index
+  // weight scale counts them all); the shard's indexer scores its own heads and the partial scores
+  // are summed over the ranks before top-k. 0: every rank runs the whole indexer.
+  int split_index_heads = 0;
 };
 
 using SequenceId = int64_t;

@@ -66,7 +66,7 @@ CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeigh
     const bool present = !plan.is_mtp || has_any_weight(w);
     layer_has_weights_.push_back(present);
     if (present) {
-      layers_.push_back(reference::prepare_layer(config_, plan, w, options_.precision));
+      layers_.push_back(reference::prepare_layer(config_, plan, w, options_.precision, options_.split_index_heads));
     } else {
       layers_.emplace_back();
       layers_.back().plan = plan;
@@ -213,7 +213,8 @@ void CpuEngine::run_layer(int layer, const TensorView& hidden_in, const TensorVi
   check_activation("attn_out", attn_out, layer);
   ThreadCountScope threads(options_.num_threads);
   reference::run_layer_step(config_, layers_[static_cast<size_t>(layer)], step_, *caches_, hidden_in.ptr<float>(),
-                            attn_out.ptr<float>(), published_, record_index_scores_);
+                            attn_out.ptr<float>(), published_, record_index_scores_,
+                            {options_.communicator.get(), options_.split_index_heads > 0});
 }
 
 HostTensor CpuEngine::layer_picks(int layer) const {

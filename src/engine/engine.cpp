@@ -27,6 +27,16 @@ Precision parse_precision(const std::string& name) {
 
 std::unique_ptr<Engine> Engine::create(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
                                        const EngineOptions& options) {
+  // A split indexer's partial scores are summed over the ranks, and the weight scale counts the
+  // whole model's index heads, of which the shard holds an equal share.
+  if (options.split_index_heads != 0) {
+    DSV4_CHECK(options.communicator != nullptr, "engine: create: split_index_heads is ", options.split_index_heads,
+               " but no communicator is given (a split indexer sums its partial scores over the ranks)");
+    DSV4_CHECK(options.split_index_heads > 0 && config.index_n_heads > 0 &&
+                   options.split_index_heads % config.index_n_heads == 0,
+               "engine: create: split_index_heads is ", options.split_index_heads,
+               ", expected a positive multiple of the shard's index_n_heads = ", config.index_n_heads);
+  }
   if (options.backend == Backend::cpu) return std::make_unique<CpuEngine>(config, std::move(weights), options);
 #if defined(DSV4_WITH_CUDA)
   return std::make_unique<cuda::CudaEngine>(config, std::move(weights), options);

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "dsv4/error.h"
+#include "dsv4/parallel.h"
 
 namespace dsv4::reference {
 namespace {
@@ -82,9 +83,10 @@ CompressorParameters read_compressor(const LayerWeightReader& r, const Compresso
 // ---------------------------------------------------------------------------------------------
 // Step helpers
 
-void project(const float* x, int64_t n, const Projection& p, float* y, bool bf16) {
+// `round_output` false keeps a bf16 projection's output in fp32 (a tensor-parallel partial sum).
+void project(const float* x, int64_t n, const Projection& p, float* y, bool bf16, bool round_output = true) {
   linear(x, n, p.in, p.weight.data(), p.out, y, {.fp8_activation_block = bf16 ? p.fp8_activation_block : 0,
-                                                 .bf16_output = bf16});
+                                                 .bf16_output = bf16 && round_output});
 }
 
 void quantize_rows(RowQuantization q, float* rows, int64_t n, int64_t dim, int64_t rope_dim) {
@@ -196,7 +198,7 @@ void update_compressed_caches(const ModelConfig& config, const LayerParameters& 
 // The indexer of an index-source layer: scores, candidate blocks, top-k picks (SPEC §4).
 void run_indexer(const ModelConfig& config, const LayerParameters& L, const StepLayout& step,
                  const CacheStore& caches, const float* x, const float* qr, std::vector<LayerPublication>& published,
-                 bool record_scores) {
+                 bool record_scores, const RankReduction& ranks) {
   const int layer = L.plan.layer, kv_src = L.plan.kv_source;
   const int64_t T = step.tokens(), nI = config.index_n_heads, dI = config.index_head_dim, k = config.index_topk;
   const int64_t ratio = L.plan.compress_ratio;
@@ -226,17 +228,12 @@ void run_indexer(const ModelConfig& config, const LayerParameters& L, const Step
                " applies the candidates of layer ", config.candidate_source_layer,
                ", which were published over a different compressed cache");
   if (L.plan.is_candidate_source) out.candidate_mask = {offset, std::vector<uint8_t>(static_cast<size_t>(offset[T]))};
-  if (record_scores) out.index_scores = {offset, std::vector<float>(static_cast<size_t>(offset[T]))};
   out.picks.assign(static_cast<size_t>(T * k), -1);
 
-#pragma omp parallel for schedule(dynamic, 1) if (offset[T] * nI * dI >= kMinParallelWork)
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t n = offset[t + 1] - offset[t];
-    const int64_t n_visible = std::min(n, (step.positions[t] + 1) / ratio);
-    std::vector<float> local(static_cast<size_t>(record_scores ? 0 : n));
-    float* scores = record_scores ? out.index_scores.values.data() + offset[t] : local.data();
-    index_scores(q.data() + t * nI * dI, w.data() + t * nI, nI, dI, keys[static_cast<size_t>(step.chunk_of[t])].data(),
-                 n, n_visible, L.bf16, scores);
+  const auto visible = [&](int64_t t) { return std::min(offset[t + 1] - offset[t], (step.positions[t] + 1) / ratio); };
+  // Candidate blocks and picks of token t from its scores (masked in place).
+  const auto select = [&](int64_t t, float* scores) {
+    const int64_t n = offset[t + 1] - offset[t], n_visible = visible(t);
     if (L.plan.is_candidate_source)
       select_candidate_blocks(scores, n, n_visible, config.candidate_block_size, config.candidate_topk_blocks,
                               out.candidate_mask.values.data() + offset[t]);
@@ -246,7 +243,30 @@ void run_indexer(const ModelConfig& config, const LayerParameters& L, const Step
         if (!keep[j]) scores[j] = -kInf;
     }
     select_topk(scores, n, n_visible, k, out.picks.data() + t * k);
+  };
+  // A split indexer's scores are partial sums over the rank's index heads: the whole step's are
+  // summed over the ranks at once before any selection. Otherwise each token selects right away
+  // from its own buffer, unless the scores are recorded.
+  const bool split = ranks.split_indexer;
+  RaggedRows<float> all_scores{offset, std::vector<float>(record_scores || split ? static_cast<size_t>(offset[T]) : 0)};
+  const bool parallel = offset[T] * nI * dI >= kMinParallelWork;
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = offset[t + 1] - offset[t];
+    std::vector<float> local(static_cast<size_t>(all_scores.values.empty() ? n : 0));
+    float* scores = all_scores.values.empty() ? local.data() : all_scores.values.data() + offset[t];
+    index_scores(q.data() + t * nI * dI, w.data() + t * nI, nI, dI, keys[static_cast<size_t>(step.chunk_of[t])].data(),
+                 n, visible(t), L.bf16, scores, split);
+    if (!split) select(t, scores);
   }
+  if (split) {
+    DSV4_CHECK(ranks.communicator != nullptr, "engine: layer ", layer, ": a split indexer needs a communicator");
+    ranks.communicator->all_reduce_sum(all_scores.values.data(), offset[T], nullptr);
+    round_bf16(all_scores.values.data(), offset[T], L.bf16);
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+    for (int64_t t = 0; t < T; ++t) select(t, all_scores.values.data() + offset[t]);
+  }
+  if (record_scores) out.index_scores = std::move(all_scores);
 }
 
 // What a chunk's tokens attend besides the step's own window rows: the window rows of earlier
@@ -317,7 +337,7 @@ void gather_attended_rows(const ModelConfig& config, const LayerParameters& L, c
 }  // namespace
 
 LayerParameters prepare_layer(const ModelConfig& config, const LayerPlan& plan, const LayerWeights& weights,
-                              Precision precision) {
+                              Precision precision, int index_weight_heads) {
   LayerParameters L;
   L.plan = plan;
   L.family = config.family;
@@ -370,7 +390,8 @@ LayerParameters prepare_layer(const ModelConfig& config, const LayerPlan& plan, 
   if (plan.owns_indexer) {
     L.indexer_wq_b = r.projection(WeightRole::indexer_wq_b, nI * dI, config.q_lora_rank);
     L.indexer_weights_proj = r.projection(WeightRole::indexer_weights_proj, nI, hidden, false);
-    L.indexer_weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dI)) / std::sqrt(static_cast<double>(nI)));
+    const double scale_heads = index_weight_heads > 0 ? index_weight_heads : static_cast<double>(nI);
+    L.indexer_weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dI)) / std::sqrt(scale_heads));
   }
   return L;
 }
@@ -389,7 +410,7 @@ LayerCacheShape layer_cache_shape(const ModelConfig& config, const LayerParamete
 
 void run_layer_step(const ModelConfig& config, const LayerParameters& L, const StepLayout& step, CacheStore& caches,
                     const float* hidden_in, float* attn_out, std::vector<LayerPublication>& published,
-                    bool record_index_scores) {
+                    bool record_index_scores, const RankReduction& ranks) {
   const int64_t T = step.tokens(), hidden = config.hidden_size, H = config.num_heads, D = config.head_dim;
   const int64_t rd = config.rope_head_dim, G = config.o_groups, R = config.o_lora_rank;
   const bool bf16 = L.bf16;
@@ -414,7 +435,8 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
   caches.round_trip_window_rows(L.plan.layer, kv.data(), T);
 
   if (L.plan.owns_compressor) update_compressed_caches(config, L, step, caches, x.data());
-  if (L.plan.owns_indexer) run_indexer(config, L, step, caches, x.data(), qr.data(), published, record_index_scores);
+  if (L.plan.owns_indexer)
+    run_indexer(config, L, step, caches, x.data(), qr.data(), published, record_index_scores, ranks);
 
   // Sparse attention (SPEC §5).
   std::vector<float> o(static_cast<size_t>(T * H * D));
@@ -436,7 +458,13 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
   apply_rope(o.data(), T, H, D, L.rope_freqs.data(), rd, step.positions.data(), true, bf16);
   std::vector<float> y(static_cast<size_t>(T * G * R));
   grouped_linear(o.data(), T, G, H / G * D, L.wo_a.weight.data(), R, y.data(), bf16);
-  project(y.data(), T, L.wo_b, attn_out, bf16);
+  // A tensor-parallel rank's output is a partial sum over its heads: fp32 until the ranks' partial
+  // sums are added up, then rounded as the whole output is.
+  project(y.data(), T, L.wo_b, attn_out, bf16, ranks.communicator == nullptr);
+  if (ranks.communicator) {
+    ranks.communicator->all_reduce_sum(attn_out, T * hidden, nullptr);
+    round_bf16(attn_out, T * hidden, bf16);
+  }
   published[static_cast<size_t>(L.plan.layer)].ran = true;
 }
 

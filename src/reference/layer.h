@@ -60,13 +60,14 @@ struct LayerParameters {
   CompressorParameters index_compressor;
   // index sources
   Projection indexer_wq_b, indexer_weights_proj;
-  float indexer_weight_scale = 1.0f;  // index_head_dim^-0.5 · index_n_heads^-0.5
+  float indexer_weight_scale = 1.0f;  // index_head_dim^-0.5 · index_n_heads^-0.5 (of the whole model)
 };
 
 // Checks the layer's tensors against the plan and converts them. Throws naming layer, tensor,
-// shape and expectation.
+// shape and expectation. `index_weight_heads`: the index heads the index weight scale counts, when
+// `config` is a tensor-parallel shard whose indexer holds only its rank's share (0: index_n_heads).
 LayerParameters prepare_layer(const ModelConfig& config, const LayerPlan& plan, const LayerWeights& weights,
-                              Precision precision);
+                              Precision precision, int index_weight_heads = 0);
 
 // What the layer caches per sequence.
 LayerCacheShape layer_cache_shape(const ModelConfig& config, const LayerParameters& layer);
@@ -104,11 +105,20 @@ struct LayerPublication {
   RaggedRows<float> index_scores;      // index sources, only when recording: the masked scores top-k ran on
 };
 
+// The collectives of a tensor-parallel rank (dsv4/parallel.h); the default: the whole model.
+struct RankReduction {
+  // Sums the partial output of the rank's heads (kept fp32 until then) and, with split_indexer,
+  // the partial index scores over the ranks.
+  Communicator* communicator = nullptr;
+  bool split_indexer = false;  // the layer's index heads are the rank's share of them
+};
+
 // Runs layer `layer.plan.layer` of the step: hidden_in, attn_out [T, hidden] (may alias).
 // `published` holds every layer's publication of this step (indexed by layer); the layer writes
 // its own into published[layer]. Writes the layer's new cache rows to `caches`.
 void run_layer_step(const ModelConfig& config, const LayerParameters& layer, const StepLayout& step,
                     CacheStore& caches, const float* hidden_in, float* attn_out,
-                    std::vector<LayerPublication>& published, bool record_index_scores);
+                    std::vector<LayerPublication>& published, bool record_index_scores,
+                    const RankReduction& ranks = {});
 
 }  // namespace dsv4::reference

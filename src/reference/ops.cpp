@@ -192,7 +192,7 @@ void softmax_pool(const float* const* kv, const float* const* score, const float
 }
 
 void index_scores(const float* q, const float* weight, int64_t heads, int64_t dim, const float* keys, int64_t n,
-                  int64_t n_visible, bool bf16, float* scores) {
+                  int64_t n_visible, bool bf16, float* scores, bool partial) {
   for (int64_t j = 0; j < n; ++j) {
     if (j >= n_visible) {
       scores[j] = -kInf;
@@ -203,7 +203,7 @@ void index_scores(const float* q, const float* weight, int64_t heads, int64_t di
       const float relu = std::max(maybe_bf16(dot(q + h * dim, keys + j * dim, dim), bf16), 0.0f);
       sum += maybe_bf16(relu * weight[h], bf16);
     }
-    scores[j] = maybe_bf16(sum, bf16);
+    scores[j] = partial ? sum : maybe_bf16(sum, bf16);
   }
 }
 

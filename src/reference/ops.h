@@ -109,9 +109,10 @@ void pool_compressed_entry(const CompressorGeometry& g, int64_t w, const RowAt& 
 // Index scores of one query against keys [n, dim]: for j < n_visible
 //   score[j] = Σ_h weight[h] · relu(q[h] · key[j]),   q [heads, dim], weight [heads];
 // j >= n_visible gets −inf. bf16 (the reference): every dot, every weighted term and the
-// fp32 sum over heads are rounded to bf16.
+// fp32 sum over heads are rounded to bf16. `partial`: the heads are a tensor-parallel rank's share;
+// the sum stays fp32 and is rounded once the ranks' partial sums are added up.
 void index_scores(const float* q, const float* weight, int64_t heads, int64_t dim, const float* keys, int64_t n,
-                  int64_t n_visible, bool bf16, float* scores);
+                  int64_t n_visible, bool bf16, float* scores, bool partial = false);
 
 // Two-level candidate filtering at the candidate source (SPEC §4.5): scores [n] (causally
 // masked), blocks of block_size positions scored by their max, the block of the newest visible

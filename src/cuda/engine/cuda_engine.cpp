@@ -13,6 +13,7 @@
 #include "dsv4/cuda/output.h"
 #include "dsv4/cuda/projection.h"
 #include "dsv4/cuda/qkv.h"
+#include "dsv4/parallel.h"
 #include "reference/ops.h"
 
 namespace dsv4::cuda {
@@ -316,7 +317,8 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
     measure_role(bf16_view(hidden), WeightRole::wq_a, rows_view(config_.q_lora_rank));
     measure_role(rows_view(config_.q_lora_rank), WeightRole::wq_b, bf16_view(H * D));
     measure_role(bf16_view(hidden), WeightRole::wkv, rows_view(D));
-    measure_role(rows_view(config_.o_groups * config_.o_lora_rank), WeightRole::wo_b, rows_view(hidden));
+    measure_role(rows_view(config_.o_groups * config_.o_lora_rank), WeightRole::wo_b,
+                 options_.communicator ? device_view(any, DType::f32, {T, hidden}, device_) : rows_view(hidden));
     scratch = std::max(scratch, output_projection_workspace_bytes(output_params(
                                     l, device_view(any, ws.rows, {T, H, D}, device_),
                                     device_view(any, DType::i32, {T}, device_),
@@ -612,9 +614,15 @@ void CudaEngine::run_layer(int layer, const TensorView& hidden_in, const TensorV
   const TensorView y = rows(ws.y, {T, G, R});
   run_output_projection(output_params(layer, rows(ws.o, {T, H, D}), token_position_, y), ws.linear, stream);
   // The reference's output is bf16: widen it into attn_out (fp32 precision writes f32 directly).
+  // A tensor-parallel rank's output is a partial sum over its heads: f32 until the ranks' partial
+  // sums are added up, then rounded as the whole output is.
   const TensorView y_flat = rows(ws.y, {T, G * R});
   const TensorView out_f32 = device_view(out, DType::f32, {T, hidden}, device_);
-  if (ws.rows == DType::f32) {
+  if (options_.communicator) {
+    project(y_flat, w.get(WeightRole::wo_b), out_f32);
+    options_.communicator->all_reduce_sum(out, T * hidden, stream);
+    if (ws.rows != DType::f32) launch_scale_to_f32(out, DType::f32, 1.0f, true, out, T * hidden, stream);
+  } else if (ws.rows == DType::f32) {
     project(y_flat, w.get(WeightRole::wo_b), out_f32);
   } else {
     project(y_flat, w.get(WeightRole::wo_b), rows(ws.out, {T, hidden}));
@@ -739,8 +747,10 @@ void CudaEngine::index(int layer) {
   run_rope_heads(rope, stream);
   project(device_view(ws.x, DType::bf16, {T, config_.hidden_size}, device_), w.get(WeightRole::indexer_weights_proj),
           device_view(ws.index_w_raw, ws.rows, {T, nI}, device_));
+  // A split indexer (tensor parallelism) scores the rank's share of the heads; the scale counts all.
+  const int64_t scale_heads = options_.split_index_heads > 0 ? options_.split_index_heads : nI;
   const float weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dI)) /
-                                                std::sqrt(static_cast<double>(nI)));
+                                                std::sqrt(static_cast<double>(scale_heads)));
   launch_scale_to_f32(ws.index_w_raw, ws.rows, weight_scale, reference, ws.index_w, T * nI, stream);
   const TensorView weights = device_view(ws.index_w, DType::f32, {T, nI}, device_);
 
@@ -766,6 +776,8 @@ void CudaEngine::index(int layer) {
     }
     scores.scores = device_view(ws.scores, DType::f32, {n, entries}, device_);
     run_index_scores(scores, stream);
+    // Split indexer: the partial sums over the rank's heads are summed over the ranks.
+    if (options_.split_index_heads > 0) options_.communicator->all_reduce_sum(ws.scores, n * entries, stream);
     TopkParams topk;
     topk.token_position = positions;
     topk.compress_ratio = ratio;
