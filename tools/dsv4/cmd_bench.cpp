@@ -15,7 +15,9 @@
 //                      [wkv; wgate] projection and the pooling with its state ring
 //   layer              one decode step of a whole ratio-1 layer (kv source, index source, candidate
 //                      source) through the CUDA engine, after prefilling `context` tokens per
-//                      sequence; run_layer is captured in a CUDA graph and the graph is replayed
+//                      sequence; run_layer is captured in a CUDA graph and the graph is replayed.
+//                      With --tp N, N rank processes (one GPU each) run their shards of the layer
+//                      with the NCCL all-reduces inside the graph (docs/parallel.md).
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
@@ -30,6 +32,7 @@
 #include "dsv4/command.h"
 #include "dsv4/config.h"
 #include "dsv4/error.h"
+#include "dsv4/tensor_parallel.h"
 
 #ifdef DSV4_WITH_CUDA
 #include "cuda/engine/cuda_engine.h"
@@ -56,6 +59,7 @@ struct BenchOptions {
   int64_t context = 0;  // 0: the operation's default
   int iters = 50;
   int warmup = 5;
+  TensorParallelFlags parallel;  // --op layer only
 };
 
 #ifdef DSV4_WITH_CUDA
@@ -384,7 +388,9 @@ ModelConfig single_layer_config(ModelConfig c) {
   return c;
 }
 
-void bench_layer(const BenchOptions& o, const ModelConfig& preset, cuda::Stream& stream) {
+// Returns false when the ranks of a tensor-parallel run computed different outputs.
+bool bench_layer(const BenchOptions& o, const ModelConfig& preset, cuda::Stream& stream,
+                 const std::shared_ptr<NcclCommunicator>& ranks) {
   const ModelConfig c = single_layer_config(preset);
   const ModelTopology topology = resolve_topology(c);
   const int64_t B = o.batch, L = o.context, hidden = c.hidden_size;
@@ -396,7 +402,10 @@ void bench_layer(const BenchOptions& o, const ModelConfig& preset, cuda::Stream&
   options.max_sequences = B;
   options.max_context = L + 1;
   options.max_tokens_per_step = std::max(B, std::min(B * L, kPrefillTokens));
-  cuda::CudaEngine engine(c, weights, options);
+  // A tensor-parallel rank runs its shard of the layer (docs/parallel.md).
+  const RankShard shard = ranks ? make_rank_shard(c, *weights, options, ranks, o.parallel.indexer_sharding())
+                                : RankShard{c, weights, options};
+  cuda::CudaEngine engine(shard.config, shard.weights, shard.options);
   std::vector<SequenceId> ids;
   for (int64_t s = 0; s < B; ++s) ids.push_back(engine.add_sequence());
   Tensor in = random_tensor(DType::f32, {options.max_tokens_per_step, hidden}, 13);
@@ -432,6 +441,16 @@ void bench_layer(const BenchOptions& o, const ModelConfig& preset, cuda::Stream&
   DSV4_CUDA_CHECK(cudaGraphExecDestroy(exec));
   DSV4_CUDA_CHECK(cudaGraphDestroy(graph));
   engine.end_step();
+  // The ranks' decode outputs (all-reduced) must be the same bits on every rank.
+  bool ranks_agree = true;
+  if (ranks) {
+    std::vector<uint32_t> bits(static_cast<size_t>(B * hidden));
+    out.buffer.download(bits.data(), bits.size() * sizeof(uint32_t));
+    uint64_t hash = 0xCBF29CE484222325ull;
+    for (uint32_t b : bits) hash = (hash ^ b) * 0x100000001B3ull;
+    ranks_agree = ranks->same_on_all_ranks(hash);
+    if (ranks->rank() != 0) return ranks_agree;
+  }
 
   const int64_t H = c.num_heads, D = c.head_dim, k = c.index_topk, nI = c.index_n_heads, dI = c.index_head_dim;
   double params = 0;
@@ -452,9 +471,22 @@ void bench_layer(const BenchOptions& o, const ModelConfig& preset, cuda::Stream&
   w.flops = 2 * params * static_cast<double>(B) + 4.0 * static_cast<double>(B * H * D) * rows +
             2.0 * static_cast<double>(B) * static_cast<double>(L + 1) * static_cast<double>(nI * dI);
   print_result(o, c, w, us);
+  const double median = percentile(us, 0.5);
+  std::printf("  decode    %" PRId64 " tokens per step through the layer -> %.0f tokens/s\n", B,
+              static_cast<double>(B) / (median * 1e-6));
+  if (ranks)
+    std::printf("  parallel  tp %d (GPUs 0..%d, NCCL all-reduce of the output%s in the graph), %d of %d heads per "
+                "rank, indexer %s; decode outputs %s on all ranks\n",
+                ranks->size(), ranks->size() - 1, o.parallel.indexer == "split" ? " and the index scores" : "",
+                shard.config.num_heads, c.num_heads, o.parallel.indexer.c_str(), ranks_agree ? "identical" : "DIFFER (FAIL)");
+  return ranks_agree;
 }
 
 int run_bench(BenchOptions o) {
+  DSV4_CHECK(o.parallel.tp == 1 || o.op == "layer", "bench: --tp applies to --op layer, not to --op ", o.op);
+  if (o.parallel.launches()) return launch_ranks(o.parallel, "bench");
+  // A tensor-parallel rank joins its group first, which makes its GPU current.
+  const std::shared_ptr<NcclCommunicator> ranks = join_rank_group(o.parallel, "bench");
   if (cuda::device_count() == 0) fail("bench: no CUDA device is present; bench times GPU operations");
   const ModelConfig c = preset_config(o.preset);
   const bool decode = o.op == "indexer" || o.op == "topk" || o.op == "attention-decode" || o.op == "layer";
@@ -473,7 +505,7 @@ int run_bench(BenchOptions o) {
   else if (o.op == "attention-decode") bench_attention(o, c, stream, false);
   else if (o.op == "attention-prefill") bench_attention(o, c, stream, true);
   else if (o.op == "compressor") bench_compressor(o, c, stream);
-  else bench_layer(o, c, stream);
+  else return bench_layer(o, c, stream, ranks) ? 0 : 1;
   return 0;
 }
 #else
@@ -495,6 +527,7 @@ const CommandRegistration registration(
                      "(default: 8192 decode, 1024 prefill, 4096 layer)");
       app.add_option("--iters", o->iters, "Timed runs")->capture_default_str();
       app.add_option("--warmup", o->warmup, "Untimed runs before them")->capture_default_str();
+      o->parallel.add_to(app);
       return [o] { return run_bench(*o); };
     });
 

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -21,7 +22,9 @@
 #include "dsv4/config.h"
 #include "dsv4/engine.h"
 #include "dsv4/error.h"
+#include "dsv4/parallel.h"
 #include "dsv4/progress.h"
+#include "dsv4/tensor_parallel.h"
 #include "dsv4/weights.h"
 
 namespace dsv4::cli {
@@ -64,6 +67,7 @@ struct RunOptions {
   uint64_t seed = 1;
   double check_tolerance = 0.0;
   int threads = 0;
+  TensorParallelFlags parallel;
   // The flags whose defaults depend on the profile; those not given take the profile's.
   std::map<std::string, const CLI::Option*> profile_flags;
   bool was_given(const std::string& flag) const { return profile_flags.at(flag)->count() > 0; }
@@ -284,10 +288,24 @@ struct WorkloadStats {
   double wall_seconds = 0.0;
   int64_t peak_cache_bytes = 0;          // all running sequences together, after a step
   std::vector<int64_t> cache_bytes;      // per sequence, at its end
+  // A hash of the last layer's outputs of every step, which depend on every earlier layer's (the
+  // ranks of a tensor-parallel run compare theirs).
+  uint64_t output_checksum = 0xCBF29CE484222325ull;  // FNV-1a offset basis
   double engine_seconds() const { return prefill_step_seconds + decode_step_seconds; }
 };
 
-WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe) {
+// Folds the bit patterns of `n` floats into `hash` (FNV-1a over 32-bit words).
+uint64_t hash_floats(uint64_t hash, const float* values, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, values + i, sizeof bits);
+    hash = (hash ^ bits) * 0x100000001B3ull;
+  }
+  return hash;
+}
+
+WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe,
+                    bool show_progress) {
   const int64_t hidden = engine.config().hidden_size;
   const int layers = engine.config().total_layers();
   std::vector<SequenceState> states(w.prompt_lengths.size());
@@ -325,6 +343,7 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
         row += span.tokens;
       }
       if (l + 1 < layers) chain_residual(inputs.data(), outputs.data(), step.rows, hidden);
+      else stats.output_checksum = hash_floats(stats.output_checksum, outputs.data(), step.rows * hidden);
     }
     step_start = Clock::now();
     engine.end_step();
@@ -355,11 +374,12 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
       finished += 1;
     }
     tokens_done += step.rows;
-    progress.update(tokens_done, "step " + std::to_string(stats.steps) + " (" + std::to_string(step.rows) +
+    if (show_progress)
+      progress.update(tokens_done, "step " + std::to_string(stats.steps) + " (" + std::to_string(step.rows) +
                                      " tokens of " + std::to_string(step.spans.size()) + " sequences), " +
                                      std::to_string(finished) + "/" + std::to_string(states.size()) + " finished");
   }
-  progress.finish();
+  if (show_progress) progress.finish();
   stats.wall_seconds = seconds_since(start);
   for (const SequenceState& s : states) stats.cache_bytes.push_back(s.cache_bytes_at_end);
   return stats;
@@ -438,8 +458,15 @@ std::string format_rate(int64_t tokens, double seconds) {
 }
 
 int run(const RunOptions& o) {
-  const Backend backend = o.was_given("--backend") ? usable_backend(parse_backend(o.backend), "run")
-                                                   : default_backend();
+  DSV4_CHECK(o.parallel.tp == 1 || !o.was_given("--backend") || parse_backend(o.backend) == Backend::cuda, "run: --tp ",
+             o.parallel.tp, " runs on the cuda backend (one GPU per rank), not on ", o.backend);
+  if (o.parallel.launches()) return launch_ranks(o.parallel, "run");
+  // A tensor-parallel rank joins its group first, which makes its GPU current; rank 0 reports.
+  const std::shared_ptr<NcclCommunicator> ranks = join_rank_group(o.parallel, "run");
+  const bool reports = !ranks || ranks->rank() == 0;
+  const Backend backend = ranks                      ? Backend::cuda
+                          : o.was_given("--backend") ? usable_backend(parse_backend(o.backend), "run")
+                                                     : default_backend();
   const RunProfile profile = backend == Backend::cuda ? gpu_profile() : cpu_profile();
   auto pick = [&](const char* flag, auto given, auto fallback) { return o.was_given(flag) ? given : fallback; };
 
@@ -474,8 +501,9 @@ int run(const RunOptions& o) {
   auto weights = std::make_shared<const ModelWeights>(
       o.weights_path.empty() ? random_weights(config, topology, o.seed, fp8_weights)
                              : load_weights(o.weights_path, config, topology));
-  std::fprintf(stderr, "dsv4: run: %s weights of %s in %.1f s\n", o.weights_path.empty() ? "generated random" : "loaded",
-               config.name.c_str(), seconds_since(setup_start));
+  if (reports)
+    std::fprintf(stderr, "dsv4: run: %s weights of %s in %.1f s\n",
+                 o.weights_path.empty() ? "generated random" : "loaded", config.name.c_str(), seconds_since(setup_start));
 
   EngineOptions options;
   options.backend = backend;
@@ -486,14 +514,22 @@ int run(const RunOptions& o) {
   options.max_context = w.longest();
   options.num_threads = o.threads;
   setup_start = Clock::now();
-  const std::unique_ptr<Engine> engine = Engine::create(config, weights, options);
-  std::fprintf(stderr, "dsv4: run: created the %s engine in %.1f s\n", backend_name(backend), seconds_since(setup_start));
+  // A tensor-parallel rank's engine runs the rank's shard of every layer (docs/parallel.md).
+  const RankShard shard = ranks ? make_rank_shard(config, *weights, options, ranks, o.parallel.indexer_sharding())
+                                : RankShard{config, weights, options};
+  const std::unique_ptr<Engine> engine = Engine::create(shard.config, shard.weights, shard.options);
+  if (reports)
+    std::fprintf(stderr, "dsv4: run: created the %s engine in %.1f s\n", backend_name(backend),
+                 seconds_since(setup_start));
 
 
   Probe probe(w, o.seed, config.total_layers(), config.hidden_size);
-  const WorkloadStats stats = serve(*engine, backend, w, o.seed, probe);
-  const CheckResult check = check_probe(config, weights, options, probe);
+  const WorkloadStats stats = serve(*engine, backend, w, o.seed, probe, reports);
+  const CheckResult check = check_probe(shard.config, shard.weights, shard.options, probe);
   const bool pass = check.outputs_nonzero && check.rel_l2 <= tolerance;  // false for NaN
+  // Every rank holds the all-reduced outputs: they must be the same bits everywhere.
+  const bool ranks_agree = !ranks || ranks->same_on_all_ranks(stats.output_checksum);
+  if (!reports) return pass && ranks_agree ? 0 : 1;
 
   const auto [shortest, longest] = std::minmax_element(w.prompt_lengths.begin(), w.prompt_lengths.end());
   int64_t prompt_total = 0;
@@ -505,6 +541,12 @@ int run(const RunOptions& o) {
                   : ("weights " + o.weights_path).c_str());
   std::printf("engine: backend %s, precision %s, kv format %s\n", backend_name(backend),
               precision_name(options.precision), o.kv_format.empty() ? "float" : o.kv_format.c_str());
+  if (ranks)
+    std::printf("tensor parallel: %d ranks on GPUs 0..%d (NCCL), %d heads and %d output groups per rank, indexer %s; "
+                "last-layer outputs of every step %s on all ranks (checksum %016llx)\n",
+                ranks->size(), ranks->size() - 1, shard.config.num_heads, shard.config.o_groups,
+                o.parallel.indexer.c_str(), ranks_agree ? "identical" : "DIFFER (FAIL)",
+                static_cast<unsigned long long>(stats.output_checksum));
   std::printf(
       "workload: %lld sequences, prompts of %lld..%lld tokens (%lld in all), %lld decode steps each, prefill chunks "
       "of %lld, at most %lld running, at most %lld tokens per step\n",
@@ -535,7 +577,7 @@ int run(const RunOptions& o) {
       probe.sequence, static_cast<long long>(probe.length), static_cast<long long>(probe.length),
       probe.positions.size(), config.total_layers(), check.rel_l2, check.worst_layer, check.worst_layer_rel_l2,
       tolerance, pass ? "PASS" : check.outputs_nonzero ? "FAIL" : "FAIL (the outputs are all zero)");
-  return pass ? 0 : 1;
+  return pass && ranks_agree ? 0 : 1;
 }
 
 const CommandRegistration registration{
@@ -562,6 +604,7 @@ const CommandRegistration registration{
       app.add_option("--kv-format", o->kv_format, "KV cache format set (empty: float storage)");
       app.add_option("--seed", o->seed, "Seed of the random weights, prompt lengths and inputs")->capture_default_str();
       app.add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();
+      o->parallel.add_to(app);
       return [o] { return run(*o); };
     }};
 
