@@ -1,4 +1,5 @@
-// run_sparse_attention against reference::sparse_attention on random caches in every format.
+// run_sparse_attention against reference::sparse_attention on random caches in every format, with
+// and without splitting a token's rows over several blocks.
 //
 // The reference gets the rows the kernel must attend (window rows that have a page, valid picks),
 // decoded on the host by kv_format's decode_rows. Tolerance: both compute in fp32 (the reference
@@ -125,11 +126,18 @@ void check_attention(const AttentionCase& c) {
     p.picks = dpicks.view;
     p.compress_ratio = c.ratio;
   }
+  // Once with one block per (token, head group), once with the rows split over several blocks.
   Stream stream;
   run_sparse_attention(p, stream.get());
   stream.synchronize("sparse attention test");
-  testing::expect_close(testing::download_floats(dout.view), expected, 2e-5f,
-                        c.out_dtype == DType::bf16 ? 0x1p-7f : 1e-4f, "attention output");
+  const float rtol = c.out_dtype == DType::bf16 ? 0x1p-7f : 1e-4f;
+  testing::expect_close(testing::download_floats(dout.view), expected, 2e-5f, rtol, "attention output");
+  // Every case but the one-tile prefill splits (few blocks, several tiles of rows).
+  DeviceBuffer workspace(sparse_attention_workspace_bytes(p));
+  dout.buffer.fill_bytes(0xff);
+  run_sparse_attention(p, workspace.data(), stream.get());
+  stream.synchronize("split sparse attention test");
+  testing::expect_close(testing::download_floats(dout.view), expected, 2e-5f, rtol, "attention output, split rows");
 }
 
 TEST_F(CudaTest, SparseAttentionDecodeNativeFormats) {

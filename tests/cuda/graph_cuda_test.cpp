@@ -61,6 +61,7 @@ TEST_F(GraphCudaTest, LayerStepReplaysBitForBit) {
   DeviceTensor q_raw = testing::device_tensor(testing::random_floats(kTokens * kHeads * kDim, 1), DType::bf16, {kTokens, kHeads, kDim});
   DeviceTensor kv_raw = testing::device_tensor(testing::random_floats(kTokens * kDim, 2), DType::bf16, {kTokens, kDim});
   DeviceTensor kv_norm = testing::device_tensor(testing::random_floats(kDim, 3, 0.5f, 1.5f), DType::bf16, {kDim});
+  DeviceTensor k_norm = testing::device_tensor(testing::random_floats(kIndexDim, 10, 0.5f, 1.5f), DType::bf16, {kIndexDim});
   DeviceTensor rows = testing::device_tensor(testing::random_floats(kTokens * 2 * kDim, 4), DType::f32, {kTokens, 2 * kDim});
   DeviceTensor state = testing::poisoned_tensor(DType::f32, {1, kRatio, 2 * kDim});
   DeviceTensor iq_raw = testing::device_tensor(testing::random_floats(kTokens * kIndexHeads * kIndexDim, 5), DType::bf16,
@@ -96,7 +97,7 @@ TEST_F(GraphCudaTest, LayerStepReplaysBitForBit) {
     run_cache_insert({.rows = latent.view, .token_position = dpos.view, .position_offset = 1 - kRatio,
                       .rope_table = table.view, .quant = RowQuant::fp4_e4m3_16, .slots = dentry_slot.view,
                       .cache = compressed}, s);
-    run_cache_insert({.rows = latent_keys.view, .norm_weight = kv_norm.view, .eps = 1e-20f, .token_position = dpos.view,
+    run_cache_insert({.rows = latent_keys.view, .norm_weight = k_norm.view, .eps = 1e-20f, .token_position = dpos.view,
                       .position_offset = 1 - kRatio, .rope_table = table.view, .quant = RowQuant::fp4_ue8m0_32,
                       .slots = dentry_slot.view, .cache = keys}, s);
     run_rope_heads({.x = iq_raw.view, .token_position = dpos.view, .rope_table = table.view,

@@ -111,6 +111,13 @@ void time_attention_and_indexer(const char* label, const Step& step) {
                 static_cast<long long>(tokens), static_cast<long long>(kHeads), static_cast<long long>(kWindow + kTopk));
   report(what, time_ms([&](cudaStream_t s) { run_sparse_attention(attention, s); }, stream));
   expect_finite(out.view, "attention output");
+  const size_t split_bytes = sparse_attention_workspace_bytes(attention);
+  if (split_bytes > 0) {
+    DeviceBuffer workspace(split_bytes);
+    std::snprintf(what, sizeof what, "sparse_attention %s, rows split", label);
+    report(what, time_ms([&](cudaStream_t s) { run_sparse_attention(attention, workspace.data(), s); }, stream));
+    expect_finite(out.view, "split attention output");
+  }
 
   const IndexScoresParams index{.q = iq.view, .weights = iw.view, .keys = keys.view,
                                 .token_sequence = step.dsequence.view, .token_position = step.dposition.view,
@@ -128,6 +135,7 @@ void time_attention_and_indexer(const char* label, const Step& step) {
 
 TEST(KernelTimingCudaTest, DISABLED_DecodeAndPrefillAtFlashSizes) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  time_attention_and_indexer("decode, 1 seq at 16K", Step(1, 1, 16383));
   time_attention_and_indexer("decode, 64 seqs at 16K", Step(64, 1, 16383));
   time_attention_and_indexer("decode, 8 seqs at 64K", Step(8, 1, 65535));
   time_attention_and_indexer("prefill chunk of 2048 at 16K", Step(1, 2048, 16383));

@@ -13,6 +13,8 @@
 // with no attended row gets zeros. No bf16 rounding of e_i (the reference kernel rounds it).
 #pragma once
 
+#include <cstddef>
+
 #include "dsv4/cuda/runtime.h"
 #include "dsv4/tensor.h"
 
@@ -33,6 +35,13 @@ struct SparseAttentionParams {
 };
 
 void validate_sparse_attention(const SparseAttentionParams& p);
+// Small steps (few tokens × head groups, e.g. decode at batch 1) leave most of the GPU idle with
+// one block per (token, 16 heads); with this workspace each token's rows are split over up to 20
+// blocks (tiles of 32 rows) whose partial softmax sums are merged by a second kernel. 0 when the
+// step is large enough not to split.
+size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p);
+void run_sparse_attention(const SparseAttentionParams& p, void* workspace, cudaStream_t stream);
+// The same without a workspace: rows are never split.
 void run_sparse_attention(const SparseAttentionParams& p, cudaStream_t stream);
 
 }  // namespace dsv4::cuda

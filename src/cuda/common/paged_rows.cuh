@@ -83,6 +83,53 @@ __device__ __forceinline__ float decode_channel(const DeviceRows& r, const RowRe
   }
 }
 
+// Channels c0 … c0 + 15 (c0 a multiple of 16) of a row in format F, as decode_channel gives them,
+// read with 8-byte read-only loads so that a thread keeps several loads in flight. Needs 8-byte
+// aligned row data, which every 512-channel layout has (row sizes and page strides are multiples
+// of 8); the pages must not change while the kernel runs.
+__device__ __forceinline__ uint2 load8(const uint8_t* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+
+__device__ __forceinline__ void bf16x4_to_float(uint2 bits, float* out) {
+  out[0] = bf16_bits_to_float(static_cast<uint16_t>(bits.x));
+  out[1] = bf16_bits_to_float(static_cast<uint16_t>(bits.x >> 16));
+  out[2] = bf16_bits_to_float(static_cast<uint16_t>(bits.y));
+  out[3] = bf16_bits_to_float(static_cast<uint16_t>(bits.y >> 16));
+}
+
+__device__ __forceinline__ void e4m3x8_to_float(uint2 codes, float scale, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = e4m3_to_float(static_cast<uint8_t>((i < 4 ? codes.x : codes.y) >> (8 * (i % 4)))) * scale;
+}
+
+template <KvRowFormat F>
+__device__ __forceinline__ void decode_chunk16(const DeviceRows& r, const RowRef& row, int c0, float (&out)[16]) {
+  if constexpr (F == KvRowFormat::bf16) {
+    const uint8_t* p = row.data + 2 * c0;
+    const uint2 a = load8(p), b = load8(p + 8), c = load8(p + 16), d = load8(p + 24);
+    bf16x4_to_float(a, out), bf16x4_to_float(b, out + 4), bf16x4_to_float(c, out + 8), bf16x4_to_float(d, out + 12);
+  } else if constexpr (F == KvRowFormat::fp8_per_tensor || F == KvRowFormat::v41_fp8) {
+    const uint2 a = load8(row.data + c0), b = load8(row.data + c0 + 8);
+    const float scale = F == KvRowFormat::v41_fp8 ? ue8m0_to_float(row.scales[c0 / kV41Fp8Tile]) : r.tensor_scale;
+    e4m3x8_to_float(a, scale, out), e4m3x8_to_float(b, scale, out + 8);
+  } else if constexpr (F == KvRowFormat::v41_fp4) {
+    const uint2 packed = load8(row.data + c0 / 2);
+    const float scale = e4m3_to_float(row.scales[c0 / kV41Fp4Tile]);
+    for (int i = 0; i < 16; ++i)
+      out[i] = e2m1_to_float(static_cast<uint8_t>((i < 8 ? packed.x : packed.y) >> (4 * (i % 8)))) * scale;
+  } else if constexpr (F == KvRowFormat::fp8_ds_mla) {
+    if (c0 < kDsMlaNopeDims) {
+      const uint2 a = load8(row.data + c0), b = load8(row.data + c0 + 8);
+      const float scale = ue8m0_to_float(row.scales[c0 / kDsMlaTile]);
+      e4m3x8_to_float(a, scale, out), e4m3x8_to_float(b, scale, out + 8);
+    } else {
+      const uint8_t* p = row.data + kDsMlaNopeDims + 2 * (c0 - kDsMlaNopeDims);
+      const uint2 a = load8(p), b = load8(p + 8), c = load8(p + 16), d = load8(p + 24);
+      bf16x4_to_float(a, out), bf16x4_to_float(b, out + 4), bf16x4_to_float(c, out + 8), bf16x4_to_float(d, out + 12);
+    }
+  } else {
+    for (int i = 0; i < 16; ++i) out[i] = decode_channel<F>(r, row, c0 + i);
+  }
+}
+
 // Calls f(std::integral_constant<KvRowFormat, format>{}) so that loops inside f decode with a
 // compile-time format.
 template <class F>

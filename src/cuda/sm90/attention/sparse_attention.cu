@@ -2,7 +2,9 @@
 // src/cuda/instantiations/sparse_attention_*.cu.
 #include "cuda/sm90/attention/sparse_attention.cuh"
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 
 #include "cuda/common/check_args.h"
 #include "dsv4/cuda/attention.h"
@@ -15,6 +17,63 @@ extern template void launch_sparse_attention<512, float>(const SparseAttentionLa
 namespace {
 
 constexpr int64_t kHeadDim = 512;  // the head size the kernels are built for (every V4 / V4.1 model)
+
+// Blocks a step should have before splitting rows pays off (two per SM of an H100 / H200); a
+// constant, so that the workspace size does not depend on the device.
+constexpr int64_t kTargetBlocks = 264;
+
+struct Split {
+  int splits;
+  int64_t tiles_per_split;
+};
+
+Split row_split(const SparseAttentionParams& p, bool allowed) {
+  const int64_t tokens = p.q.shape[0], heads = p.q.shape[1];
+  const int64_t max_rows = p.window_size + (is_present(p.compressed.pages) ? p.picks.shape[1] : 0);
+  const int64_t tiles = std::max<int64_t>(1, (max_rows + kAttentionTileRows - 1) / kAttentionTileRows);
+  const int64_t blocks = std::max<int64_t>(1, tokens * ((heads + kAttentionHeadsPerBlock - 1) / kAttentionHeadsPerBlock));
+  const int64_t splits = allowed ? std::clamp<int64_t>((kTargetBlocks + blocks - 1) / blocks, 1, std::min<int64_t>(tiles, 65535)) : 1;
+  return {static_cast<int>(splits), (tiles + splits - 1) / splits};
+}
+
+size_t partial_out_bytes(const SparseAttentionParams& p, int splits) {
+  return align_workspace(static_cast<size_t>(splits) * static_cast<size_t>(p.q.numel()) * sizeof(float));
+}
+
+size_t partial_stats_bytes(const SparseAttentionParams& p, int splits) {
+  return align_workspace(static_cast<size_t>(splits * p.q.shape[0] * p.q.shape[1]) * sizeof(float2));
+}
+
+void launch(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
+  SparseAttentionLaunch a;
+  a.tokens = p.q.shape[0];
+  a.heads = static_cast<int>(p.q.shape[1]);
+  if (a.tokens == 0 || a.heads == 0) return;
+  a.q = p.q.ptr<const uint16_t>();
+  a.token_sequence = p.token_sequence.ptr<const int32_t>();
+  a.token_position = p.token_position.ptr<const int32_t>();
+  a.window = device_rows(p.window);
+  a.window_size = p.window_size;
+  if (is_present(p.compressed.pages)) {
+    a.compressed = device_rows(p.compressed);
+    a.picks = p.picks.ptr<const int32_t>();
+    a.num_picks = p.picks.shape[1];
+    a.compress_ratio = p.compress_ratio;
+  }
+  a.sink = p.sink.ptr<const float>();
+  a.scale = p.scale;
+  a.out = p.out.data;
+  const Split split = row_split(p, workspace != nullptr);
+  a.splits = split.splits;
+  a.tiles_per_split = split.tiles_per_split;
+  if (a.splits > 1) {
+    a.partial_out = static_cast<float*>(workspace);
+    a.partial_stats = reinterpret_cast<float2*>(static_cast<std::byte*>(workspace) + partial_out_bytes(p, a.splits));
+  }
+  if (p.out.dtype == DType::bf16) launch_sparse_attention<512, uint16_t>(a, stream);
+  else launch_sparse_attention<512, float>(a, stream);
+  check_launch("sparse_attention");
+}
 
 const std::vector<KvRowFormat> kAttentionFormats = {KvRowFormat::bf16, KvRowFormat::fp8_per_tensor,
                                                     KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
@@ -52,29 +111,21 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
                "' is not 16-byte aligned");
 }
 
+size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p) {
+  validate_sparse_attention(p);
+  const Split split = row_split(p, true);
+  return split.splits > 1 ? partial_out_bytes(p, split.splits) + partial_stats_bytes(p, split.splits) : 0;
+}
+
+void run_sparse_attention(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
+  validate_sparse_attention(p);
+  if (row_split(p, true).splits > 1) check_workspace("sparse_attention", workspace);
+  launch(p, workspace, stream);
+}
+
 void run_sparse_attention(const SparseAttentionParams& p, cudaStream_t stream) {
   validate_sparse_attention(p);
-  SparseAttentionLaunch a;
-  a.tokens = p.q.shape[0];
-  a.heads = static_cast<int>(p.q.shape[1]);
-  if (a.tokens == 0 || a.heads == 0) return;
-  a.q = p.q.ptr<const uint16_t>();
-  a.token_sequence = p.token_sequence.ptr<const int32_t>();
-  a.token_position = p.token_position.ptr<const int32_t>();
-  a.window = device_rows(p.window);
-  a.window_size = p.window_size;
-  if (is_present(p.compressed.pages)) {
-    a.compressed = device_rows(p.compressed);
-    a.picks = p.picks.ptr<const int32_t>();
-    a.num_picks = p.picks.shape[1];
-    a.compress_ratio = p.compress_ratio;
-  }
-  a.sink = p.sink.ptr<const float>();
-  a.scale = p.scale;
-  a.out = p.out.data;
-  if (p.out.dtype == DType::bf16) launch_sparse_attention<512, uint16_t>(a, stream);
-  else launch_sparse_attention<512, float>(a, stream);
-  check_launch("sparse_attention");
+  launch(p, nullptr, stream);
 }
 
 }  // namespace dsv4::cuda

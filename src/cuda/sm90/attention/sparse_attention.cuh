@@ -2,10 +2,11 @@
 //
 // One block per (token, group of 16 heads); 8 warps, 2 heads per warp. The token's rows (window
 // rows, then picks) are processed in tiles of 32: the block decodes a tile into shared memory as
-// fp32 (every cache format decodes exactly), then each warp scores its 2 heads against the 32
-// rows (lane-split dot products, reduce-scattered so that lane j holds row j's score), updates
-// its online softmax and accumulates P·V from the same shared rows (K = V). A lane owns 4
-// consecutive channels of every 128-channel chunk of the head, for q, the rows and the output.
+// fp32 (every cache format decodes exactly; 16-channel work items with 8-byte loads), then each
+// warp scores its 2 heads against the 32 rows (lane-split dot products, summed per row through
+// shared memory so that lane j holds row j's score), updates its online softmax and accumulates
+// P·V from the same shared rows (K = V). A lane owns 4 consecutive channels of every 128-channel
+// chunk of the head, for q, the rows and the output.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,6 +33,13 @@ struct SparseAttentionLaunch {
   void* out = nullptr;
   int64_t tokens = 0;
   int heads = 0;
+  // Row split: block z of a token covers tiles [z·tiles_per_split, (z+1)·tiles_per_split) of its
+  // rows. With splits > 1 each block writes its unnormalized P·V and (max, sum) to the workspace
+  // and a combine kernel produces out.
+  int splits = 1;
+  int64_t tiles_per_split = 0;
+  float* partial_out = nullptr;  // [splits, tokens, heads, head_dim]
+  float2* partial_stats = nullptr;  // [splits, tokens, heads]: (running max, running sum)
 };
 
 inline constexpr int kAttentionWarps = 8;
@@ -39,24 +47,14 @@ inline constexpr int kAttentionHeadsPerWarp = 2;
 inline constexpr int kAttentionHeadsPerBlock = kAttentionWarps * kAttentionHeadsPerWarp;
 inline constexpr int kAttentionTileRows = kWarpSize;
 
+// Per warp and head: the lane-partial dot products of the tile's rows, [row][lane] with a padded
+// stride so that both the row-wise stores and the lane-wise sums are free of bank conflicts.
+inline constexpr int kPartialStride = kWarpSize + 1;
+inline constexpr size_t kPartialFloats = size_t{kAttentionWarps} * kAttentionHeadsPerWarp * kAttentionTileRows * kPartialStride;
+
 template <int kHeadDim>
 constexpr size_t sparse_attention_shared_bytes() {
-  return size_t{kAttentionTileRows} * kHeadDim * sizeof(float);
-}
-
-// v[i] of every lane -> the lane returns Σ_lanes v[lane] (row `lane`'s total), 31 shuffles.
-__device__ __forceinline__ float reduce_scatter_rows(float (&v)[kWarpSize], int lane) {
-#pragma unroll
-  for (int s = kWarpSize / 2; s >= 1; s /= 2) {
-    const bool upper = (lane & s) != 0;
-#pragma unroll
-    for (int i = 0; i < s; ++i) {
-      const float send = upper ? v[i] : v[i + s];
-      const float keep = upper ? v[i + s] : v[i];
-      v[i] = keep + __shfl_xor_sync(kFullMask, send, s);
-    }
-  }
-  return v[0];
+  return (size_t{kAttentionTileRows} * kHeadDim + kPartialFloats) * sizeof(float);
 }
 
 template <int kHeadDim, class Out>
@@ -64,8 +62,9 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
   static_assert(kHeadDim % 128 == 0, "a lane owns 4 channels of every 128-channel chunk");
   constexpr int kChunks = kHeadDim / 128;
   constexpr int kThreads = kAttentionWarps * kWarpSize;
-  extern __shared__ float4 shared_rows4[];  // [kAttentionTileRows][kHeadDim / 4]
-  float* shared_rows = reinterpret_cast<float*>(shared_rows4);
+  extern __shared__ float4 shared_rows4[];  // [kAttentionTileRows][kHeadDim / 4], then the partials
+  float* partials = reinterpret_cast<float*>(shared_rows4 + kAttentionTileRows * kHeadDim / 4) +
+                    size_t{threadIdx.x / kWarpSize} * kAttentionHeadsPerWarp * kAttentionTileRows * kPartialStride;
   __shared__ RowRef refs[kAttentionTileRows];
 
   const int64_t t = blockIdx.x;
@@ -99,14 +98,16 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
     running_sum[h] = 0.0f;
   }
 
-  for (int64_t base = 0; base < n_rows; base += kAttentionTileRows) {
+  const int64_t first_row = int64_t{blockIdx.z} * a.tiles_per_split * kAttentionTileRows;
+  const int64_t end_row = min(n_rows, first_row + a.tiles_per_split * kAttentionTileRows);
+  for (int64_t base = first_row; base < end_row; base += kAttentionTileRows) {
     __syncthreads();  // the previous tile is consumed
     if (threadIdx.x < kAttentionTileRows) {
       const int64_t i = base + threadIdx.x;
       RowRef ref;
-      if (i < n_window) {
+      if (i < end_row && i < n_window) {
         ref = row_of_sequence(a.window, sequence, window_first + i);
-      } else if (i < n_rows) {
+      } else if (i < end_row) {
         const int64_t entry = a.picks[t * a.num_picks + (i - n_window)];
         if (entry >= 0 && entry < n_visible) ref = row_of_sequence(a.compressed, sequence, entry);
       }
@@ -115,12 +116,25 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
     __syncthreads();
     // Decode: tile rows [0, split) are window rows, [split, 32) compressed entries.
     const int split = static_cast<int>(n_window - base < 0 ? 0 : (n_window - base > kAttentionTileRows ? kAttentionTileRows : n_window - base));
+    // Work items of 16 channels; consecutive threads take consecutive chunks of a row.
     auto decode_rows = [&](const DeviceRows& rows, int first, int last) {
       if (first >= last) return;
       visit_format(rows.format, [&](auto format) {
-        for (int e = first * kHeadDim + threadIdx.x; e < last * kHeadDim; e += kThreads) {
-          const RowRef ref = refs[e / kHeadDim];
-          shared_rows[e] = ref.valid() ? decode_channel<decltype(format)::value>(rows, ref, e % kHeadDim) : 0.0f;
+        constexpr int kChunksPerRow = kHeadDim / 16;
+#pragma unroll 4
+        for (int item = first * kChunksPerRow + threadIdx.x; item < last * kChunksPerRow; item += kThreads) {
+          const int r = item / kChunksPerRow, c0 = (item % kChunksPerRow) * 16;
+          const RowRef ref = refs[r];
+          float v[16];
+          if (ref.valid()) {
+            decode_chunk16<decltype(format)::value>(rows, ref, c0, v);
+          } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+          }
+          float4* dst = shared_rows4 + r * (kHeadDim / 4) + c0 / 4;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dst[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
         }
       });
     };
@@ -128,23 +142,30 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
     decode_rows(a.compressed, split, kAttentionTileRows);
     __syncthreads();
 
-    // Scores of the warp's heads for the 32 rows: lane j ends with row j.
+    // Scores of the warp's heads for the 32 rows: each lane's partial dot products over its
+    // channels go to shared memory, then lane j sums row j's partials.
+#pragma unroll 4
+    for (int j = 0; j < kAttentionTileRows; ++j) {
+      float dot[kAttentionHeadsPerWarp] = {};
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const float4 r = shared_rows4[j * (kHeadDim / 4) + c * kWarpSize + lane];
+#pragma unroll
+        for (int h = 0; h < kAttentionHeadsPerWarp; ++h)
+          dot[h] += q[h][c][0] * r.x + q[h][c][1] * r.y + q[h][c][2] * r.z + q[h][c][3] * r.w;
+      }
+#pragma unroll
+      for (int h = 0; h < kAttentionHeadsPerWarp; ++h)
+        partials[(h * kAttentionTileRows + j) * kPartialStride + lane] = dot[h];
+    }
+    __syncwarp();
     float probability[kAttentionHeadsPerWarp];
     const bool row_valid = refs[lane].valid();
 #pragma unroll
     for (int h = 0; h < kAttentionHeadsPerWarp; ++h) {
-      float partial[kWarpSize];
-#pragma unroll
-      for (int j = 0; j < kWarpSize; ++j) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          const float4 r = shared_rows4[j * (kHeadDim / 4) + c * kWarpSize + lane];
-          dot += q[h][c][0] * r.x + q[h][c][1] * r.y + q[h][c][2] * r.z + q[h][c][3] * r.w;
-        }
-        partial[j] = dot;
-      }
-      const float total = reduce_scatter_rows(partial, lane);  // every lane takes part in the shuffles
+      float total = 0.0f;
+#pragma unroll 8
+      for (int l = 0; l < kWarpSize; ++l) total += partials[(h * kAttentionTileRows + lane) * kPartialStride + l];
       const float score = row_valid ? total * a.scale : -INFINITY;
       const float new_max = fmaxf(running_max[h], warp_max(score));
       if (new_max == -INFINITY) {  // no valid row yet
@@ -183,6 +204,16 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
 #pragma unroll
   for (int h = 0; h < kAttentionHeadsPerWarp; ++h) {
     if (head[h] >= a.heads) continue;
+    if (a.splits > 1) {
+      const int64_t index = (int64_t{blockIdx.z} * a.tokens + t) * a.heads + head[h];
+      float* partial = a.partial_out + index * kHeadDim;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        *reinterpret_cast<float4*>(partial + c * 128 + lane * 4) =
+            make_float4(acc[h][c][0], acc[h][c][1], acc[h][c][2], acc[h][c][3]);
+      if (lane == 0) a.partial_stats[index] = make_float2(running_max[h], running_sum[h]);
+      continue;
+    }
     const bool any = running_max[h] != -INFINITY;
     const float inverse = any ? 1.0f / (running_sum[h] + expf(a.sink[head[h]] - running_max[h])) : 0.0f;
     Out* out = static_cast<Out*>(a.out) + (t * a.heads + head[h]) * kHeadDim;
@@ -200,6 +231,38 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
   }
 }
 
+// Merges the splits of one (token, head): with M = max_z m_z,
+// out = Σ_z acc_z·exp(m_z − M) / (Σ_z l_z·exp(m_z − M) + exp(sink − M)), zeros when no row was attended.
+template <int kHeadDim, class Out>
+__global__ void __launch_bounds__(kHeadDim / 4) combine_splits_kernel(SparseAttentionLaunch a) {
+  const int64_t t = blockIdx.x, h = blockIdx.y;
+  const int64_t stride = a.tokens * a.heads;
+  float m = -INFINITY;
+  for (int z = 0; z < a.splits; ++z) m = fmaxf(m, a.partial_stats[z * stride + t * a.heads + h].x);
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float denominator = 0.0f;
+  if (m != -INFINITY) {
+    for (int z = 0; z < a.splits; ++z) {
+      const int64_t index = z * stride + t * a.heads + h;
+      const float2 stats = a.partial_stats[index];
+      const float weight = expf(stats.x - m);  // 0 for a split that attended nothing
+      denominator += stats.y * weight;
+      const float4 v = reinterpret_cast<const float4*>(a.partial_out + index * kHeadDim)[threadIdx.x];
+      sum.x += v.x * weight, sum.y += v.y * weight, sum.z += v.z * weight, sum.w += v.w * weight;
+    }
+    denominator += expf(a.sink[h] - m);
+  }
+  const float inverse = m != -INFINITY ? 1.0f / denominator : 0.0f;
+  const float v[4] = {sum.x * inverse, sum.y * inverse, sum.z * inverse, sum.w * inverse};
+  Out* dst = static_cast<Out*>(a.out) + (t * a.heads + h) * kHeadDim + threadIdx.x * 4;
+  if constexpr (sizeof(Out) == 2) {
+    *reinterpret_cast<uint2*>(dst) = uint2{float_to_bf16_bits(v[0]) | (uint32_t{float_to_bf16_bits(v[1])} << 16),
+                                           float_to_bf16_bits(v[2]) | (uint32_t{float_to_bf16_bits(v[3])} << 16)};
+  } else {
+    *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+  }
+}
+
 // Out: uint16_t (bf16 bits) or float.
 template <int kHeadDim, class Out>
 void launch_sparse_attention(const SparseAttentionLaunch& a, cudaStream_t stream) {
@@ -207,8 +270,12 @@ void launch_sparse_attention(const SparseAttentionLaunch& a, cudaStream_t stream
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_kernel<kHeadDim, Out>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   const dim3 grid(static_cast<unsigned>(a.tokens),
-                  static_cast<unsigned>((a.heads + kAttentionHeadsPerBlock - 1) / kAttentionHeadsPerBlock));
+                  static_cast<unsigned>((a.heads + kAttentionHeadsPerBlock - 1) / kAttentionHeadsPerBlock),
+                  static_cast<unsigned>(a.splits));
   sparse_attention_kernel<kHeadDim, Out><<<grid, kAttentionWarps * kWarpSize, shared, stream>>>(a);
+  if (a.splits > 1)
+    combine_splits_kernel<kHeadDim, Out>
+        <<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.heads)), kHeadDim / 4, 0, stream>>>(a);
 }
 
 }  // namespace dsv4::cuda

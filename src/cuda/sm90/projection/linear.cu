@@ -2,6 +2,7 @@
 // dequantization, and the (grouped) cuBLASLt GEMM.
 #include <cublasLt.h>
 
+#include <cstdint>
 #include <memory>
 
 #include "cuda/common/check_args.h"
@@ -27,20 +28,23 @@ __global__ void prepare_activation_kernel(const void* x, DType x_dtype, void* ou
   }
 }
 
+// One block per weight row (of all groups), threads across the columns: coalesced, and the
+// block-scale row is found once per row.
 __global__ void dequantize_weight_kernel(const uint8_t* weight, const void* scale, bool ue8m0_scale,
-                                         uint16_t* out, int64_t groups, int64_t rows, int64_t cols,
+                                         uint16_t* out, int64_t groups, int64_t rows, int cols,
                                          int block_rows, int block_cols) {
   const int64_t scale_rows = (rows + block_rows - 1) / block_rows;
-  const int64_t scale_cols = (cols + block_cols - 1) / block_cols;
-  const int64_t n = groups * rows * cols;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t c = i % cols;
-    const int64_t r = (i / cols) % rows;
-    const int64_t g = i / (cols * rows);
-    const int64_t s = (g * scale_rows + r / block_rows) * scale_cols + c / block_cols;
-    const float block_scale = ue8m0_scale ? ue8m0_to_float(static_cast<const uint8_t*>(scale)[s])
-                                          : static_cast<const float*>(scale)[s];
-    out[i] = float_to_bf16_bits(e4m3_to_float(weight[i]) * block_scale);
+  const int scale_cols = (cols + block_cols - 1) / block_cols;
+  for (int64_t row = blockIdx.x; row < groups * rows; row += gridDim.x) {
+    const int64_t scale_row = ((row / rows) * scale_rows + (row % rows) / block_rows) * scale_cols;
+    const uint8_t* codes = weight + row * cols;
+    uint16_t* values = out + row * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      const int64_t s = scale_row + c / block_cols;
+      const float block_scale = ue8m0_scale ? ue8m0_to_float(static_cast<const uint8_t*>(scale)[s])
+                                            : static_cast<const float*>(scale)[s];
+      values[c] = float_to_bf16_bits(e4m3_to_float(codes[c]) * block_scale);
+    }
   }
 }
 
@@ -172,12 +176,14 @@ void launch_dequantize(const TensorView& weight, const TensorView& scale, int bl
                        cudaStream_t stream, const char* op) {
   const int r = weight.rank;
   const int64_t groups = r == 3 ? weight.shape[0] : 1;
-  const int64_t n = weight.numel();
-  if (n == 0) return;
+  const int64_t rows = weight.shape[r - 2];
+  if (weight.numel() == 0) return;
   constexpr int kThreads = 256;
-  dequantize_weight_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(
+  constexpr int64_t kMaxBlocks = int64_t{1} << 20;
+  const unsigned blocks = static_cast<unsigned>(groups * rows < kMaxBlocks ? groups * rows : kMaxBlocks);
+  dequantize_weight_kernel<<<blocks, kThreads, 0, stream>>>(
       weight.ptr<const uint8_t>(), scale.data, scale.dtype == DType::ue8m0, static_cast<uint16_t*>(out), groups,
-      weight.shape[r - 2], weight.shape[r - 1], block_out, block_in);
+      rows, static_cast<int>(weight.shape[r - 1]), block_out, block_in);
   check_launch(op);
 }
 
@@ -208,6 +214,7 @@ void validate_linear(const LinearParams& p) {
              p.activation_block, " is outside [0, ", kMaxActivationBlock, "]");
   DSV4_CHECK(p.activation_block == 0 || in % p.activation_block == 0, op, ": activation_block ", p.activation_block,
              " does not divide the input size ", in);
+  DSV4_CHECK(in <= INT32_MAX, op, ": ", in, " input channels exceed the supported ", INT32_MAX);
   DSV4_CHECK(p.blas != nullptr, op, ": argument 'blas' is null (pass BlasLt::get())");
 }
 
@@ -261,6 +268,8 @@ void validate_dequantize_weight(const DequantizeWeightParams& p) {
       {"weight_scale", &p.weight_scale, scale_shape(p.weight, p.block_out, p.block_in), {DType::ue8m0, DType::f32}},
       {"out", &p.out, std::vector<int64_t>(p.weight.shape.begin(), p.weight.shape.begin() + p.weight.rank), {DType::bf16}},
   });
+  DSV4_CHECK(p.weight.shape[p.weight.rank - 1] <= INT32_MAX, op, ": ", p.weight.shape[p.weight.rank - 1],
+             " input channels exceed the supported ", INT32_MAX);
 }
 
 void run_dequantize_weight(const DequantizeWeightParams& p, cudaStream_t stream) {
