@@ -406,7 +406,7 @@ TEST_P(TensorParallelCpu, RanksSumToTheUnshardedEngine) {
     EXPECT_LE(undecided * 10, a.pick_rows);
     EXPECT_GE(a.rows_compared, 9 * a.rows_other_picks);
   }
-  EXPECT_GT(a.pick_rows, 500);
+  EXPECT_GT(a.pick_rows, 300);
   std::printf("%s tp %d %s indexer %s: worst rel L2 %.2e (step %d, layer %d) over %lld rows, %lld rows left out for "
               "other picks; picks equal on %lld of %lld rows (%lld undecided by the scores)\n",
               tc.preset.c_str(), tc.tp, precision_name(tc.precision), indexer_sharding_name(tc.indexer), a.worst_rel_l2,
