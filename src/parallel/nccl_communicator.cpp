@@ -31,8 +31,13 @@ void check_nccl(ncclResult_t result, const char* what, ncclComm_t comm = nullptr
        detail != nullptr && detail[0] != '\0' ? std::string(" (") + detail + ")" : std::string());
 }
 
-// No NVLink multicast (NVLS): set before any communicator exists.
-void disable_nvls() { setenv("NCCL_NVLS_ENABLE", "0", 1); }
+// Set before any communicator exists: no NVLink multicast (NVLS), and every connection made when
+// the communicator is created rather than at a collective's first use, which may be inside a
+// CUDA graph capture (dsv4 bench --op layer captures run_layer with its all-reduces).
+void configure_nccl_environment() {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  setenv("NCCL_RUNTIME_CONNECT", "0", 0);
+}
 
 void check_device(const char* operation, int device) {
   const int devices = cuda::device_count();
@@ -112,7 +117,7 @@ std::shared_ptr<NcclCommunicator> NcclCommunicator::join_through_file(const std:
   DSV4_CHECK(size >= 1 && rank >= 0 && rank < size, "tensor parallel: join: rank ", rank, " of ", size,
              " ranks, expected 0 <= rank < ranks");
   check_device("join", device);
-  disable_nvls();
+  configure_nccl_environment();
   DSV4_CUDA_CHECK(cudaSetDevice(device));
   ncclUniqueId id;
   if (rank == 0) {
@@ -133,7 +138,7 @@ std::shared_ptr<NcclCommunicator> NcclCommunicator::join_through_file(const std:
 std::vector<std::shared_ptr<NcclCommunicator>> NcclCommunicator::create_local_group(const std::vector<int>& devices) {
   DSV4_CHECK(!devices.empty(), "tensor parallel: create_local_group: no devices given");
   for (int d : devices) check_device("create_local_group", d);
-  disable_nvls();
+  configure_nccl_environment();
   std::vector<ncclComm_t> comms(devices.size());
   check_nccl(ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data()), "ncclCommInitAll");
   int current = 0;

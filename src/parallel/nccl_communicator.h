@@ -21,7 +21,8 @@ class NcclCommunicator final : public Communicator {
   // calling thread). The ranks find each other through `id_file`: rank 0 creates the group's NCCL
   // unique id and writes it there (to a temporary file renamed into place, so no rank reads part
   // of an id; the file must not exist yet), the other ranks wait up to `timeout_s` seconds for it.
-  // Sets NCCL_NVLS_ENABLE=0 first: no NVLink multicast.
+  // Sets NCCL_NVLS_ENABLE=0 first (no NVLink multicast) and, unless set, NCCL_RUNTIME_CONNECT=0
+  // (connections made here, not inside a later CUDA graph capture).
   static std::shared_ptr<NcclCommunicator> join_through_file(const std::string& id_file, int rank, int size, int device,
                                                              double timeout_s);
   // Every rank of a group inside one process, rank r on devices[r] (ncclCommInitAll). Each rank's
