@@ -88,13 +88,15 @@ struct NcclCommunicator::State {
   State() = default;
   State(const State&) = delete;
   State& operator=(const State&) = delete;
-  // While an exception unwinds (a failed rank) the communicator is aborted rather than destroyed,
-  // so that the rank does not wait for peers that will not come.
+  // Finalizing and destroying a communicator waits for the other ranks. A rank that fails (an
+  // exception unwinds) leaves NCCL alone instead: its peers may be waiting for it in a collective,
+  // and its process is about to end.
   ~State() {
+    if (std::uncaught_exceptions() > uncaught_at_creation) return;
     cudaSetDevice(device);
     if (comm != nullptr) {
-      if (std::uncaught_exceptions() > uncaught_at_creation) ncclCommAbort(comm);
-      else ncclCommDestroy(comm);
+      ncclCommFinalize(comm);
+      ncclCommDestroy(comm);
     }
     if (check_buffer != nullptr) cudaFree(check_buffer);
     if (check_stream != nullptr) cudaStreamDestroy(check_stream);

@@ -26,11 +26,13 @@ class NcclCommunicator final : public Communicator {
   static std::shared_ptr<NcclCommunicator> join_through_file(const std::string& id_file, int rank, int size, int device,
                                                              double timeout_s);
   // Every rank of a group inside one process, rank r on devices[r] (ncclCommInitAll). Each rank's
-  // engine then runs on a thread of its own with the rank's device current.
+  // engine then runs on a thread of its own with the rank's device current, and that thread
+  // releases the rank's communicator (destroying one waits for the other ranks to do the same).
   static std::vector<std::shared_ptr<NcclCommunicator>> create_local_group(const std::vector<int>& devices);
 
-  // Destroys the NCCL communicator; while an exception unwinds (a failed rank) it aborts it
-  // instead, so that the rank does not wait for peers that will not come.
+  // Finalizes and destroys the NCCL communicator, which waits for the other ranks; while an
+  // exception unwinds (a failed rank) it leaves NCCL alone, so that the rank does not wait for
+  // peers that may be waiting for it.
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;

@@ -51,13 +51,15 @@ std::vector<WorkloadOutputs> run_whole_and_ranks(const ModelConfig& config, std:
   std::vector<WorkloadOutputs> results;
   DSV4_CUDA_CHECK(cudaSetDevice(0));
   results.push_back(body(*Engine::create(config, weights, options)));
-  const std::vector<std::shared_ptr<NcclCommunicator>> group = NcclCommunicator::create_local_group({0, 1});
+  std::vector<std::shared_ptr<NcclCommunicator>> group = NcclCommunicator::create_local_group({0, 1});
   // A failed rank leaves the other one waiting in an all-reduce; ctest's timeout ends the test.
   const std::vector<WorkloadOutputs> ranks = tp_testing::run_on_rank_threads<WorkloadOutputs>(
       kRanks,
       [&](int r) {
         DSV4_CUDA_CHECK(cudaSetDevice(r));
-        const RankShard shard = make_rank_shard(config, *weights, options, group[static_cast<size_t>(r)], indexer);
+        // The rank's thread owns its communicator: the ranks tear NCCL down side by side.
+        const std::shared_ptr<NcclCommunicator> communicator = std::move(group[static_cast<size_t>(r)]);
+        const RankShard shard = make_rank_shard(config, *weights, options, communicator, indexer);
         return body(*Engine::create(shard.config, shard.weights, shard.options));
       },
       [] {});
