@@ -5,11 +5,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <thread>
 #include <vector>
 
 #include "dsv4/backend_util.h"
@@ -24,6 +26,8 @@ namespace {
 
 // How long a rank waits for rank 0's NCCL id (rank 0 writes it right after it starts).
 constexpr double kJoinTimeoutSeconds = 120.0;
+// How long the other ranks may run on after one failed.
+constexpr int kStopAfterFailureSeconds = 10;
 
 int present_gpus() {
 #ifdef DSV4_WITH_CUDA
@@ -100,7 +104,7 @@ int launch_ranks(const TensorParallelFlags& flags, const std::string& command) {
   std::vector<bool> running;
   const auto stop_running = [&] {
     for (size_t r = 0; r < ranks.size(); ++r)
-      if (running[r]) kill(ranks[r], SIGTERM);
+      if (running[r]) kill(ranks[r], SIGKILL);
   };
   for (int r = 0; r < flags.tp; ++r) {
     std::vector<std::string> args = base;
@@ -122,10 +126,25 @@ int launch_ranks(const TensorParallelFlags& flags, const std::string& command) {
     running.push_back(true);
   }
 
+  // A failed rank may leave the others waiting for it in a collective forever; they get a few
+  // seconds to end by themselves (they may be reporting the same failure), then are stopped.
   int exit_code = 0;
+  bool stopped = false;
+  auto failed_at = std::chrono::steady_clock::now();
   for (size_t left = ranks.size(); left > 0;) {
     int status = 0;
-    const pid_t pid = waitpid(-1, &status, 0);
+    const bool grace = exit_code != 0 && !stopped;
+    const pid_t pid = waitpid(-1, &status, grace ? WNOHANG : 0);
+    if (pid == 0) {  // in the grace period, no rank ended
+      if (std::chrono::steady_clock::now() - failed_at > std::chrono::seconds(kStopAfterFailureSeconds)) {
+        std::fprintf(stderr, "dsv4: %s: stopping the ranks still running\n", command.c_str());
+        stop_running();
+        stopped = true;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      continue;
+    }
     if (pid < 0) {
       if (errno == EINTR) continue;
       break;
@@ -135,11 +154,10 @@ int launch_ranks(const TensorParallelFlags& flags, const std::string& command) {
       running[r] = false;
       --left;
       if (WIFEXITED(status) && WEXITSTATUS(status) == 0) break;
-      if (exit_code == 0 && left > 0)
-        std::fprintf(stderr, "dsv4: %s: rank %zu %s; stopping the other ranks\n", command.c_str(), r,
-                     describe_status(status).c_str());
-      if (exit_code == 0) stop_running();
+      if (exit_code == 0) failed_at = std::chrono::steady_clock::now();
       exit_code = 1;
+      if (!stopped)
+        std::fprintf(stderr, "dsv4: %s: rank %zu %s\n", command.c_str(), r, describe_status(status).c_str());
       break;
     }
   }

@@ -31,8 +31,8 @@ struct TensorParallelFlags {
 
 // Starts flags.tp copies of this binary (its arguments plus --rank r --nccl-id-file F in a fresh
 // temporary directory), waits for them and returns 0 when every rank exited 0, else 1. When a rank
-// fails, the others are stopped: they would wait for it in a collective forever. Checks first that
-// this binary has CUDA and NCCL and that flags.tp GPUs are present.
+// fails, the others still running 10 s later are killed: they would wait for it in a collective
+// forever. Checks first that this binary has CUDA and NCCL and that flags.tp GPUs are present.
 int launch_ranks(const TensorParallelFlags& flags, const std::string& command);
 
 // In a rank process: joins the group on GPU `rank` (made current) and returns the communicator;
