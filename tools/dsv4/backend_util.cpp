@@ -83,6 +83,8 @@ DeviceRows::DeviceRows(Backend backend, int64_t capacity_rows, int64_t cols)
   const size_t bytes = static_cast<size_t>(capacity_rows * cols) * sizeof(float);
   if (backend == Backend::cuda) {
 #ifdef DSV4_WITH_CUDA
+    // The rows live on the current device (a tensor-parallel rank's own GPU); the views say which.
+    check_cuda(cudaGetDevice(&device_index_), "cudaGetDevice");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&data_), bytes), "cudaMalloc");
 #else
     fail("device rows: backend cuda is not built into this binary");
@@ -110,7 +112,7 @@ void DeviceRows::check_rows(int64_t rows, const char* what) const {
 TensorView DeviceRows::view(int64_t rows) const {
   check_rows(rows, "view");
   return TensorView::contiguous(data_, DType::f32, {rows, cols_},
-                                backend_ == Backend::cuda ? Device::cuda : Device::cpu);
+                                backend_ == Backend::cuda ? Device::cuda : Device::cpu, device_index_);
 }
 
 void DeviceRows::upload(const float* host, int64_t rows) {

@@ -44,6 +44,7 @@ class DeviceRows {
   Backend backend_;
   int64_t capacity_rows_;
   int64_t cols_;
+  int device_index_ = 0;
   float* data_ = nullptr;
 };
 
