@@ -7,6 +7,7 @@
 #include <set>
 
 #include "dsv4/error.h"
+#include "engine/layer_order.h"
 
 namespace dsv4 {
 namespace {
@@ -186,23 +187,11 @@ void CpuEngine::check_activation(const char* name, const TensorView& v, int laye
 }
 
 void CpuEngine::check_layer_inputs(int layer) const {
-  const LayerPlan& plan = topology_[layer];
-  const auto ran = [&](int l) { return published_[static_cast<size_t>(l)].ran; };
-  DSV4_CHECK(!ran(layer), "engine: run_layer: layer ", layer, " already ran in this step");
-  DSV4_CHECK(layer_has_weights_[static_cast<size_t>(layer)], "engine: run_layer: layer ", layer,
-             " (MTP) has no weights in the checkpoint");
-  if (plan.kv_source >= 0 && plan.kv_source != layer)
-    DSV4_CHECK(ran(plan.kv_source), "engine: layer ", layer, " reads the compressed cache of kv source ",
-               plan.kv_source, ", which has not run in this step");
-  if (plan.index_source >= 0 && plan.index_source != layer)
-    DSV4_CHECK(ran(plan.index_source), "engine: layer ", layer, " reads the picks of index source ", plan.index_source,
-               ", which has not run in this step");
-  if (plan.uses_candidates)
-    DSV4_CHECK(ran(config_.candidate_source_layer), "engine: layer ", layer, " applies the candidates of layer ",
-               config_.candidate_source_layer, ", which has not run in this step");
+  bool skipped = false;
   for (const reference::StepChunk& ch : step_.chunks)
-    DSV4_CHECK(!skipped_layers("run_layer", ch.sequence)[static_cast<size_t>(layer)], "engine: run_layer: layer ", layer,
-               " did not run in an earlier step of a sequence in this step; its caches of that sequence are incomplete");
+    skipped = skipped || skipped_layers("run_layer", ch.sequence)[static_cast<size_t>(layer)];
+  check_layer_may_run(config_, topology_, layer, layer_has_weights_[static_cast<size_t>(layer)], skipped,
+                      [&](int l) { return published_[static_cast<size_t>(l)].ran; });
 }
 
 void CpuEngine::run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) {

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "cuda/engine/glue.h"
+#include "engine/layer_order.h"
 #include "dsv4/cuda/attention.h"
 #include "dsv4/cuda/compressor.h"
 #include "dsv4/cuda/indexer.h"
@@ -517,23 +518,11 @@ void CudaEngine::check_layer(const char* operation, int layer) const {
 }
 
 void CudaEngine::check_layer_inputs(int layer) const {
-  const LayerPlan& plan = topology_[layer];
-  const auto ran = [&](int l) { return ran_[static_cast<size_t>(l)] != 0; };
-  DSV4_CHECK(!ran(layer), "engine: run_layer: layer ", layer, " already ran in this step");
-  DSV4_CHECK(layers_[static_cast<size_t>(layer)].has_value(), "engine: run_layer: layer ", layer,
-             " (MTP) has no weights in the checkpoint");
-  if (plan.kv_source >= 0 && plan.kv_source != layer)
-    DSV4_CHECK(ran(plan.kv_source), "engine: layer ", layer, " reads the compressed cache of kv source ",
-               plan.kv_source, ", which has not run in this step");
-  if (plan.index_source >= 0 && plan.index_source != layer)
-    DSV4_CHECK(ran(plan.index_source), "engine: layer ", layer, " reads the picks of index source ", plan.index_source,
-               ", which has not run in this step");
-  if (plan.uses_candidates)
-    DSV4_CHECK(ran(config_.candidate_source_layer), "engine: layer ", layer, " applies the candidates of layer ",
-               config_.candidate_source_layer, ", which has not run in this step");
+  bool skipped = false;
   for (const StepEntry& e : step_entries_)
-    DSV4_CHECK(!skipped_layers("run_layer", e.sequence)[static_cast<size_t>(layer)], "engine: run_layer: layer ",
-               layer, " did not run in an earlier step of a sequence in this step; its caches of that sequence are incomplete");
+    skipped = skipped || skipped_layers("run_layer", e.sequence)[static_cast<size_t>(layer)];
+  check_layer_may_run(config_, topology_, layer, layers_[static_cast<size_t>(layer)].has_value(), skipped,
+                      [&](int l) { return ran_[static_cast<size_t>(l)] != 0; });
 }
 
 float* CudaEngine::activation(const char* name, const TensorView& v, int layer, float* staging) const {
