@@ -17,33 +17,18 @@
 #include <vector>
 
 #include "dsv4/safetensors.h"
+#include "test_util.h"
 
 namespace dsv4 {
 namespace {
 
 namespace fs = std::filesystem;
-
-const std::string kGolden = std::string(DSV4_TEST_DATA_DIR) + "/golden/";
-
-struct CommandResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr
-};
+using test::CliResult;
+using test::kGolden;
+using test::run_cli;
 
 std::string shell_quoted(const std::string& s) { return "'" + s + "'"; }
 
-CommandResult run_cli(const std::string& args, bool with_stderr = true) {
-  const std::string command = shell_quoted(DSV4_CLI_PATH) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
-  CommandResult result;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) result.output.append(buffer, n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
 
 std::string replay_args(const std::string& set, const std::string& weights, const std::string& calls,
                         const std::string& out, const std::string& extra) {
@@ -99,7 +84,7 @@ class CliReplayTest : public ::testing::Test {
 
   struct Replay {
     std::string out;  // the output file
-    CommandResult result;
+    CliResult result;
   };
   // Replays a golden set into `out_name` under the temporary directory.
   static const Replay& replayed(const std::string& set, const std::string& weights, const std::string& out_name,
@@ -155,7 +140,7 @@ TEST_F(CliReplayTest, V40aFp32MatchesGolden) {
   // transformers breaks ties among equal index scores (common at zero, after the ReLU) its own way,
   // so a few rows pick a different, equally valid set (the engine's golden test checks that these
   // are ties); outputs are compared on the rows whose picks agree.
-  const CommandResult compare = run_cli("compare " + shell_quoted(kGolden + "v40a.calls.safetensors") + " " +
+  const CliResult compare = run_cli("compare " + shell_quoted(kGolden + "v40a.calls.safetensors") + " " +
                                             shell_quoted(v40a_out) + " --tol 1e-4 --skip-differing-picks --json",
                                         false);
   ASSERT_EQ(compare.exit_code, 0) << compare.output;
@@ -175,7 +160,7 @@ TEST_F(CliReplayTest, V41aReferenceMatchesGolden) {
   const Replay& replay = v41a_reference();
   ASSERT_EQ(replay.result.exit_code, 0) << replay.result.output;
   const std::string& v41a_out = replay.out;
-  const CommandResult compare =
+  const CliResult compare =
       run_cli("compare " + shell_quoted(kGolden + "v41a.calls.safetensors") + " " + shell_quoted(v41a_out) + " --tol 2e-2 --json",
               false);
   ASSERT_EQ(compare.exit_code, 0) << compare.output;
@@ -199,11 +184,11 @@ TEST_F(CliReplayTest, SplitStepsMatchGoldenAndTheBatchedReplay) {
   EXPECT_NE(split_replay.result.output.find("one step per sequence and call"), std::string::npos);
   const std::string& v41a_out = batched_replay.out;
   const std::string& v41a_split_out = split_replay.out;
-  const CommandResult golden =
+  const CliResult golden =
       run_cli("compare " + shell_quoted(kGolden + "v41a.calls.safetensors") + " " + shell_quoted(v41a_split_out) + " --tol 2e-2");
   EXPECT_EQ(golden.exit_code, 0) << golden.output;
   // A sequence's outputs do not depend on which other sequences share its step.
-  const CommandResult batched =
+  const CliResult batched =
       run_cli("compare " + shell_quoted(v41a_out) + " " + shell_quoted(v41a_split_out) + " --tol 1e-5");
   EXPECT_EQ(batched.exit_code, 0) << batched.output;
 }
@@ -216,7 +201,7 @@ TEST_F(CliReplayTest, NativeCacheFormatsReproduceTheFloatCaches) {
   ASSERT_EQ(float_caches.result.exit_code, 0) << float_caches.result.output;
   ASSERT_EQ(native_caches.result.exit_code, 0) << native_caches.result.output;
   EXPECT_NE(native_caches.result.output.find("kv format v4.1-native"), std::string::npos);
-  const CommandResult same = run_cli("compare " + shell_quoted(float_caches.out) + " " +
+  const CliResult same = run_cli("compare " + shell_quoted(float_caches.out) + " " +
                                      shell_quoted(native_caches.out) + " --tol 1e-6");
   EXPECT_EQ(same.exit_code, 0) << same.output;
 }
@@ -247,7 +232,7 @@ TEST_F(CliReplayTest, CompareMeasuresAPerturbation) {
     return true;
   });
 
-  const CommandResult fail = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(perturbed) + " --json", false);
+  const CliResult fail = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(perturbed) + " --json", false);
   EXPECT_EQ(fail.exit_code, 1) << fail.output;
   const nlohmann::json report = nlohmann::json::parse(fail.output);
   EXPECT_EQ(report["above_tolerance"], 1);
@@ -261,7 +246,7 @@ TEST_F(CliReplayTest, CompareMeasuresAPerturbation) {
     if (other["call"] != 4 || other["layer"] != 2) EXPECT_EQ(other["rel_l2"].get<double>(), 0.0);
 
   // The table names the failing output; a looser tolerance passes.
-  const CommandResult table = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(perturbed));
+  const CliResult table = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(perturbed));
   EXPECT_EQ(table.exit_code, 1);
   EXPECT_NE(table.output.find("worst: call 4 layer 2"), std::string::npos) << table.output;
   EXPECT_NE(table.output.find("FAIL"), std::string::npos) << table.output;
@@ -296,7 +281,7 @@ TEST_F(CliReplayTest, CompareLeavesOutAmbiguousRowsOnlyWhenAsked) {
     return true;
   });
   EXPECT_EQ(run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(perturbed)).exit_code, 0);
-  const CommandResult strict = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(perturbed) + " --no-ignore-ambiguous");
+  const CliResult strict = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(perturbed) + " --no-ignore-ambiguous");
   EXPECT_EQ(strict.exit_code, 1) << strict.output;
 }
 
@@ -318,7 +303,7 @@ TEST_F(CliReplayTest, CompareCountsDifferingPickedSets) {
     std::reverse(reordered, reordered + 8);
     return true;
   });
-  const CommandResult compare = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(edited) + " --json", false);
+  const CliResult compare = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(edited) + " --json", false);
   EXPECT_EQ(compare.exit_code, 0) << "picks are reported, not judged: " << compare.output;
   const nlohmann::json report = nlohmann::json::parse(compare.output);
   const nlohmann::json& entry = layer_entry(report, 0, 3);
@@ -345,10 +330,10 @@ TEST_F(CliReplayTest, CompareLeavesOutRowsWithDifferingPicksOnlyWhenAsked) {
     }
     return true;
   });
-  const CommandResult strict = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(edited) + " --json",
+  const CliResult strict = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(edited) + " --json",
                                        false);
   EXPECT_EQ(strict.exit_code, 1) << strict.output;
-  const CommandResult lenient = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(edited) +
+  const CliResult lenient = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(edited) +
                                             " --skip-differing-picks --json",
                                         false);
   ASSERT_EQ(lenient.exit_code, 0) << lenient.output;
@@ -364,7 +349,7 @@ TEST_F(CliReplayTest, CompareFailsOnAMissingTensor) {
   for (const std::string& dropped : {"calls.5.layers.1.attn_out", "calls.2.layers.1.topk"}) {
     const std::string out = temp("v40a.without.safetensors");
     write_edited(reference, out, [&](const std::string& name, HostTensor&) { return name != dropped; });
-    const CommandResult compare = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(out));
+    const CliResult compare = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(out));
     EXPECT_EQ(compare.exit_code, 1) << dropped << ": " << compare.output;
     EXPECT_NE(compare.output.find("MISSING"), std::string::npos) << compare.output;
     EXPECT_NE(compare.output.find("1 tensors missing"), std::string::npos) << compare.output;
@@ -381,7 +366,7 @@ TEST_F(CliReplayTest, CompareExits2OnMalformedInput) {
     if (name == "calls.1.layers.0.attn_out") t = HostTensor(DType::f32, {2, 2, 128});
     return true;
   });
-  const CommandResult shape = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(reshaped));
+  const CliResult shape = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(reshaped));
   EXPECT_EQ(shape.exit_code, 2) << shape.output;
   EXPECT_NE(shape.output.find("calls.1.layers.0.attn_out has shape [2, 2, 128]"), std::string::npos) << shape.output;
   EXPECT_NE(shape.output.find("expected [2, 1, 256]"), std::string::npos) << shape.output;
@@ -392,7 +377,7 @@ TEST_F(CliReplayTest, ReplayRejectsMalformedCalls) {
   const std::string golden = kGolden + "v40a.calls.safetensors";
   const std::string out = temp("never.safetensors");
   auto replay_fails_with = [&](const std::string& calls, const std::vector<std::string>& expected) {
-    const CommandResult r = run_cli(replay_args("v40a", "v40a.weights.safetensors", calls, out, "--precision fp32"));
+    const CliResult r = run_cli(replay_args("v40a", "v40a.weights.safetensors", calls, out, "--precision fp32"));
     EXPECT_NE(r.exit_code, 0) << r.output;
     for (const std::string& part : expected) EXPECT_NE(r.output.find(part), std::string::npos) << r.output;
     EXPECT_FALSE(fs::exists(out));

@@ -6,26 +6,12 @@
 #include <cstdio>
 #include <regex>
 #include <string>
+#include "test_util.h"
 
 namespace {
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr
-};
-
-CommandResult run_cli(const std::string& args) {
-  const std::string command = "'" + std::string(DSV4_CLI_PATH) + "' " + args + " 2>&1";
-  CommandResult result;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) result.output.append(buffer, n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
+using dsv4::test::CliResult;
+using dsv4::test::run_cli;
 
 // The first match of `pattern`'s group `group` in `text`, or "" when it does not match.
 std::string find(const std::string& text, const std::string& pattern, int group = 1) {
@@ -61,14 +47,14 @@ void expect_consistent_summary(const std::string& out) {
 }
 
 TEST(CliRun, SmallWorkloadPassesItsCheck) {
-  const CommandResult r = run_cli(kSmallWorkload);
+  const CliResult r = run_cli(kSmallWorkload);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_consistent_summary(r.output);
   EXPECT_NE(r.output.find("tolerance 2e-02: PASS"), std::string::npos) << r.output;
 }
 
 TEST(CliRun, Fp32CheckPassesAtTightTolerance) {
-  const CommandResult r = run_cli(kSmallWorkload + " --precision fp32");
+  const CliResult r = run_cli(kSmallWorkload + " --precision fp32");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_consistent_summary(r.output);
   EXPECT_NE(r.output.find("precision fp32"), std::string::npos) << r.output;
@@ -86,8 +72,8 @@ double kv_kib_per_sequence(const std::string& out) {
 // The cache formats reach the engine: V4.1's native rows (528 / 288 / 68 bytes) take less room
 // than bf16 rows (1024 / 1024 / 256 bytes), and the check still passes in each.
 TEST(CliRun, KvFormatsPassTheCheckAndSizeTheCache) {
-  const CommandResult native = run_cli(kSmallWorkload + " --kv-format v4.1-native");
-  const CommandResult bf16 = run_cli(kSmallWorkload + " --kv-format bf16");
+  const CliResult native = run_cli(kSmallWorkload + " --kv-format v4.1-native");
+  const CliResult bf16 = run_cli(kSmallWorkload + " --kv-format bf16");
   ASSERT_EQ(native.exit_code, 0) << native.output;
   ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
   EXPECT_NE(native.output.find("kv format v4.1-native"), std::string::npos) << native.output;
@@ -97,21 +83,21 @@ TEST(CliRun, KvFormatsPassTheCheckAndSizeTheCache) {
 }
 
 TEST(CliRun, RejectsAnInvalidWorkload) {
-  const CommandResult chunk = run_cli("run --chunk 0");
+  const CliResult chunk = run_cli("run --chunk 0");
   EXPECT_NE(chunk.exit_code, 0);
   EXPECT_NE(chunk.output.find("dsv4: run: --chunk is 0, expected >= 1"), std::string::npos) << chunk.output;
-  const CommandResult budget = run_cli("run --max-running 8 --step-tokens 4");
+  const CliResult budget = run_cli("run --max-running 8 --step-tokens 4");
   EXPECT_NE(budget.exit_code, 0);
   EXPECT_NE(budget.output.find("--step-tokens is 4, expected >= --max-running (8)"), std::string::npos)
       << budget.output;
-  const CommandResult preset = run_cli("run --preset no-such-model");
+  const CliResult preset = run_cli("run --preset no-such-model");
   EXPECT_NE(preset.exit_code, 0);
   EXPECT_NE(preset.output.find("no-such-model"), std::string::npos) << preset.output;
 }
 
 #ifndef DSV4_WITH_CUDA
 TEST(CliRun, CudaRequestFallsBackToCpuWithoutTheBackend) {
-  const CommandResult r = run_cli(kSmallWorkload + " --backend cuda");
+  const CliResult r = run_cli(kSmallWorkload + " --backend cuda");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("backend cuda is not usable"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("engine: backend cpu"), std::string::npos) << r.output;

@@ -12,6 +12,7 @@
 
 #include "dsv4/config.h"
 #include "dsv4/error.h"
+#include "test_util.h"
 
 namespace dsv4 {
 namespace {
@@ -26,15 +27,7 @@ json read_json(const std::string& path) {
 }
 
 // Runs `fn`, expects a dsv4::Error and returns its message.
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a dsv4::Error";
-  return "";
-}
+using test::error_of;
 
 void expect_rope_eq(const RopeParams& a, const RopeParams& b, const std::string& what) {
   SCOPED_TRACE(what);
@@ -612,22 +605,8 @@ TEST(ConfigValidate, OptionalPartsMayBeAbsent) {
 // ---------------------------------------------------------------------------------------------
 // dsv4 plan
 
-struct CliResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr
-};
-
-CliResult run_cli(const std::string& args) {
-  CliResult r;
-  FILE* pipe = popen((std::string(DSV4_CLI_PATH) + " " + args + " 2>&1").c_str(), "r");
-  if (!pipe) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) r.output.append(buf, n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using test::CliResult;
+using test::run_cli;
 
 // The lines of `text` after the first line starting with `header`, up to the next blank line.
 std::vector<std::string> section(const std::string& text, const std::string& header) {

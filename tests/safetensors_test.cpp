@@ -11,27 +11,14 @@
 #include <vector>
 
 #include "dsv4/safetensors.h"
+#include "test_util.h"
 
 namespace dsv4 {
 namespace {
 
 namespace fs = std::filesystem;
+using test::TempDir;
 
-// A fresh directory per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() / ("dsv4_safetensors_test_" + std::to_string(::getpid()) + "_" +
-                                         std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
 
 std::vector<std::byte> file_bytes(const std::string& header, size_t data_bytes) {
   std::vector<std::byte> bytes(8 + header.size() + data_bytes, std::byte{0x5a});
