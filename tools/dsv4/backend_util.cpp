@@ -76,6 +76,17 @@ void wait_for_device(Backend backend) {
 #endif
 }
 
+int64_t device_memory_in_use(Backend backend) {
+  if (backend != Backend::cuda) return 0;
+#ifdef DSV4_WITH_CUDA
+  size_t free_bytes = 0, total_bytes = 0;
+  check_cuda(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+  return static_cast<int64_t>(total_bytes - free_bytes);
+#else
+  return 0;
+#endif
+}
+
 DeviceRows::DeviceRows(Backend backend, int64_t capacity_rows, int64_t cols)
     : backend_(backend), capacity_rows_(capacity_rows), cols_(cols) {
   DSV4_CHECK(capacity_rows >= 0 && cols >= 1, "device rows: shape [", capacity_rows, ", ", cols,

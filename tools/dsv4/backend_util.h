@@ -24,6 +24,10 @@ Backend usable_backend(Backend requested, const std::string& command);
 // Waits until work queued on the backend's device has finished (nothing to wait for on the CPU).
 void wait_for_device(Backend backend);
 
+// Bytes of memory in use on the current GPU (all allocations, as cudaMemGetInfo sees them); 0 for
+// the cpu backend.
+int64_t device_memory_in_use(Backend backend);
+
 // f32 [capacity_rows, cols] on the backend's device.
 class DeviceRows {
  public:

@@ -287,6 +287,7 @@ struct WorkloadStats {
   double decode_step_seconds = 0.0;      // engine time of decode-only steps
   double wall_seconds = 0.0;
   int64_t peak_cache_bytes = 0;          // all running sequences together, after a step
+  int64_t peak_device_bytes = 0;         // GPU memory in use after a step (cuda backend)
   std::vector<int64_t> cache_bytes;      // per sequence, at its end
   // A hash of the last layer's outputs of every step, which depend on every earlier layer's (the
   // ranks of a tensor-parallel run compare theirs).
@@ -365,6 +366,7 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
     for (const SequenceState& s : states)
       if (s.phase == SequenceState::Phase::running) cache_bytes += engine.sequence_cache_bytes(s.id);
     stats.peak_cache_bytes = std::max(stats.peak_cache_bytes, cache_bytes);
+    stats.peak_device_bytes = std::max(stats.peak_device_bytes, device_memory_in_use(backend));
     for (size_t i = 0; i < states.size(); ++i) {
       SequenceState& s = states[i];
       if (s.phase != SequenceState::Phase::running || s.length < w.prompt_lengths[i] + w.gen_len) continue;
@@ -560,9 +562,13 @@ int run(const RunOptions& o) {
               static_cast<long long>(stats.prefill_tokens), stats.prefill_step_seconds,
               format_rate(stats.prefill_tokens, stats.prefill_step_seconds).c_str(),
               static_cast<long long>(stats.decode_tokens_mixed));
-  std::printf("decode: %lld tokens in %.2f s of decode-only steps: %s\n",
+  std::printf("decode: %lld tokens in %.2f s of decode-only steps: %s, %.3f ms per decode step\n",
               static_cast<long long>(stats.decode_tokens_alone), stats.decode_step_seconds,
-              format_rate(stats.decode_tokens_alone, stats.decode_step_seconds).c_str());
+              format_rate(stats.decode_tokens_alone, stats.decode_step_seconds).c_str(),
+              stats.decode_steps > 0 ? 1e3 * stats.decode_step_seconds / static_cast<double>(stats.decode_steps) : 0.0);
+  if (backend == Backend::cuda)
+    std::printf("gpu memory: %s in use at the peak (weights, cache pools, workspace and the CUDA context)\n",
+                format_bytes(static_cast<double>(stats.peak_device_bytes)).c_str());
   const auto [fewest, most] = std::minmax_element(stats.cache_bytes.begin(), stats.cache_bytes.end());
   double total_bytes = 0.0;
   for (int64_t b : stats.cache_bytes) total_bytes += static_cast<double>(b);
