@@ -1,0 +1,15 @@
+# Installs the build tree into a scratch prefix, builds the consumer against find_package(dsv4)
+# and runs it. Called by ctest (tests/install.cmake) with BUILD_DIR, CONSUMER_DIR and WORK_DIR.
+file(REMOVE_RECURSE ${WORK_DIR})
+function(step)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "dsv4: install check: '${ARGN}' failed (${rc}):\n${out}\n${err}")
+  endif()
+endfunction()
+step(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix)
+step(${CMAKE_COMMAND} -S ${CONSUMER_DIR} -B ${WORK_DIR}/consumer -DCMAKE_BUILD_TYPE=Release
+     -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+step(${CMAKE_COMMAND} --build ${WORK_DIR}/consumer)
+step(${WORK_DIR}/consumer/consumer)
+file(REMOVE_RECURSE ${WORK_DIR})
