@@ -305,6 +305,14 @@ uint64_t hash_floats(uint64_t hash, const float* values, int64_t n) {
   return hash;
 }
 
+// The caches in the byte formats a serving engine of the model's family keeps (vLLM's defaults on
+// Hopper), unless --kv-format names another set or "float" (fp32 rows, no format).
+std::string run_kv_format(const std::string& requested, const ModelConfig& config) {
+  if (requested == "float") return "";
+  if (!requested.empty()) return requested;
+  return config.family == ModelFamily::v4_1 ? "v4.1-native" : "fp8_ds_mla";
+}
+
 WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe,
                     bool show_progress) {
   const int64_t hidden = engine.config().hidden_size;
@@ -510,7 +518,7 @@ int run(const RunOptions& o) {
   EngineOptions options;
   options.backend = backend;
   options.precision = precision;
-  options.kv_format = o.kv_format;
+  options.kv_format = run_kv_format(o.kv_format, config);
   options.max_sequences = w.max_running;
   options.max_tokens_per_step = w.step_tokens;
   options.max_context = w.longest();
@@ -542,7 +550,7 @@ int run(const RunOptions& o) {
                   ? ("random weights (seed " + std::to_string(o.seed) + (fp8_weights ? ", fp8)" : ", bf16)")).c_str()
                   : ("weights " + o.weights_path).c_str());
   std::printf("engine: backend %s, precision %s, kv format %s\n", backend_name(backend),
-              precision_name(options.precision), o.kv_format.empty() ? "float" : o.kv_format.c_str());
+              precision_name(options.precision), options.kv_format.empty() ? "float" : options.kv_format.c_str());
   if (ranks)
     std::printf("tensor parallel: %d ranks on GPUs 0..%d (NCCL), %d heads and %d output groups per rank, indexer %s; "
                 "last-layer outputs of every step %s on all ranks (checksum %016llx)\n",
@@ -607,7 +615,8 @@ const CommandRegistration registration{
       flag("--step-tokens", o->step_tokens, "Token budget of one step (default 256; GPU 16384)");
       flag("--check-tol", o->check_tolerance, "Largest relative L2 error of the check (default 1e-4 fp32, 2e-2 reference)");
       app.add_option("--precision", o->precision, "fp32 or reference")->capture_default_str();
-      app.add_option("--kv-format", o->kv_format, "KV cache format set (empty: float storage)");
+      app.add_option("--kv-format", o->kv_format,
+                     "KV cache format set, or float (default: v4.1-native for V4.1 models, fp8_ds_mla for V4.0)");
       app.add_option("--seed", o->seed, "Seed of the random weights, prompt lengths and inputs")->capture_default_str();
       app.add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();
       o->parallel.add_to(app);
