@@ -30,15 +30,16 @@ bool has_any_weight(const LayerWeights& w) {
   return std::any_of(w.tensors.begin(), w.tensors.end(), [](const auto& t) { return t.has_value(); });
 }
 
-bool step_contains(const std::vector<StepEntry>& entries, SequenceId sequence) {
-  return std::any_of(entries.begin(), entries.end(), [&](const StepEntry& e) { return e.sequence == sequence; });
-}
 
 }  // namespace
 
 CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
                      const EngineOptions& options)
-    : config_(config), topology_(resolve_topology(config)), weights_(std::move(weights)), options_(options) {
+    : config_(config),
+      topology_(resolve_topology(config)),
+      weights_(std::move(weights)),
+      options_(options),
+      sequences_(static_cast<size_t>(config.total_layers()), options.max_sequences) {
   DSV4_CHECK(weights_ != nullptr, "engine: create: no weights given");
   DSV4_CHECK(static_cast<int>(weights_->layers.size()) == config_.total_layers(), "engine: create: the weights have ",
              weights_->layers.size(), " layers, the config ", config_.total_layers());
@@ -83,53 +84,32 @@ CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeigh
 // ---------------------------------------------------------------------------------------------
 // Sequences
 
-std::vector<uint8_t>& CpuEngine::skipped_layers(const char* operation, SequenceId sequence) {
-  auto it = sequences_.find(sequence);
-  DSV4_CHECK(it != sequences_.end(), "engine: ", operation, ": sequence ", sequence, " does not exist");
-  return it->second;
-}
-
-const std::vector<uint8_t>& CpuEngine::skipped_layers(const char* operation, SequenceId sequence) const {
-  return const_cast<CpuEngine*>(this)->skipped_layers(operation, sequence);
-}
-
-SequenceId CpuEngine::insert_sequence(const std::function<void(SequenceId)>& create, std::vector<uint8_t> skipped) {
-  DSV4_CHECK(static_cast<int64_t>(sequences_.size()) < options_.max_sequences, "engine: ", sequences_.size(),
-             " sequences are live, the maximum is ", options_.max_sequences, " (EngineOptions::max_sequences)");
-  const SequenceId id = next_sequence_;
-  create(id);
-  ++next_sequence_;
-  sequences_.emplace(id, std::move(skipped));
-  return id;
-}
-
 SequenceId CpuEngine::add_sequence() {
-  return insert_sequence([&](SequenceId id) { caches_->add_sequence(id); },
-                         std::vector<uint8_t>(layers_.size(), 0));
+  return sequences_.add([&](SequenceId id) { caches_->add_sequence(id); });
 }
 
 SequenceId CpuEngine::fork_sequence(SequenceId parent) {
-  const std::vector<uint8_t>& skipped = skipped_layers("fork_sequence", parent);
+  sequences_.skipped_layers("fork_sequence", parent);
   DSV4_CHECK(!(in_step_ && step_contains(step_entries_, parent)), "engine: fork_sequence: sequence ", parent,
              " is part of the running step; fork it before begin_step or after end_step");
-  return insert_sequence([&](SequenceId id) { caches_->fork_sequence(parent, id); }, skipped);
+  return sequences_.fork(parent, [&](SequenceId id) { caches_->fork_sequence(parent, id); });
 }
 
 void CpuEngine::release_sequence(SequenceId sequence) {
-  skipped_layers("release_sequence", sequence);
+  sequences_.skipped_layers("release_sequence", sequence);
   DSV4_CHECK(!(in_step_ && step_contains(step_entries_, sequence)), "engine: release_sequence: sequence ", sequence,
              " is part of the running step; release it after end_step");
   caches_->release_sequence(sequence);
-  sequences_.erase(sequence);
+  sequences_.remove(sequence);
 }
 
 int64_t CpuEngine::sequence_length(SequenceId sequence) const {
-  skipped_layers("sequence_length", sequence);
+  sequences_.skipped_layers("sequence_length", sequence);
   return caches_->length(sequence);
 }
 
 int64_t CpuEngine::sequence_cache_bytes(SequenceId sequence) const {
-  skipped_layers("sequence_cache_bytes", sequence);
+  sequences_.skipped_layers("sequence_cache_bytes", sequence);
   return caches_->cache_bytes(sequence);
 }
 
@@ -144,7 +124,7 @@ void CpuEngine::begin_step(const std::vector<StepEntry>& entries) {
   int64_t tokens = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
     const StepEntry& e = entries[i];
-    skipped_layers("begin_step", e.sequence);
+    sequences_.skipped_layers("begin_step", e.sequence);
     const int64_t length = caches_->length(e.sequence);
     DSV4_CHECK(seen.insert(e.sequence).second, "engine: begin_step: sequence ", e.sequence,
                " appears more than once in the step");
@@ -189,7 +169,7 @@ void CpuEngine::check_activation(const char* name, const TensorView& v, int laye
 void CpuEngine::check_layer_inputs(int layer) const {
   bool skipped = false;
   for (const reference::StepChunk& ch : step_.chunks)
-    skipped = skipped || skipped_layers("run_layer", ch.sequence)[static_cast<size_t>(layer)];
+    skipped = skipped || sequences_.skipped_layers("run_layer", ch.sequence)[static_cast<size_t>(layer)];
   check_layer_may_run(config_, topology_, layer, layer_has_weights_[static_cast<size_t>(layer)], skipped,
                       [&](int l) { return published_[static_cast<size_t>(l)].ran; });
 }
@@ -224,7 +204,7 @@ void CpuEngine::end_step() {
   for (int l = 0; l < config_.num_layers; ++l)
     DSV4_CHECK(published_[static_cast<size_t>(l)].ran, "engine: end_step: layer ", l, " has not run in this step");
   for (const reference::StepChunk& ch : step_.chunks) {
-    std::vector<uint8_t>& skipped = skipped_layers("end_step", ch.sequence);
+    std::vector<uint8_t>& skipped = sequences_.skipped_layers("end_step", ch.sequence);
     for (int l = config_.num_layers; l < topology_.size(); ++l)
       if (!published_[static_cast<size_t>(l)].ran) skipped[static_cast<size_t>(l)] = 1;
     caches_->commit(ch.sequence, ch.tokens);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dsv4/engine.h"
+#include "engine/sequence_registry.h"
 #include "reference/layer.h"
 #include "reference/cache_store.h"
 
@@ -40,10 +41,6 @@ class CpuEngine final : public Engine {
   const reference::CacheStore& cache_store() const { return *caches_; }
 
  private:
-  // Per live sequence: the layers (optional MTP ones) that skipped one of its steps.
-  std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence);
-  const std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence) const;
-  SequenceId insert_sequence(const std::function<void(SequenceId)>& create, std::vector<uint8_t> skipped);
   void check_layer(const char* operation, int layer) const;
   void check_activation(const char* name, const TensorView& v, int layer) const;
   void check_layer_inputs(int layer) const;
@@ -55,8 +52,7 @@ class CpuEngine final : public Engine {
   std::vector<reference::LayerParameters> layers_;
   std::vector<bool> layer_has_weights_;  // false for MTP layers absent from the checkpoint
   std::unique_ptr<reference::CacheStore> caches_;
-  std::map<SequenceId, std::vector<uint8_t>> sequences_;
-  SequenceId next_sequence_ = 0;
+  SequenceRegistry sequences_;
 
   bool in_step_ = false;
   std::vector<StepEntry> step_entries_;

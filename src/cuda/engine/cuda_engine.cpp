@@ -161,7 +161,8 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
       weights_(std::move(weights)),
       options_(options),
       formats_(engine_kv_formats(config, options)),
-      device_(engine_device()) {
+      device_(engine_device()),
+      sequences_(static_cast<size_t>(config.total_layers()), options.max_sequences) {
   DSV4_CHECK(weights_ != nullptr, "engine: create: no weights given");
   DSV4_CHECK(static_cast<int>(weights_->layers.size()) == config_.total_layers(), "engine: create: the weights have ",
              weights_->layers.size(), " layers, the config ", config_.total_layers());
@@ -363,62 +364,36 @@ int64_t CudaEngine::device_bytes() const {
 // ---------------------------------------------------------------------------------------------
 // Sequences
 
-std::vector<uint8_t>& CudaEngine::skipped_layers(const char* operation, SequenceId sequence) {
-  auto it = sequences_.find(sequence);
-  DSV4_CHECK(it != sequences_.end(), "engine: ", operation, ": sequence ", sequence, " does not exist");
-  return it->second;
-}
-
-const std::vector<uint8_t>& CudaEngine::skipped_layers(const char* operation, SequenceId sequence) const {
-  return const_cast<CudaEngine*>(this)->skipped_layers(operation, sequence);
-}
-
 bool CudaEngine::in_running_step(SequenceId sequence) const {
-  return in_step_ && std::any_of(step_entries_.begin(), step_entries_.end(),
-                                 [&](const StepEntry& e) { return e.sequence == sequence; });
-}
-
-void CudaEngine::check_room_for_sequence() const {
-  DSV4_CHECK(static_cast<int64_t>(sequences_.size()) < options_.max_sequences, "engine: ", sequences_.size(),
-             " sequences are live, the maximum is ", options_.max_sequences, " (EngineOptions::max_sequences)");
+  return in_step_ && step_contains(step_entries_, sequence);
 }
 
 SequenceId CudaEngine::add_sequence() {
-  check_room_for_sequence();
-  const SequenceId id = next_sequence_;
-  caches_->add_sequence(id);
-  ++next_sequence_;
-  sequences_.emplace(id, std::vector<uint8_t>(layers_.size(), 0));
-  return id;
+  return sequences_.add([&](SequenceId id) { caches_->add_sequence(id); });
 }
 
 SequenceId CudaEngine::fork_sequence(SequenceId parent) {
-  const std::vector<uint8_t> skipped = skipped_layers("fork_sequence", parent);
+  sequences_.skipped_layers("fork_sequence", parent);
   DSV4_CHECK(!in_running_step(parent), "engine: fork_sequence: sequence ", parent,
              " is part of the running step; fork it before begin_step or after end_step");
-  check_room_for_sequence();
-  const SequenceId id = next_sequence_;
-  caches_->fork_sequence(parent, id);
-  ++next_sequence_;
-  sequences_.emplace(id, skipped);
-  return id;
+  return sequences_.fork(parent, [&](SequenceId id) { caches_->fork_sequence(parent, id); });
 }
 
 void CudaEngine::release_sequence(SequenceId sequence) {
-  skipped_layers("release_sequence", sequence);
+  sequences_.skipped_layers("release_sequence", sequence);
   DSV4_CHECK(!in_running_step(sequence), "engine: release_sequence: sequence ", sequence,
              " is part of the running step; release it after end_step");
   caches_->release_sequence(sequence);
-  sequences_.erase(sequence);
+  sequences_.remove(sequence);
 }
 
 int64_t CudaEngine::sequence_length(SequenceId sequence) const {
-  skipped_layers("sequence_length", sequence);
+  sequences_.skipped_layers("sequence_length", sequence);
   return caches_->manager().sequence_length(sequence);
 }
 
 int64_t CudaEngine::sequence_cache_bytes(SequenceId sequence) const {
-  skipped_layers("sequence_cache_bytes", sequence);
+  sequences_.skipped_layers("sequence_cache_bytes", sequence);
   return caches_->manager().sequence_bytes(sequence);
 }
 
@@ -435,7 +410,7 @@ void CudaEngine::begin_step(const std::vector<StepEntry>& entries) {
   int64_t tokens = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
     const StepEntry& e = entries[i];
-    skipped_layers("begin_step", e.sequence);
+    sequences_.skipped_layers("begin_step", e.sequence);
     const int64_t length = manager.sequence_length(e.sequence);
     DSV4_CHECK(seen.insert(e.sequence).second, "engine: begin_step: sequence ", e.sequence,
                " appears more than once in the step");
@@ -520,7 +495,7 @@ void CudaEngine::check_layer(const char* operation, int layer) const {
 void CudaEngine::check_layer_inputs(int layer) const {
   bool skipped = false;
   for (const StepEntry& e : step_entries_)
-    skipped = skipped || skipped_layers("run_layer", e.sequence)[static_cast<size_t>(layer)];
+    skipped = skipped || sequences_.skipped_layers("run_layer", e.sequence)[static_cast<size_t>(layer)];
   check_layer_may_run(config_, topology_, layer, layers_[static_cast<size_t>(layer)].has_value(), skipped,
                       [&](int l) { return ran_[static_cast<size_t>(l)] != 0; });
 }
@@ -842,7 +817,7 @@ void CudaEngine::end_step() {
     DSV4_CHECK(ran_[static_cast<size_t>(l)], "engine: end_step: layer ", l, " has not run in this step");
   const KvCacheManager& manager = caches_->manager();
   for (const StepEntry& e : step_entries_) {
-    std::vector<uint8_t>& skipped = skipped_layers("end_step", e.sequence);
+    std::vector<uint8_t>& skipped = sequences_.skipped_layers("end_step", e.sequence);
     for (int l = config_.num_layers; l < topology_.size(); ++l)
       if (!ran_[static_cast<size_t>(l)]) skipped[static_cast<size_t>(l)] = 1;
     caches_->commit(e.sequence, manager.sequence_length(e.sequence) + e.num_tokens);

@@ -35,6 +35,7 @@
 #include "dsv4/cuda/qkv.h"
 #include "dsv4/cuda/runtime.h"
 #include "dsv4/engine.h"
+#include "engine/sequence_registry.h"
 
 namespace dsv4::cuda {
 
@@ -78,10 +79,7 @@ class CudaEngine final : public Engine {
   void check_layer_inputs(int layer) const;
   // A device f32 [tokens, hidden] pointer for an activation argument (host views are staged).
   float* activation(const char* name, const TensorView& v, int layer, float* staging) const;
-  std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence);
-  const std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence) const;
   bool in_running_step(SequenceId sequence) const;
-  void check_room_for_sequence() const;
 
   // Stages of run_layer.
   void project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const;
@@ -110,8 +108,7 @@ class CudaEngine final : public Engine {
   std::unique_ptr<Workspace> workspace_;
   std::unique_ptr<StepUpload> upload_;
 
-  std::map<SequenceId, std::vector<uint8_t>> sequences_;  // per sequence: MTP layers a step skipped
-  SequenceId next_sequence_ = 0;
+  SequenceRegistry sequences_;
 
   bool in_step_ = false;
   std::vector<StepEntry> step_entries_;

@@ -1,0 +1,42 @@
+// The live sequences of an engine, whatever its backend: ids, the limit on how many live at once,
+// and per sequence the optional (MTP) layers one of its steps skipped, whose caches of that
+// sequence are therefore incomplete.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <vector>
+
+#include "dsv4/engine.h"
+
+namespace dsv4 {
+
+class SequenceRegistry {
+ public:
+  SequenceRegistry(size_t num_layers, int64_t max_sequences)
+      : num_layers_(num_layers), max_sequences_(max_sequences) {}
+
+  // A new id, after checking that another sequence may live; `create(id)` builds its caches and
+  // may throw, in which case nothing is registered. A fork starts with its parent's skipped layers.
+  SequenceId add(const std::function<void(SequenceId)>& create);
+  SequenceId fork(SequenceId parent, const std::function<void(SequenceId)>& create);
+  void remove(SequenceId sequence);
+
+  // The layers `sequence` skipped; throws "dsv4: engine: <operation>: sequence N does not exist".
+  std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence);
+  const std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence) const;
+
+ private:
+  SequenceId insert(const std::function<void(SequenceId)>& create, std::vector<uint8_t> skipped);
+
+  size_t num_layers_;
+  int64_t max_sequences_;
+  std::map<SequenceId, std::vector<uint8_t>> skipped_;
+  SequenceId next_ = 0;
+};
+
+// Whether `sequence` is one of the entries of a step.
+bool step_contains(const std::vector<StepEntry>& entries, SequenceId sequence);
+
+}  // namespace dsv4
