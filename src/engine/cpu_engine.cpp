@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <set>
 
 #include "dsv4/error.h"
 #include "engine/layer_order.h"
@@ -118,22 +117,12 @@ int64_t CpuEngine::sequence_cache_bytes(SequenceId sequence) const {
 
 void CpuEngine::begin_step(const std::vector<StepEntry>& entries) {
   DSV4_CHECK(!in_step_, "engine: begin_step: a step is in progress; call end_step first");
-  DSV4_CHECK(!entries.empty(), "engine: begin_step: a step needs at least one entry");
+  sequences_.check_step(entries, options_, [&](SequenceId s) { return caches_->length(s); });
   reference::StepLayout layout;
-  std::set<SequenceId> seen;
   int64_t tokens = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
     const StepEntry& e = entries[i];
-    sequences_.skipped_layers("begin_step", e.sequence);
     const int64_t length = caches_->length(e.sequence);
-    DSV4_CHECK(seen.insert(e.sequence).second, "engine: begin_step: sequence ", e.sequence,
-               " appears more than once in the step");
-    DSV4_CHECK(e.num_tokens >= 1, "engine: begin_step: entry ", i, " (sequence ", e.sequence, ") has num_tokens ",
-               e.num_tokens, ", expected >= 1");
-    DSV4_CHECK(e.num_tokens <= options_.max_tokens_per_step - tokens, "engine: begin_step: the step has more than ",
-               options_.max_tokens_per_step, " tokens (EngineOptions::max_tokens_per_step)");
-    DSV4_CHECK(e.num_tokens <= options_.max_context - length, "engine: begin_step: sequence ", e.sequence,
-               " would grow to ", length + e.num_tokens, " tokens, beyond max_context ", options_.max_context);
     layout.chunks.push_back({e.sequence, tokens, e.num_tokens, length});
     for (int64_t k = 0; k < e.num_tokens; ++k) {
       layout.positions.push_back(length + k);

@@ -1,6 +1,7 @@
 #include "engine/sequence_registry.h"
 
 #include <algorithm>
+#include <set>
 
 #include "dsv4/error.h"
 
@@ -37,6 +38,27 @@ std::vector<uint8_t>& SequenceRegistry::skipped_layers(const char* operation, Se
 
 const std::vector<uint8_t>& SequenceRegistry::skipped_layers(const char* operation, SequenceId sequence) const {
   return const_cast<SequenceRegistry*>(this)->skipped_layers(operation, sequence);
+}
+
+void SequenceRegistry::check_step(const std::vector<StepEntry>& entries, const EngineOptions& options,
+                                  const std::function<int64_t(SequenceId)>& length) const {
+  DSV4_CHECK(!entries.empty(), "engine: begin_step: a step needs at least one entry");
+  std::set<SequenceId> seen;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const StepEntry& e = entries[i];
+    skipped_layers("begin_step", e.sequence);
+    const int64_t committed = length(e.sequence);
+    DSV4_CHECK(seen.insert(e.sequence).second, "engine: begin_step: sequence ", e.sequence,
+               " appears more than once in the step");
+    DSV4_CHECK(e.num_tokens >= 1, "engine: begin_step: entry ", i, " (sequence ", e.sequence, ") has num_tokens ",
+               e.num_tokens, ", expected >= 1");
+    DSV4_CHECK(e.num_tokens <= options.max_tokens_per_step - tokens, "engine: begin_step: the step has more than ",
+               options.max_tokens_per_step, " tokens (EngineOptions::max_tokens_per_step)");
+    DSV4_CHECK(e.num_tokens <= options.max_context - committed, "engine: begin_step: sequence ", e.sequence,
+               " would grow to ", committed + e.num_tokens, " tokens, beyond max_context ", options.max_context);
+    tokens += e.num_tokens;
+  }
 }
 
 bool step_contains(const std::vector<StepEntry>& entries, SequenceId sequence) {

@@ -27,6 +27,12 @@ class SequenceRegistry {
   std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence);
   const std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence) const;
 
+  // Checks a step's entries before anything is reserved: at least one, each a live sequence at
+  // most once with at least one token, together within options.max_tokens_per_step, each sequence
+  // within options.max_context. length(s): the sequence's committed length.
+  void check_step(const std::vector<StepEntry>& entries, const EngineOptions& options,
+                  const std::function<int64_t(SequenceId)>& length) const;
+
  private:
   SequenceId insert(const std::function<void(SequenceId)>& create, std::vector<uint8_t> skipped);
 

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <set>
 #include <type_traits>
 
 #include "cuda/engine/glue.h"
@@ -402,24 +401,14 @@ int64_t CudaEngine::sequence_cache_bytes(SequenceId sequence) const {
 
 void CudaEngine::begin_step(const std::vector<StepEntry>& entries) {
   DSV4_CHECK(!in_step_, "engine: begin_step: a step is in progress; call end_step first");
-  DSV4_CHECK(!entries.empty(), "engine: begin_step: a step needs at least one entry");
   const KvCacheManager& manager = caches_->manager();
-  std::set<SequenceId> seen;
+  sequences_.check_step(entries, options_, [&](SequenceId s) { return manager.sequence_length(s); });
   std::vector<CacheStepEntry> cache_step;
   std::vector<int32_t> token_sequence, token_position, state_slot;
   int64_t tokens = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
     const StepEntry& e = entries[i];
-    sequences_.skipped_layers("begin_step", e.sequence);
     const int64_t length = manager.sequence_length(e.sequence);
-    DSV4_CHECK(seen.insert(e.sequence).second, "engine: begin_step: sequence ", e.sequence,
-               " appears more than once in the step");
-    DSV4_CHECK(e.num_tokens >= 1, "engine: begin_step: entry ", i, " (sequence ", e.sequence, ") has num_tokens ",
-               e.num_tokens, ", expected >= 1");
-    DSV4_CHECK(e.num_tokens <= options_.max_tokens_per_step - tokens, "engine: begin_step: the step has more than ",
-               options_.max_tokens_per_step, " tokens (EngineOptions::max_tokens_per_step)");
-    DSV4_CHECK(e.num_tokens <= options_.max_context - length, "engine: begin_step: sequence ", e.sequence,
-               " would grow to ", length + e.num_tokens, " tokens, beyond max_context ", options_.max_context);
     cache_step.push_back({e.sequence, e.num_tokens});
     for (int64_t t = 0; t < e.num_tokens; ++t) {
       token_sequence.push_back(static_cast<int32_t>(i));
