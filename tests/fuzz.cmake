@@ -6,27 +6,9 @@
 
 set(DSV4_FUZZ_TEST_SOURCE ${CMAKE_CURRENT_SOURCE_DIR}/safetensors_fuzz_test.cpp)
 set(DSV4_FUZZ_READER_SOURCES ${PROJECT_SOURCE_DIR}/src/weights/safetensors.cpp ${PROJECT_SOURCE_DIR}/src/common/tensor.cpp)
-set(DSV4_FUZZ_SANITIZERS -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer)
 
-include(CheckCXXSourceCompiles)
-set(CMAKE_REQUIRED_FLAGS "-fsanitize=address,undefined")
-set(CMAKE_REQUIRED_LINK_OPTIONS -fsanitize=address,undefined)
-check_cxx_source_compiles("int main() { return 0; }" DSV4_HAVE_ASAN_UBSAN)
-unset(CMAKE_REQUIRED_FLAGS)
-unset(CMAKE_REQUIRED_LINK_OPTIONS)
-
-if(DSV4_HAVE_ASAN_UBSAN)
-  add_executable(safetensors_fuzz_asan_test ${DSV4_FUZZ_TEST_SOURCE} ${DSV4_FUZZ_READER_SOURCES})
-  target_include_directories(safetensors_fuzz_asan_test PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)
-  target_compile_options(safetensors_fuzz_asan_test PRIVATE -O1 -g ${DSV4_FUZZ_SANITIZERS})
-  target_link_options(safetensors_fuzz_asan_test PRIVATE ${DSV4_FUZZ_SANITIZERS})
-  target_link_libraries(safetensors_fuzz_asan_test PRIVATE nlohmann_json::nlohmann_json GTest::gtest GTest::gtest_main)
-  add_test(NAME safetensors_fuzz_asan COMMAND safetensors_fuzz_asan_test)
-  set_tests_properties(safetensors_fuzz_asan PROPERTIES TIMEOUT 300
-    ENVIRONMENT "ASAN_OPTIONS=detect_leaks=1:abort_on_error=1;UBSAN_OPTIONS=print_stacktrace=1")
-else()
-  message(STATUS "dsv4: the compiler cannot build with -fsanitize=address,undefined; safetensors_fuzz_asan_test skipped")
-endif()
+dsv4_add_sanitized_test(TARGET safetensors_fuzz_asan_test TEST safetensors_fuzz_asan
+  SOURCES ${DSV4_FUZZ_TEST_SOURCE} ${DSV4_FUZZ_READER_SOURCES})
 
 # libFuzzer needs clang; the project itself may be built with another compiler, so the target is
 # compiled by a custom command.
@@ -55,7 +37,7 @@ if(DSV4_LIBFUZZER_WORKS)
   set(fuzzer ${CMAKE_CURRENT_BINARY_DIR}/safetensors_header_fuzzer)
   file(GLOB dsv4_public_headers ${PROJECT_SOURCE_DIR}/include/dsv4/*.h)
   add_custom_command(OUTPUT ${fuzzer}
-    COMMAND ${DSV4_CLANGXX} -std=c++20 -O1 -g -DDSV4_LIBFUZZER -fsanitize=fuzzer ${DSV4_FUZZ_SANITIZERS}
+    COMMAND ${DSV4_CLANGXX} -std=c++20 -O1 -g -DDSV4_LIBFUZZER -fsanitize=fuzzer ${DSV4_SANITIZER_FLAGS}
             -I${PROJECT_SOURCE_DIR}/include -I${PROJECT_SOURCE_DIR}/src ${json_flags}
             ${DSV4_FUZZ_TEST_SOURCE} ${DSV4_FUZZ_READER_SOURCES} -o ${fuzzer}
     DEPENDS ${DSV4_FUZZ_TEST_SOURCE} ${DSV4_FUZZ_READER_SOURCES} ${dsv4_public_headers}
