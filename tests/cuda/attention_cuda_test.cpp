@@ -7,7 +7,9 @@
 // |Δ| <= 2e-5 + 1e-4·|out|. bf16 outputs may also land on the neighbouring bf16: rtol 2^-7.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <optional>
+#include <tuple>
 
 #include "cuda/cuda_test_util.h"
 #include "dsv4/cuda/attention.h"
@@ -230,6 +232,42 @@ TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
   bad = p;
   bad.window_size = 0;
   EXPECT_EQ(message(bad), "dsv4: sparse_attention: window_size is 0, expected >= 1");
+}
+
+// The engine sizes the row split's workspace ahead with sparse_attention_max_workspace_bytes: it
+// must cover every step it may run (any token count up to the maximum, fewer rows per token) and
+// be no larger than the largest of them. Needs no device.
+TEST(SparseAttentionCudaValidation, MaxWorkspaceCoversEveryStep) {
+  using testing::fake_device_view;
+  const PageGeometry g = page_geometry(KvRowFormat::v41_fp8, kHeadDim, 64);
+  const PagedCache cache{.pages = fake_device_view(DType::u8, {8, g.page_stride}),
+                         .block_table = fake_device_view(DType::i32, {2, 4}), .geometry = g};
+  for (const auto& [heads, window, picks, max_tokens] :
+       {std::tuple{64, 128, 512, 300}, std::tuple{20, 40, 33, 7}, std::tuple{128, 128, 0, 40}}) {
+    const size_t bound = sparse_attention_max_workspace_bytes(max_tokens, heads, window + picks);
+    size_t largest = 0;
+    for (int64_t tokens = 1; tokens <= max_tokens; ++tokens)
+      for (const int64_t step_picks : {int64_t{0}, int64_t{picks / 2}, int64_t{picks}}) {
+        SparseAttentionParams p{.q = fake_device_view(DType::bf16, {tokens, heads, kHeadDim}),
+                                .token_sequence = fake_device_view(DType::i32, {tokens}),
+                                .token_position = fake_device_view(DType::i32, {tokens}),
+                                .window = cache,
+                                .window_size = window,
+                                .sink = fake_device_view(DType::f32, {heads}),
+                                .scale = 0.04f,
+                                .out = fake_device_view(DType::bf16, {tokens, heads, kHeadDim})};
+        if (step_picks > 0) {
+          p.compressed = cache;
+          p.picks = fake_device_view(DType::i32, {tokens, step_picks});
+        }
+        const size_t bytes = sparse_attention_workspace_bytes(p);
+        EXPECT_LE(bytes, bound) << tokens << " tokens, " << heads << " heads, " << step_picks << " picks";
+        largest = std::max(largest, bytes);
+      }
+    EXPECT_EQ(largest, bound) << heads << " heads";
+    EXPECT_GT(bound, 0u) << heads << " heads: small steps split";
+  }
+  EXPECT_EQ(sparse_attention_max_workspace_bytes(0, 64, 640), 0u);
 }
 
 }  // namespace

@@ -40,6 +40,10 @@ void validate_sparse_attention(const SparseAttentionParams& p);
 // blocks (tiles of 32 rows) whose partial softmax sums are merged by a second kernel. 0 when the
 // step is large enough not to split.
 size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p);
+// The largest workspace any step of at most max_tokens tokens of `heads` heads needs, each token
+// attending at most max_rows rows (window_size + picks per token): what a caller that sizes its
+// workspace ahead (the engine, a CUDA graph) allocates.
+size_t sparse_attention_max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows);
 void run_sparse_attention(const SparseAttentionParams& p, void* workspace, cudaStream_t stream);
 // The same without a workspace: rows are never split.
 void run_sparse_attention(const SparseAttentionParams& p, cudaStream_t stream);

@@ -142,8 +142,10 @@ struct CudaEngine::Workspace {
   std::vector<int32_t*> picks;          // per layer: [T, index_topk] i32 for index sources
   int32_t* entry_picks = nullptr;       // [T, max HCA entries] i32
   int64_t entry_picks_capacity = 0;     // entries per token
-  DeviceBuffer linear_memory;           // run_linear / run_output_projection scratch
-  void* linear = nullptr;
+  // Scratch of one op at a time (run_linear, run_output_projection, run_sparse_attention's row
+  // split): the ops run in order on the engine's stream, so they share it.
+  DeviceBuffer scratch_memory;
+  void* scratch = nullptr;
 };
 
 KvFormatSet engine_kv_formats(const ModelConfig& config, const EngineOptions& options) {
@@ -299,8 +301,8 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
     cursor += bytes;
   }
 
-  // Scratch of the projections at the largest step. The size queries read shapes only; the
-  // views point at the workspace.
+  // Scratch of the projections and of the attention's row split at the largest step. The size
+  // queries read shapes only; the views point at the workspace.
   void* any = ws.memory.data();
   const auto rows_view = [&](int64_t cols) { return device_view(any, ws.rows, {T, cols}, device_); };
   const auto bf16_view = [&](int64_t cols) { return device_view(any, DType::bf16, {T, cols}, device_); };
@@ -339,8 +341,9 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
       measure_role(bf16_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
     }
   }
-  ws.linear_memory = DeviceBuffer(scratch);
-  ws.linear = ws.linear_memory.data();
+  scratch = std::max(scratch, sparse_attention_max_workspace_bytes(T, H, W + std::max(k, max_hca_entries)));
+  ws.scratch_memory = DeviceBuffer(scratch);
+  ws.scratch = ws.scratch_memory.data();
   layer_steps_.resize(static_cast<size_t>(L));
   ran_.assign(static_cast<size_t>(L), 0);
   stream_.synchronize("engine: create");
@@ -353,7 +356,7 @@ CudaEngine::~CudaEngine() {
 
 int64_t CudaEngine::device_bytes() const {
   int64_t bytes = caches_->device_bytes() +
-                  static_cast<int64_t>(workspace_->memory.bytes() + workspace_->linear_memory.bytes() +
+                  static_cast<int64_t>(workspace_->memory.bytes() + workspace_->scratch_memory.bytes() +
                                        main_rope_.bytes() + compress_rope_.bytes());
   for (const auto& l : layers_)
     if (l) bytes += l->device_bytes();
@@ -505,7 +508,7 @@ float* CudaEngine::activation(const char* name, const TensorView& v, int layer, 
 }
 
 void CudaEngine::project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const {
-  run_linear(linear_params(x, w.view(), w.activation_block, y, blas_.get()), workspace_->linear, stream_.get());
+  run_linear(linear_params(x, w.view(), w.activation_block, y, blas_.get()), workspace_->scratch, stream_.get());
 }
 
 void CudaEngine::run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
@@ -565,7 +568,7 @@ void CudaEngine::run_layer(int layer, const TensorView& hidden_in, const TensorV
 
   // Output projection (SPEC §6).
   const TensorView y = rows(ws.y, {T, G, R});
-  run_output_projection(output_params(layer, rows(ws.o, {T, H, D}), token_position_, y), ws.linear, stream);
+  run_output_projection(output_params(layer, rows(ws.o, {T, H, D}), token_position_, y), ws.scratch, stream);
   // The reference's output is bf16: widen it into attn_out (fp32 precision writes f32 directly).
   // A tensor-parallel rank's output is a partial sum over its heads: f32 until the ranks' partial
   // sums are added up, then rounded as the whole output is.
@@ -611,7 +614,7 @@ void CudaEngine::compress(int layer) {
   const auto pool = [&](const CompressorShape& c, int ring, WeightRole wkv, WeightRole wgate, WeightRole norm,
                         WeightRole bias, void* latent) {
     const TensorView projected = device_view(ws.compressor_rows, DType::f32, {T, c.row_width()}, device_);
-    run_linear(linear_params(x, w.fused(wkv, wgate), 0, projected, blas_.get()), ws.linear, stream);
+    run_linear(linear_params(x, w.fused(wkv, wgate), 0, projected, blas_.get()), ws.scratch, stream);
     CompressorPoolParams p;
     p.rows = projected;
     p.token_position = token_position_;
@@ -783,7 +786,7 @@ void CudaEngine::attend(int layer) {
       a.picks = device_view(ws.entry_picks, DType::i32, {T, source.entries}, device_);
     }
   }
-  run_sparse_attention(a, stream);
+  run_sparse_attention(a, ws.scratch, stream);
 }
 
 HostTensor CudaEngine::layer_picks(int layer) const {

@@ -27,21 +27,30 @@ struct Split {
   int64_t tiles_per_split;
 };
 
-Split row_split(const SparseAttentionParams& p, bool allowed) {
-  const int64_t tokens = p.q.shape[0], heads = p.q.shape[1];
-  const int64_t max_rows = p.window_size + (is_present(p.compressed.pages) ? p.picks.shape[1] : 0);
+// max_rows: the most rows a token can attend (window + picks per token). More rows never mean
+// fewer splits, which sparse_attention_max_workspace_bytes relies on.
+Split row_split(int64_t tokens, int64_t heads, int64_t max_rows, bool allowed) {
   const int64_t tiles = std::max<int64_t>(1, (max_rows + kAttentionTileRows - 1) / kAttentionTileRows);
   const int64_t blocks = std::max<int64_t>(1, tokens * ((heads + kAttentionHeadsPerBlock - 1) / kAttentionHeadsPerBlock));
   const int64_t splits = allowed ? std::clamp<int64_t>((kTargetBlocks + blocks - 1) / blocks, 1, std::min<int64_t>(tiles, 65535)) : 1;
   return {static_cast<int>(splits), (tiles + splits - 1) / splits};
 }
 
-size_t partial_out_bytes(const SparseAttentionParams& p, int splits) {
-  return align_workspace(static_cast<size_t>(splits) * static_cast<size_t>(p.q.numel()) * sizeof(float));
+Split row_split(const SparseAttentionParams& p, bool allowed) {
+  const int64_t max_rows = p.window_size + (is_present(p.compressed.pages) ? p.picks.shape[1] : 0);
+  return row_split(p.q.shape[0], p.q.shape[1], max_rows, allowed);
 }
 
-size_t partial_stats_bytes(const SparseAttentionParams& p, int splits) {
-  return align_workspace(static_cast<size_t>(splits * p.q.shape[0] * p.q.shape[1]) * sizeof(float2));
+// The split path's workspace: partial P·V [splits, tokens, heads, 512] f32, then the partial
+// (max, sum) [splits, tokens, heads] float2.
+size_t partial_out_bytes(int64_t tokens, int64_t heads, int splits) {
+  return align_workspace(static_cast<size_t>(splits) * static_cast<size_t>(tokens * heads * kHeadDim) * sizeof(float));
+}
+
+size_t split_workspace_bytes(int64_t tokens, int64_t heads, int splits) {
+  if (splits <= 1) return 0;
+  return partial_out_bytes(tokens, heads, splits) +
+         align_workspace(static_cast<size_t>(splits * tokens * heads) * sizeof(float2));
 }
 
 void launch(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
@@ -68,7 +77,8 @@ void launch(const SparseAttentionParams& p, void* workspace, cudaStream_t stream
   a.tiles_per_split = split.tiles_per_split;
   if (a.splits > 1) {
     a.partial_out = static_cast<float*>(workspace);
-    a.partial_stats = reinterpret_cast<float2*>(static_cast<std::byte*>(workspace) + partial_out_bytes(p, a.splits));
+    a.partial_stats =
+        reinterpret_cast<float2*>(static_cast<std::byte*>(workspace) + partial_out_bytes(a.tokens, a.heads, a.splits));
   }
   if (p.out.dtype == DType::bf16) launch_sparse_attention<512, uint16_t>(a, stream);
   else launch_sparse_attention<512, float>(a, stream);
@@ -113,8 +123,17 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
 
 size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p) {
   validate_sparse_attention(p);
-  const Split split = row_split(p, true);
-  return split.splits > 1 ? partial_out_bytes(p, split.splits) + partial_stats_bytes(p, split.splits) : 0;
+  return split_workspace_bytes(p.q.shape[0], p.q.shape[1], row_split(p, true).splits);
+}
+
+size_t sparse_attention_max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) {
+  DSV4_CHECK(max_tokens >= 0 && heads >= 0 && max_rows >= 0, "sparse_attention: max_workspace_bytes: max_tokens ",
+             max_tokens, ", heads ", heads, ", max_rows ", max_rows, ", expected >= 0 each");
+  // Steps of kTargetBlocks tokens or more never split.
+  size_t most = 0;
+  for (int64_t tokens = 1; tokens <= std::min(max_tokens, kTargetBlocks); ++tokens)
+    most = std::max(most, split_workspace_bytes(tokens, heads, row_split(tokens, heads, max_rows, true).splits));
+  return most;
 }
 
 void run_sparse_attention(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
