@@ -84,7 +84,7 @@ TEST_F(GraphCudaTest, LayerStepReplaysBitForBit) {
   DeviceTensor o = testing::poisoned_tensor(DType::bf16, {kTokens, kHeads, kDim});
   DeviceTensor y = testing::poisoned_tensor(DType::bf16, {kTokens, kGroups, kRank});
   const OutputProjectionParams output{.o = o.view, .token_position = dpos.view, .rope_table = table.view,
-                                      .wo_a = wo_a.view, .y = y.view, .blas = blas_->get()};
+                                      .wo_a = wo_a.view, .y = y.view, .blas = &*blas_};
   DeviceBuffer workspace(output_projection_workspace_bytes(output));
 
   const auto step = [&](cudaStream_t s) {

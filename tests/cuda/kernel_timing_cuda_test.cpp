@@ -160,7 +160,7 @@ TEST(KernelTimingCudaTest, DISABLED_ProjectionsAndRowOpsAtFlashSizes) {
     DeviceTensor y = testing::poisoned_tensor(DType::bf16, {rows, out});
     for (const bool fp8 : {true, false}) {
       const LinearParams p{.x = x.view, .weight = fp8 ? w.view : w_bf16.view, .weight_scale = fp8 ? ws.view : TensorView{},
-                           .block_out = 32, .block_in = 32, .activation_block = 32, .y = y.view, .blas = blas.get()};
+                           .block_out = 32, .block_in = 32, .activation_block = 32, .y = y.view, .blas = &blas};
       DeviceBuffer workspace(linear_workspace_bytes(p));
       std::snprintf(what, sizeof what, "linear wq_b %lld x %lld <- %lld, %s", static_cast<long long>(rows),
                     static_cast<long long>(out), static_cast<long long>(in),

@@ -66,7 +66,7 @@ class LinearCudaTest : public CudaTest {
   }
   // Runs p on a fresh stream with a fresh workspace and returns y as floats.
   std::vector<float> run(LinearParams p) {
-    p.blas = blas_->get();
+    p.blas = &*blas_;
     DeviceBuffer workspace(linear_workspace_bytes(p));
     Stream stream;
     run_linear(p, workspace.data(), stream.get());
@@ -169,7 +169,7 @@ TEST_F(LinearCudaTest, CapturedInACudaGraph) {
   DeviceTensor dw = testing::device_tensor(w.codes), ds = testing::device_tensor(w.scales);
   DeviceTensor dy = testing::poisoned_tensor(DType::f32, {rows, out});
   const LinearParams p{.x = dx.view, .weight = dw.view, .weight_scale = ds.view, .block_out = 32, .block_in = 32,
-                       .activation_block = 32, .y = dy.view, .blas = blas_->get()};
+                       .activation_block = 32, .y = dy.view, .blas = &*blas_};
   DeviceBuffer workspace(linear_workspace_bytes(p));
   Stream stream;
   cudaGraph_t graph = nullptr;
@@ -205,7 +205,7 @@ TEST(LinearCudaValidation, ReportsTheFirstBadArgument) {
   static int dummy_handle;  // never used: validation only checks that a handle is given
   LinearParams p{.x = fake_device_view(DType::bf16, {3, 64}), .weight = fake_device_view(DType::bf16, {32, 64}),
                  .y = fake_device_view(DType::f32, {3, 32}),
-                 .blas = reinterpret_cast<cublasLtContext*>(&dummy_handle)};
+                 .blas = reinterpret_cast<const BlasLt*>(&dummy_handle)};
   EXPECT_NO_THROW(validate_linear(p));
 
   LinearParams bad = p;
@@ -253,7 +253,7 @@ TEST(LinearCudaValidation, ReportsTheFirstBadArgument) {
             "dsv4: linear: activation_block 48 does not divide the input size 64");
   bad = p;
   bad.blas = nullptr;
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }), "dsv4: linear: argument 'blas' is null (pass BlasLt::get())");
+  EXPECT_EQ(error_message([&] { validate_linear(bad); }), "dsv4: linear: argument 'blas' is null (pass the BlasLt of the stream)");
 }
 
 }  // namespace

@@ -226,7 +226,7 @@ TEST_F(OutputProjectionCudaTest, InverseRopeThenGroupedWoA) {
   DeviceTensor dpos = testing::device_array(position, DType::i32, {tokens});
   DeviceTensor dy = testing::poisoned_tensor(DType::bf16, {tokens, groups, rank});
   const OutputProjectionParams p{.o = d_o.view, .token_position = dpos.view, .rope_table = rope.table.view,
-                                 .wo_a = dw.view, .y = dy.view, .blas = blas_->get()};
+                                 .wo_a = dw.view, .y = dy.view, .blas = &*blas_};
   DeviceBuffer workspace(output_projection_workspace_bytes(p));
   Stream stream;
   run_output_projection(p, workspace.data(), stream.get());
@@ -283,7 +283,7 @@ TEST(QkvCudaValidation, ReportsTheFirstBadArgument) {
                                    .rope_table = fake_device_view(DType::f32, {100, 64}),
                                    .wo_a = fake_device_view(DType::bf16, {2, 64, 1000}),
                                    .y = fake_device_view(DType::bf16, {3, 2, 64}),
-                                   .blas = reinterpret_cast<cublasLtContext*>(&dummy_handle)};
+                                   .blas = reinterpret_cast<const BlasLt*>(&dummy_handle)};
   EXPECT_EQ(error_message([&] { validate_output_projection(out); }),
             "dsv4: output_projection: argument 'wo_a' has shape [2, 64, 1000], expected [2, 64, 2048]");
 }

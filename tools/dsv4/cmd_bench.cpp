@@ -351,7 +351,7 @@ void bench_compressor(const BenchOptions& o, const ModelConfig& c, cuda::Stream&
   lp.x = x.view;
   lp.weight = weight.view;
   lp.y = rows.view;
-  lp.blas = blas.get();
+  lp.blas = &blas;
   DeviceBuffer workspace(cuda::linear_workspace_bytes(lp));
   cuda::CompressorPoolParams pp;
   pp.rows = rows.view;

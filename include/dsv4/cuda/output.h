@@ -19,7 +19,7 @@ struct OutputProjectionParams {
   int block_out = 128;
   int block_in = 128;
   TensorView y;               // [tokens, groups, rank] bf16 | f32
-  cublasLtContext* blas = nullptr;
+  const BlasLt* blas = nullptr;
 };
 // The un-rotated o is kept in bf16 when y is bf16 (the reference rounds it), else in f32.
 

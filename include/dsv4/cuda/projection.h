@@ -30,12 +30,14 @@ struct LinearParams {
   int block_in = 128;       // columns of one weight-scale block
   int activation_block = 0; // > 0: fp8 fake-quantize x in tiles of this many input channels (divides in)
   TensorView y;             // [rows, out] | [rows, groups, out] bf16 | f32
-  cublasLtContext* blas = nullptr;  // BlasLt::get()
+  const BlasLt* blas = nullptr;  // cuBLASLt handle and workspace of the stream run_linear is given
 };
 // Compute precision: a f32 weight gives a f32 GEMM (x converted to f32); bf16 and e4m3 weights a
 // bf16 GEMM (x rounded to bf16). y is written in its own dtype.
 
 void validate_linear(const LinearParams& p);
+// The activation copy and dequantized weight run_linear stages (0 for bf16 x and weights); cuBLASLt's
+// own workspace is the BlasLt's.
 size_t linear_workspace_bytes(const LinearParams& p);
 void run_linear(const LinearParams& p, void* workspace, cudaStream_t stream);
 

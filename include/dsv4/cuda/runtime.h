@@ -79,17 +79,24 @@ class Stream {
   cudaStream_t stream_ = nullptr;
 };
 
-// An owning cuBLASLt handle for the current device.
+// An owning cuBLASLt handle for the current device and the workspace its matmuls use. The
+// workspace belongs to cuBLASLt alone: some of its algorithms (split-K and stream-K reductions)
+// keep counters there from one matmul to the next, so no other data may share it, and one BlasLt
+// serves one stream at a time.
 class BlasLt {
  public:
+  static constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation for Hopper
+
   BlasLt();
   ~BlasLt();
   BlasLt(const BlasLt&) = delete;
   BlasLt& operator=(const BlasLt&) = delete;
   cublasLtContext* get() const { return handle_; }
+  void* workspace() const { return workspace_.data(); }
 
  private:
   cublasLtContext* handle_ = nullptr;
+  DeviceBuffer workspace_;
 };
 
 // A paged KV cache as the kernels see it (SPEC §7, kv_format.h, kv_cache.h). Rows are addressed

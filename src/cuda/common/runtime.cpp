@@ -108,7 +108,9 @@ void Stream::synchronize(const char* op) const {
     fail(op, ": asynchronous CUDA error: ", cudaGetErrorName(status), ": ", cudaGetErrorString(status));
 }
 
-BlasLt::BlasLt() {
+BlasLt::BlasLt() : workspace_(kWorkspaceBytes) {
+  // Zeroed once, as cuBLASLt's counters expect; its algorithms leave them so.
+  DSV4_CUDA_CHECK(cudaMemset(workspace_.data(), 0, kWorkspaceBytes));
   cublasLtHandle_t handle = nullptr;
   const cublasStatus_t status = cublasLtCreate(&handle);
   if (status != CUBLAS_STATUS_SUCCESS)

@@ -93,7 +93,7 @@ int engine_device() {
 }
 
 LinearParams linear_params(const TensorView& x, const TensorView& weight, int activation_block, const TensorView& y,
-                           cublasLtContext* blas) {
+                           const BlasLt* blas) {
   LinearParams p;
   p.x = x;
   p.weight = weight;
@@ -143,7 +143,8 @@ struct CudaEngine::Workspace {
   int32_t* entry_picks = nullptr;       // [T, max HCA entries] i32
   int64_t entry_picks_capacity = 0;     // entries per token
   // Scratch of one op at a time (run_linear, run_output_projection, run_sparse_attention's row
-  // split): the ops run in order on the engine's stream, so they share it.
+  // split): the ops run in order on the engine's stream, so they share it. cuBLASLt's workspace is
+  // not part of it: it is blas_'s alone (see BlasLt).
   DeviceBuffer scratch_memory;
   void* scratch = nullptr;
 };
@@ -312,7 +313,7 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
     const DeviceLayerWeights& w = *layers_[static_cast<size_t>(l)];
     const LayerPlan& plan = topology_[l];
     const auto measure = [&](const TensorView& x, const TensorView& weight, int activation_block, const TensorView& y) {
-      scratch = std::max(scratch, linear_workspace_bytes(linear_params(x, weight, activation_block, y, blas_.get())));
+      scratch = std::max(scratch, linear_workspace_bytes(linear_params(x, weight, activation_block, y, &blas_)));
     };
     const auto measure_role = [&](const TensorView& x, WeightRole role, const TensorView& y) {
       measure(x, w.get(role).view(), w.get(role).activation_block, y);
@@ -357,7 +358,7 @@ CudaEngine::~CudaEngine() {
 int64_t CudaEngine::device_bytes() const {
   int64_t bytes = caches_->device_bytes() +
                   static_cast<int64_t>(workspace_->memory.bytes() + workspace_->scratch_memory.bytes() +
-                                       main_rope_.bytes() + compress_rope_.bytes());
+                                       BlasLt::kWorkspaceBytes + main_rope_.bytes() + compress_rope_.bytes());
   for (const auto& l : layers_)
     if (l) bytes += l->device_bytes();
   return bytes;
@@ -508,7 +509,7 @@ float* CudaEngine::activation(const char* name, const TensorView& v, int layer, 
 }
 
 void CudaEngine::project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const {
-  run_linear(linear_params(x, w.view(), w.activation_block, y, blas_.get()), workspace_->scratch, stream_.get());
+  run_linear(linear_params(x, w.view(), w.activation_block, y, &blas_), workspace_->scratch, stream_.get());
 }
 
 void CudaEngine::run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
@@ -614,7 +615,7 @@ void CudaEngine::compress(int layer) {
   const auto pool = [&](const CompressorShape& c, int ring, WeightRole wkv, WeightRole wgate, WeightRole norm,
                         WeightRole bias, void* latent) {
     const TensorView projected = device_view(ws.compressor_rows, DType::f32, {T, c.row_width()}, device_);
-    run_linear(linear_params(x, w.fused(wkv, wgate), 0, projected, blas_.get()), ws.scratch, stream);
+    run_linear(linear_params(x, w.fused(wkv, wgate), 0, projected, &blas_), ws.scratch, stream);
     CompressorPoolParams p;
     p.rows = projected;
     p.token_position = token_position_;
@@ -676,7 +677,7 @@ OutputProjectionParams CudaEngine::output_params(int layer, const TensorView& o,
   p.rope_table = rope_table_view(topology_[layer]);
   p.wo_a = layers_[static_cast<size_t>(layer)]->get(WeightRole::wo_a).view({G, R, H * D / G});
   p.y = y;
-  p.blas = blas_.get();
+  p.blas = &blas_;
   return p;
 }
 

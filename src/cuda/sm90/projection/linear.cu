@@ -13,7 +13,6 @@ namespace dsv4::cuda {
 namespace {
 
 constexpr int kMaxActivationBlock = 128;
-constexpr size_t kBlasWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation for Hopper
 
 // x (bf16 | f32) -> the GEMM's input dtype; with `tile` > 1 each run of `tile` channels is
 // fake-quantized to fp8 (one thread per tile).
@@ -114,7 +113,7 @@ LayoutPtr make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t l
 // product yᵀ = op(w)·xᵀ per group: A = w (transposed), B = x, D = y with the group interleaving in
 // the leading dimensions.
 void gemm(const LinearParams& p, const LinearShape& s, const void* x, const void* w, DType input_dtype,
-          void* blas_workspace, cudaStream_t stream) {
+          cudaStream_t stream) {
   cublasLtMatmulDesc_t desc_raw = nullptr;
   check_blas(cublasLtMatmulDescCreate(&desc_raw, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   std::unique_ptr<cublasLtMatmulDescOpaque_t, MatmulDescDeleter> desc(desc_raw);
@@ -131,21 +130,21 @@ void gemm(const LinearParams& p, const LinearShape& s, const void* x, const void
   cublasLtMatmulPreference_t pref_raw = nullptr;
   check_blas(cublasLtMatmulPreferenceCreate(&pref_raw), "cublasLtMatmulPreferenceCreate");
   std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, PreferenceDeleter> pref(pref_raw);
-  const uint64_t max_workspace = kBlasWorkspaceBytes;
+  const uint64_t max_workspace = BlasLt::kWorkspaceBytes;
   check_blas(cublasLtMatmulPreferenceSetAttribute(pref_raw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
                                                   sizeof(max_workspace)),
              "setting the workspace limit");
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  check_blas(cublasLtMatmulAlgoGetHeuristic(p.blas, desc_raw, a.get(), b.get(), d.get(), d.get(), pref_raw, 1,
+  check_blas(cublasLtMatmulAlgoGetHeuristic(p.blas->get(), desc_raw, a.get(), b.get(), d.get(), d.get(), pref_raw, 1,
                                             &heuristic, &found),
              "cublasLtMatmulAlgoGetHeuristic");
   if (found == 0)
     fail("linear: cuBLASLt has no algorithm for rows ", s.rows, ", groups ", s.groups, ", in ", s.in, ", out ", s.out,
          " (", dtype_name(input_dtype), " -> ", dtype_name(p.y.dtype), ")");
   const float alpha = 1.0f, beta = 0.0f;
-  check_blas(cublasLtMatmul(p.blas, desc_raw, &alpha, w, a.get(), x, b.get(), &beta, p.y.data, d.get(), p.y.data,
-                            d.get(), &heuristic.algo, blas_workspace, kBlasWorkspaceBytes, stream),
+  check_blas(cublasLtMatmul(p.blas->get(), desc_raw, &alpha, w, a.get(), x, b.get(), &beta, p.y.data, d.get(), p.y.data,
+                            d.get(), &heuristic.algo, p.blas->workspace(), BlasLt::kWorkspaceBytes, stream),
              "cublasLtMatmul");
 }
 
@@ -215,13 +214,13 @@ void validate_linear(const LinearParams& p) {
   DSV4_CHECK(p.activation_block == 0 || in % p.activation_block == 0, op, ": activation_block ", p.activation_block,
              " does not divide the input size ", in);
   DSV4_CHECK(in <= INT32_MAX, op, ": ", in, " input channels exceed the supported ", INT32_MAX);
-  DSV4_CHECK(p.blas != nullptr, op, ": argument 'blas' is null (pass BlasLt::get())");
+  DSV4_CHECK(p.blas != nullptr, op, ": argument 'blas' is null (pass the BlasLt of the stream)");
 }
 
 size_t linear_workspace_bytes(const LinearParams& p) {
   validate_linear(p);
   const LinearShape s = linear_shape(p);
-  return activation_copy_bytes(p, s) + dequantized_weight_bytes(p, s) + kBlasWorkspaceBytes;
+  return activation_copy_bytes(p, s) + dequantized_weight_bytes(p, s);
 }
 
 void run_linear(const LinearParams& p, void* workspace, cudaStream_t stream) {
@@ -233,7 +232,7 @@ void run_linear(const LinearParams& p, void* workspace, cudaStream_t stream) {
     DSV4_CUDA_CHECK(cudaMemsetAsync(p.y.data, 0, y_bytes, stream));
     return;
   }
-  check_workspace("linear", workspace);
+  if (activation_copy_bytes(p, s) + dequantized_weight_bytes(p, s) > 0) check_workspace("linear", workspace);
   auto* cursor = static_cast<std::byte*>(workspace);
   const DType input_dtype = gemm_input_dtype(p);
 
@@ -254,7 +253,7 @@ void run_linear(const LinearParams& p, void* workspace, cudaStream_t stream) {
     w = cursor;
     cursor += dequantized_weight_bytes(p, s);
   }
-  gemm(p, s, x, w, input_dtype, cursor, stream);
+  gemm(p, s, x, w, input_dtype, stream);
 }
 
 void validate_dequantize_weight(const DequantizeWeightParams& p) {
