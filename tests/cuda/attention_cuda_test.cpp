@@ -150,6 +150,18 @@ TEST_F(CudaTest, SparseAttentionDecodeNativeFormats) {
                    .first_window_page = {0, 0, 0, 5, 0}, .seed = 10});
 }
 
+TEST_F(CudaTest, SparseAttentionDecodeReleasedShape) {
+  // V4.1-Flash decode at batch 16: 64 heads, window 128 + 512 picks, so the split gives each
+  // block several tiles of rows (5 splits of 4 tiles), some splits only compressed rows.
+  AttentionCase c{.window_format = KvRowFormat::v41_fp8, .compressed_format = KvRowFormat::v41_fp4, .heads = 64,
+                  .window = 128, .ratio = 1, .num_picks = 512, .out_dtype = DType::bf16, .seed = 50};
+  for (int32_t s = 0; s < 16; ++s) {
+    c.tokens.push_back({s, 1000 + 7 * s});
+    c.first_window_page.push_back(0);
+  }
+  check_attention(c);
+}
+
 TEST_F(CudaTest, SparseAttentionPrefillChunksFp8DsMla) {
   // Two prefill chunks (one from position 0, one continuing at 83) with a small window, ratio 1,
   // 20 heads (a partial head group), fp8_ds_mla caches, bf16 output.
