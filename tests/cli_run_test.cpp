@@ -4,8 +4,10 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <fstream>
 #include <regex>
 #include <string>
+#include <vector>
 #include "test_util.h"
 
 namespace {
@@ -80,6 +82,36 @@ TEST(CliRun, KvFormatsPassTheCheckAndSizeTheCache) {
   EXPECT_NE(native.output.find(": PASS"), std::string::npos) << native.output;
   EXPECT_NE(bf16.output.find(": PASS"), std::string::npos) << bf16.output;
   EXPECT_LT(kv_kib_per_sequence(native.output), kv_kib_per_sequence(bf16.output));
+}
+
+std::vector<std::string> lines_of(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Two runs of the same flags trace the same hashes; another seed changes the inputs from step 0
+// and layer 0 on. A line per step and layer; picks only for index sources.
+TEST(CliRun, TraceHashesEveryStepAndLayer) {
+  const dsv4::test::TempDir dir;
+  const CliResult first = run_cli(kSmallWorkload + " --trace " + dir.file("a.txt"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ASSERT_EQ(run_cli(kSmallWorkload + " --trace " + dir.file("b.txt")).exit_code, 0);
+  ASSERT_EQ(run_cli(std::regex_replace(kSmallWorkload, std::regex("--seed 7"), "--seed 8") + " --trace " + dir.file("c.txt")).exit_code, 0);
+  const std::vector<std::string> a = lines_of(dir.file("a.txt")), b = lines_of(dir.file("b.txt")),
+                                 c = lines_of(dir.file("c.txt"));
+  const int64_t steps = find_int(first.output, R"(steps: (\d+))");
+  ASSERT_EQ(static_cast<int64_t>(a.size()), steps * 9) << "tiny-v4.1 has 9 layers";
+  EXPECT_EQ(a, b);
+  ASSERT_FALSE(c.empty());
+  EXPECT_NE(a[0], c[0]);
+  EXPECT_EQ(find(a[0], R"(^step 0 layer 0 rows (\d+) )"), "24");  // step 0 fills the 24-token budget
+  EXPECT_EQ(find(a[0], R"(picks ([0-9a-f]{16})$)"), "0000000000000000");  // layer 0: window only
+  EXPECT_NE(find(a[1], R"(picks ([0-9a-f]{16})$)"), "0000000000000000");  // layer 1: an index source
+  const CliResult unwritable = run_cli(kSmallWorkload + " --trace " + dir.file("no/such/dir/t.txt"));
+  EXPECT_NE(unwritable.exit_code, 0);
+  EXPECT_NE(unwritable.output.find("dsv4: run: --trace: cannot write"), std::string::npos) << unwritable.output;
 }
 
 TEST(CliRun, RejectsAnInvalidWorkload) {

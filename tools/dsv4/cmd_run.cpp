@@ -8,12 +8,14 @@
 // the same token (no weight), a residual stream in miniature. The check feeds the recomputation
 // the inputs each layer had in the workload, so that every layer is compared on its own.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,6 +69,7 @@ struct RunOptions {
   uint64_t seed = 1;
   double check_tolerance = 0.0;
   int threads = 0;
+  std::string trace_path;
   TensorParallelFlags parallel;
   // The flags whose defaults depend on the profile; those not given take the profile's.
   std::map<std::string, const CLI::Option*> profile_flags;
@@ -278,6 +281,8 @@ struct Probe {
   }
 };
 
+constexpr uint64_t kHashBasis = 0xCBF29CE484222325ull;  // FNV-1a offset basis
+
 struct WorkloadStats {
   int64_t steps = 0, prefill_steps = 0, decode_steps = 0;
   int64_t prefill_tokens = 0;            // prompt tokens (all in steps with prefill)
@@ -291,19 +296,50 @@ struct WorkloadStats {
   std::vector<int64_t> cache_bytes;      // per sequence, at its end
   // A hash of the last layer's outputs of every step, which depend on every earlier layer's (the
   // ranks of a tensor-parallel run compare theirs).
-  uint64_t output_checksum = 0xCBF29CE484222325ull;  // FNV-1a offset basis
+  uint64_t output_checksum = kHashBasis;
   double engine_seconds() const { return prefill_step_seconds + decode_step_seconds; }
 };
 
-// Folds the bit patterns of `n` floats into `hash` (FNV-1a over 32-bit words).
+// Folds the bit patterns of `n` floats into `hash`: FNV-1a over 32-bit words, with the high half
+// folded back after each word (a multiply only carries upwards, and bf16-exact floats have zero
+// low halves).
 uint64_t hash_floats(uint64_t hash, const float* values, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t bits;
     std::memcpy(&bits, values + i, sizeof bits);
     hash = (hash ^ bits) * 0x100000001B3ull;
+    hash ^= hash >> 32;
   }
   return hash;
 }
+
+// --trace: one line per step and layer with hashes of the layer's inputs, outputs and (index
+// sources) picks, so that two runs that should agree bit for bit can be diffed line by line and
+// the first step and layer where they part found.
+class Trace {
+ public:
+  explicit Trace(const std::string& path) : file_(std::fopen(path.c_str(), "w")) {
+    DSV4_CHECK(file_ != nullptr, "run: --trace: cannot write '", path, "': ", std::strerror(errno));
+  }
+  ~Trace() { std::fclose(file_); }
+  Trace(const Trace&) = delete;
+  Trace& operator=(const Trace&) = delete;
+
+  void record(const Engine& engine, int64_t step, int layer, int64_t rows, int64_t hidden, const float* inputs,
+              const float* outputs) {
+    const bool index_source = resolve_topology(engine.config())[layer].owns_indexer;
+    const HostTensor picks = index_source ? engine.layer_picks(layer) : HostTensor();
+    std::fprintf(file_, "step %lld layer %d rows %lld in %016llx out %016llx picks %016llx\n",
+                 static_cast<long long>(step), layer, static_cast<long long>(rows),
+                 static_cast<unsigned long long>(hash_floats(kHashBasis, inputs, rows * hidden)),
+                 static_cast<unsigned long long>(hash_floats(kHashBasis, outputs, rows * hidden)),
+                 static_cast<unsigned long long>(
+                     index_source ? hash_floats(kHashBasis, static_cast<const float*>(picks.data()), picks.numel()) : 0));
+  }
+
+ private:
+  FILE* file_;
+};
 
 // The caches in the byte formats a serving engine of the model's family keeps (vLLM's defaults on
 // Hopper), unless --kv-format names another set or "float" (fp32 rows, no format).
@@ -314,7 +350,7 @@ std::string run_kv_format(const std::string& requested, const ModelConfig& confi
 }
 
 WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe,
-                    bool show_progress) {
+                    bool show_progress, Trace* trace) {
   const int64_t hidden = engine.config().hidden_size;
   const int layers = engine.config().total_layers();
   std::vector<SequenceState> states(w.prompt_lengths.size());
@@ -343,6 +379,7 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
     for (int l = 0; l < layers; ++l) {
       engine_seconds += run_layer_on_host_rows(engine, backend, l, step.rows, inputs.data(), outputs.data(),
                                                device_in, device_out);
+      if (trace) trace->record(engine, stats.steps, l, step.rows, hidden, inputs.data(), outputs.data());
       int64_t row = 0;
       for (const StepRows::Span& span : step.spans) {
         if (span.sequence == probe.sequence) {
@@ -474,6 +511,10 @@ int run(const RunOptions& o) {
   // A tensor-parallel rank joins its group first, which makes its GPU current; rank 0 reports.
   const std::shared_ptr<NcclCommunicator> ranks = join_rank_group(o.parallel, "run");
   const bool reports = !ranks || ranks->rank() == 0;
+  // Every rank traces its own run (a file per rank: PATH.rank1 ...).
+  std::optional<Trace> trace;
+  if (!o.trace_path.empty())
+    trace.emplace(ranks && ranks->rank() > 0 ? o.trace_path + ".rank" + std::to_string(ranks->rank()) : o.trace_path);
   const Backend backend = ranks                      ? Backend::cuda
                           : o.was_given("--backend") ? usable_backend(parse_backend(o.backend), "run")
                                                      : default_backend();
@@ -534,7 +575,7 @@ int run(const RunOptions& o) {
 
 
   Probe probe(w, o.seed, config.total_layers(), config.hidden_size);
-  const WorkloadStats stats = serve(*engine, backend, w, o.seed, probe, reports);
+  const WorkloadStats stats = serve(*engine, backend, w, o.seed, probe, reports, trace ? &*trace : nullptr);
   // Every rank holds the all-reduced outputs: they must be the same bits everywhere.
   const bool ranks_agree = !ranks || ranks->same_on_all_ranks(stats.output_checksum);
   if (!reports) return ranks_agree ? 0 : 1;
@@ -565,9 +606,12 @@ int run(const RunOptions& o) {
       static_cast<long long>(sequences), static_cast<long long>(*shortest), static_cast<long long>(*longest),
       static_cast<long long>(prompt_total), static_cast<long long>(w.gen_len), static_cast<long long>(w.chunk),
       static_cast<long long>(w.max_running), static_cast<long long>(w.step_tokens));
-  std::printf("steps: %lld (%lld with prefill, %lld decode only) in %.2f s, of which %.2f s in the engine\n",
+  // The checksum tells whether two runs computed the same bits (same binary, machine and flags).
+  std::printf("steps: %lld (%lld with prefill, %lld decode only) in %.2f s, of which %.2f s in the engine; "
+              "last-layer outputs checksum %016llx\n",
               static_cast<long long>(stats.steps), static_cast<long long>(stats.prefill_steps),
-              static_cast<long long>(stats.decode_steps), stats.wall_seconds, stats.engine_seconds());
+              static_cast<long long>(stats.decode_steps), stats.wall_seconds, stats.engine_seconds(),
+              static_cast<unsigned long long>(stats.output_checksum));
   std::printf("prefill: %lld tokens in %.2f s of steps with prefill: %s (these steps also decoded %lld tokens)\n",
               static_cast<long long>(stats.prefill_tokens), stats.prefill_step_seconds,
               format_rate(stats.prefill_tokens, stats.prefill_step_seconds).c_str(),
@@ -622,6 +666,9 @@ const CommandRegistration registration{
                      "KV cache format set, or float (default: v4.1-native for V4.1 models, fp8_ds_mla for V4.0)");
       app.add_option("--seed", o->seed, "Seed of the random weights, prompt lengths and inputs")->capture_default_str();
       app.add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();
+      app.add_option("--trace", o->trace_path,
+                     "Write a line per step and layer with hashes of its inputs, outputs and picks to this file "
+                     "(diff two runs to find where they part)");
       o->parallel.add_to(app);
       return [o] { return run(*o); };
     }};
