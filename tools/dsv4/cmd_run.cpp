@@ -327,7 +327,8 @@ class Trace {
 
   void record(const Engine& engine, int64_t step, int layer, int64_t rows, int64_t hidden, const float* inputs,
               const float* outputs) {
-    const bool index_source = resolve_topology(engine.config())[layer].owns_indexer;
+    if (!topology_) topology_ = resolve_topology(engine.config());
+    const bool index_source = (*topology_)[layer].owns_indexer;
     const HostTensor picks = index_source ? engine.layer_picks(layer) : HostTensor();
     std::fprintf(file_, "step %lld layer %d rows %lld in %016llx out %016llx picks %016llx\n",
                  static_cast<long long>(step), layer, static_cast<long long>(rows),
@@ -339,6 +340,7 @@ class Trace {
 
  private:
   FILE* file_;
+  std::optional<ModelTopology> topology_;  // the engine's, resolved at the first record
 };
 
 // The caches in the byte formats a serving engine of the model's family keeps (vLLM's defaults on
