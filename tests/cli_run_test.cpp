@@ -53,6 +53,13 @@ TEST(CliRun, SmallWorkloadPassesItsCheck) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_consistent_summary(r.output);
   EXPECT_NE(r.output.find("tolerance 2e-02: PASS"), std::string::npos) << r.output;
+  // The CPU engine computes every row in a fixed order: the recomputation picks the same entries on
+  // every index row (tiny-v4.1's 4 index sources at the sampled positions) and no output is left out.
+  const int64_t pick_rows = find_int(r.output, R"(picked the same entries on \d+ of (\d+) rows)");
+  EXPECT_GT(pick_rows, 0);
+  EXPECT_EQ(find_int(r.output, R"(picked the same entries on (\d+) of)"), pick_rows);
+  EXPECT_EQ(find_int(r.output, R"((\d+) of \d+ outputs left out)"), 0);
+  EXPECT_EQ(find_int(r.output, R"(\d+ of (\d+) outputs left out)"), find_int(r.output, R"((\d+) sampled positions)") * 9);
 }
 
 TEST(CliRun, Fp32CheckPassesAtTightTolerance) {
