@@ -80,9 +80,8 @@ class Stream {
 };
 
 // An owning cuBLASLt handle for the current device and the workspace its matmuls use. The
-// workspace belongs to cuBLASLt alone: some of its algorithms (split-K and stream-K reductions)
-// keep counters there from one matmul to the next, so no other data may share it, and one BlasLt
-// serves one stream at a time.
+// workspace belongs to cuBLASLt alone (its split-K reductions keep partial sums and counters
+// there; nothing else should write it), and one BlasLt serves one stream at a time.
 class BlasLt {
  public:
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation for Hopper

@@ -109,7 +109,7 @@ void Stream::synchronize(const char* op) const {
 }
 
 BlasLt::BlasLt() : workspace_(kWorkspaceBytes) {
-  // Zeroed once, as cuBLASLt's counters expect; its algorithms leave them so.
+  // Zeroed once, so that no bytes of an earlier allocation reach cuBLASLt.
   DSV4_CUDA_CHECK(cudaMemset(workspace_.data(), 0, kWorkspaceBytes));
   cublasLtHandle_t handle = nullptr;
   const cublasStatus_t status = cublasLtCreate(&handle);
