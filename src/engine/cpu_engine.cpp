@@ -39,25 +39,9 @@ CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeigh
       weights_(std::move(weights)),
       options_(options),
       sequences_(static_cast<size_t>(config.total_layers()), options.max_sequences) {
-  DSV4_CHECK(weights_ != nullptr, "engine: create: no weights given");
-  DSV4_CHECK(static_cast<int>(weights_->layers.size()) == config_.total_layers(), "engine: create: the weights have ",
-             weights_->layers.size(), " layers, the config ", config_.total_layers());
-  DSV4_CHECK(options_.max_sequences >= 1, "engine: create: max_sequences is ", options_.max_sequences, ", expected >= 1");
-  DSV4_CHECK(options_.max_tokens_per_step >= 1, "engine: create: max_tokens_per_step is ", options_.max_tokens_per_step,
-             ", expected >= 1");
-  DSV4_CHECK(options_.max_context >= 1, "engine: create: max_context is ", options_.max_context, ", expected >= 1");
+  // Engine::create checked what every backend needs.
   DSV4_CHECK(options_.num_threads >= 0, "engine: create: num_threads is ", options_.num_threads,
              ", expected >= 0 (0: all cores)");
-
-  // Candidate masks are published over the candidate source's entries; a layer applying them
-  // must score the same entries.
-  for (const LayerPlan& plan : topology_.layers)
-    if (plan.uses_candidates) {
-      const int source = config_.candidate_source_layer;
-      DSV4_CHECK(topology_[source].kv_source == plan.kv_source, "engine: create: layer ", plan.layer,
-                 " applies the candidates of layer ", source, ", which scores the entries of kv source ",
-                 topology_[source].kv_source, ", but layer ", plan.layer, " scores those of kv source ", plan.kv_source);
-    }
 
   std::vector<reference::LayerCacheShape> shapes;
   for (int l = 0; l < config_.total_layers(); ++l) {

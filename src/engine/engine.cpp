@@ -27,6 +27,24 @@ Precision parse_precision(const std::string& name) {
 
 std::unique_ptr<Engine> Engine::create(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
                                        const EngineOptions& options) {
+  // What every backend needs; each backend adds its own limits.
+  DSV4_CHECK(weights != nullptr, "engine: create: no weights given");
+  DSV4_CHECK(static_cast<int>(weights->layers.size()) == config.total_layers(), "engine: create: the weights have ",
+             weights->layers.size(), " layers, the config ", config.total_layers());
+  DSV4_CHECK(options.max_sequences >= 1, "engine: create: max_sequences is ", options.max_sequences, ", expected >= 1");
+  DSV4_CHECK(options.max_tokens_per_step >= 1, "engine: create: max_tokens_per_step is ", options.max_tokens_per_step,
+             ", expected >= 1");
+  DSV4_CHECK(options.max_context >= 1, "engine: create: max_context is ", options.max_context, ", expected >= 1");
+  // Candidate masks are published over the candidate source's entries; a layer applying them
+  // must score the same entries.
+  const ModelTopology topology = resolve_topology(config);
+  for (const LayerPlan& plan : topology.layers)
+    if (plan.uses_candidates) {
+      const int source = config.candidate_source_layer;
+      DSV4_CHECK(topology[source].kv_source == plan.kv_source, "engine: create: layer ", plan.layer,
+                 " applies the candidates of layer ", source, ", which scores the entries of kv source ",
+                 topology[source].kv_source, ", but layer ", plan.layer, " scores those of kv source ", plan.kv_source);
+    }
   // A split indexer's partial scores are summed over the ranks, and the weight scale counts the
   // whole model's index heads, of which the shard holds an equal share.
   if (options.split_index_heads != 0) {

@@ -332,8 +332,7 @@ class Trace {
 
   void record(const Engine& engine, int64_t step, int layer, int64_t rows, int64_t hidden, const float* inputs,
               const float* outputs) {
-    if (!topology_) topology_ = resolve_topology(engine.config());
-    const bool index_source = (*topology_)[layer].owns_indexer;
+    const bool index_source = engine.topology()[layer].owns_indexer;
     const HostTensor picks = index_source ? engine.layer_picks(layer) : HostTensor();
     std::fprintf(file_, "step %lld layer %d rows %lld in %016llx out %016llx picks %016llx\n",
                  static_cast<long long>(step), layer, static_cast<long long>(rows),
@@ -345,7 +344,6 @@ class Trace {
 
  private:
   FILE* file_;
-  std::optional<ModelTopology> topology_;  // the engine's, resolved at the first record
 };
 
 // The caches in the byte formats a serving engine of the model's family keeps (vLLM's defaults on
@@ -360,7 +358,7 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
                     bool show_progress, Trace* trace) {
   const int64_t hidden = engine.config().hidden_size;
   const int layers = engine.config().total_layers();
-  const ModelTopology topology = resolve_topology(engine.config());
+  const ModelTopology& topology = engine.topology();
   std::vector<SequenceState> states(w.prompt_lengths.size());
   DeviceRows device_in(backend, w.step_tokens, hidden), device_out(backend, w.step_tokens, hidden);
   std::vector<float> inputs, outputs;
@@ -473,7 +471,7 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
   options.max_tokens_per_step = probe.length;
   options.max_context = probe.length;
   const std::unique_ptr<Engine> engine = Engine::create(config, std::move(weights), options);
-  const ModelTopology topology = resolve_topology(config);
+  const ModelTopology& topology = engine->topology();
   const int64_t hidden = config.hidden_size, positions = static_cast<int64_t>(probe.positions.size());
   std::vector<float> outputs(static_cast<size_t>(probe.length * hidden)), recomputed(probe.outputs.size());
   std::vector<int32_t> recomputed_picks(probe.picks.size(), -1);

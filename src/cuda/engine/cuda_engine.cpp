@@ -165,14 +165,9 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
       formats_(engine_kv_formats(config, options)),
       device_(engine_device()),
       sequences_(static_cast<size_t>(config.total_layers()), options.max_sequences) {
-  DSV4_CHECK(weights_ != nullptr, "engine: create: no weights given");
-  DSV4_CHECK(static_cast<int>(weights_->layers.size()) == config_.total_layers(), "engine: create: the weights have ",
-             weights_->layers.size(), " layers, the config ", config_.total_layers());
-  DSV4_CHECK(options_.max_sequences >= 1, "engine: create: max_sequences is ", options_.max_sequences, ", expected >= 1");
-  DSV4_CHECK(options_.max_tokens_per_step >= 1, "engine: create: max_tokens_per_step is ", options_.max_tokens_per_step,
-             ", expected >= 1");
-  DSV4_CHECK(options_.max_context >= 1 && options_.max_context <= INT32_MAX, "engine: create: max_context is ",
-             options_.max_context, ", expected 1 ... ", INT32_MAX, " (positions are i32 on the device)");
+  // Engine::create checked what every backend needs; these are the cuda backend's own limits.
+  DSV4_CHECK(options_.max_context <= INT32_MAX, "engine: create: max_context is ", options_.max_context,
+             ", expected 1 ... ", INT32_MAX, " (positions are i32 on the device)");
   DSV4_CHECK(config_.head_dim == 512, "engine: create: the cuda backend's attention needs head_dim 512, the config has ",
              config_.head_dim);
   const bool has_indexer =
@@ -180,13 +175,6 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
   DSV4_CHECK(!has_indexer || config_.index_head_dim == 128,
              "engine: create: the cuda backend's indexer needs index_head_dim 128, the config has ",
              config_.index_head_dim);
-  for (const LayerPlan& plan : topology_.layers)
-    if (plan.uses_candidates) {
-      const int source = config_.candidate_source_layer;
-      DSV4_CHECK(topology_[source].kv_source == plan.kv_source, "engine: create: layer ", plan.layer,
-                 " applies the candidates of layer ", source, ", which scores the entries of kv source ",
-                 topology_[source].kv_source, ", but layer ", plan.layer, " scores those of kv source ", plan.kv_source);
-    }
 
   const int L = topology_.size();
   const int64_t T = options_.max_tokens_per_step, S = options_.max_sequences, W = config_.sliding_window;
