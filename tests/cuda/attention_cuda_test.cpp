@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -140,6 +141,13 @@ void check_attention(const AttentionCase& c) {
   run_sparse_attention(p, workspace.data(), stream.get());
   stream.synchronize("split sparse attention test");
   testing::expect_close(testing::download_floats(dout.view), expected, 2e-5f, rtol, "attention output, split rows");
+  // The splits are merged in a fixed order: a second run gives the same bits.
+  const HostTensor first = to_host(dout.view);
+  dout.buffer.fill_bytes(0xff);
+  run_sparse_attention(p, workspace.data(), stream.get());
+  stream.synchronize("repeated split sparse attention test");
+  const HostTensor again = to_host(dout.view);
+  EXPECT_EQ(std::memcmp(first.data(), again.data(), first.nbytes()), 0) << "a second split run gave other bits";
 }
 
 TEST_F(CudaTest, SparseAttentionDecodeNativeFormats) {

@@ -4,7 +4,9 @@
 // tiny-preset run were bit-identical. This test drives that shape through two fresh engines: the
 // first 24 layers of v4.1-flash (kv sources 2, 8, 14 at ratio 2 and 20 at ratio 1, its candidate
 // source), 16 sequences prefilled with 1024 tokens in one step, then decode steps of 16 tokens,
-// and names the first step and layer whose outputs differ.
+// and names the first step and layer whose outputs differ. The two engines' device memory is
+// filled with different bytes when allocated, so a read of memory nothing wrote shows as a
+// difference too (a second engine in the same process would otherwise find the first's data).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -24,7 +26,7 @@ namespace {
 using cuda::testing::CudaTest;
 
 constexpr int kLayers = 24;
-constexpr int64_t kSequences = 16, kPrompt = 1024, kDecodeSteps = 4;
+constexpr int64_t kSequences = 16, kPrompt = 1024, kDecodeSteps = 8;
 
 ModelConfig flash_prefix() {
   ModelConfig c = preset_config("v4.1-flash");
@@ -49,7 +51,8 @@ uint64_t hash_floats(const std::vector<float>& values, int64_t n) {
 // Hashes of every layer's outputs, step by step ([step][layer]).
 std::vector<std::vector<uint64_t>> run_workload(const ModelConfig& config,
                                                 const std::shared_ptr<const ModelWeights>& weights,
-                                                const std::vector<float>& inputs) {
+                                                const std::vector<float>& inputs, uint8_t fill) {
+  cuda::set_allocation_fill(fill);
   EngineOptions options;
   options.backend = Backend::cuda;
   options.precision = Precision::reference;
@@ -78,6 +81,7 @@ std::vector<std::vector<uint64_t>> run_workload(const ModelConfig& config,
     }
     engine->end_step();
   }
+  cuda::set_allocation_fill(std::nullopt);
   return hashes;
 }
 
@@ -90,8 +94,9 @@ TEST_F(CudaTest, FlashShapedStepsRepeatBitForBit) {
   std::uniform_real_distribution<float> dist(-1.7f, 1.7f);  // about unit variance
   for (float& x : inputs) x = dist(rng);
 
-  const auto first = run_workload(config, weights, inputs);
-  const auto second = run_workload(config, weights, inputs);
+  // 0x5a: large positive values in every float format and large indices in integers.
+  const auto first = run_workload(config, weights, inputs, 0x00);
+  const auto second = run_workload(config, weights, inputs, 0x5a);
   ASSERT_EQ(first.size(), second.size());
   for (size_t step = 0; step < first.size(); ++step)
     for (int l = 0; l < kLayers; ++l)

@@ -6,6 +6,9 @@
 // addition round to the neighbouring bf16 value: rtol 2^-7 (one bf16 ulp).
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <functional>
+#include <numeric>
 #include <optional>
 
 #include "cuda/cuda_test_util.h"
@@ -185,6 +188,42 @@ TEST_F(LinearCudaTest, CapturedInACudaGraph) {
   std::vector<float> expected(static_cast<size_t>(rows * out));
   reference::linear(x.data(), rows, in, w.value.data(), out, expected.data(), {.fp8_activation_block = 32});
   testing::expect_close(testing::download_floats(dy.view), expected, kF32Atol, kF32Rtol, "graph-launched y");
+}
+
+TEST_F(LinearCudaTest, DecodeShapedGemmsRepeatBitForBit) {
+  // The V4.1-Flash projections at 16 rows (a batch-16 decode step): few rows and a large K are
+  // where a GEMM library splits K, and a split reduced in arbitrary order gives other bits from
+  // run to run. Each projection runs 8 times; every run must give the first run's bits.
+  struct Shape {
+    const char* name;
+    std::vector<int64_t> x, w, y;
+  };
+  const int64_t rows = 16;
+  const Shape shapes[] = {{"wq_a", {rows, 5120}, {1280, 5120}, {rows, 1280}},
+                          {"wq_b", {rows, 1280}, {32768, 1280}, {rows, 32768}},
+                          {"wkv", {rows, 5120}, {512, 5120}, {rows, 512}},
+                          {"wo_a", {rows, 8, 4096}, {8, 1024, 4096}, {rows, 8, 1024}},
+                          {"wo_b", {rows, 8192}, {5120, 8192}, {rows, 5120}}};
+  uint32_t seed = 20;
+  for (const Shape& s : shapes) {
+    const auto numel = [](const std::vector<int64_t>& shape) {
+      return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+    };
+    DeviceTensor dx = testing::device_tensor(testing::random_floats(numel(s.x), seed++, -2.0f, 2.0f), DType::bf16, s.x);
+    DeviceTensor dw = testing::device_tensor(testing::random_floats(numel(s.w), seed++, -0.05f, 0.05f), DType::bf16, s.w);
+    for (DType out_dtype : {DType::bf16, DType::f32}) {
+      DeviceTensor dy = testing::poisoned_tensor(out_dtype, s.y);
+      run({.x = dx.view, .weight = dw.view, .y = dy.view});
+      const HostTensor first = to_host(dy.view);
+      for (int repeat = 1; repeat < 8; ++repeat) {
+        dy.buffer.fill_bytes(0xff);
+        run({.x = dx.view, .weight = dw.view, .y = dy.view});
+        const HostTensor again = to_host(dy.view);
+        ASSERT_EQ(std::memcmp(first.data(), again.data(), first.nbytes()), 0)
+            << s.name << " (" << dtype_name(out_dtype) << " y): run " << repeat << " differs from run 0";
+      }
+    }
+  }
 }
 
 TEST_F(CudaTest, DequantizeWeightIsExact) {

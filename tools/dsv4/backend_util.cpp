@@ -10,6 +10,8 @@
 
 #ifdef DSV4_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "dsv4/cuda/runtime.h"
 #endif
 
 namespace dsv4::cli {
@@ -76,6 +78,14 @@ void wait_for_device(Backend backend) {
 #endif
 }
 
+void fill_device_allocations(uint8_t byte) {
+#ifdef DSV4_WITH_CUDA
+  cuda::set_allocation_fill(byte);
+#else
+  (void)byte;
+#endif
+}
+
 int64_t device_memory_in_use(Backend backend) {
   if (backend != Backend::cuda) return 0;
 #ifdef DSV4_WITH_CUDA
@@ -131,9 +141,10 @@ void DeviceRows::upload(const float* host, int64_t rows) {
   const size_t bytes = static_cast<size_t>(rows * cols_) * sizeof(float);
 #ifdef DSV4_WITH_CUDA
   if (backend_ == Backend::cuda) {
-    // The engine may run on its own stream and still be reading the previous rows.
+    // The engine may run on its own stream and still be reading the previous rows; it reads the
+    // new ones on that stream too, which is not ordered after this copy: copy_to_device finishes it.
     wait_for_device(backend_);
-    check_cuda(cudaMemcpy(data_, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to the device");
+    cuda::copy_to_device(data_, host, bytes);
     return;
   }
 #endif

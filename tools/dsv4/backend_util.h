@@ -28,6 +28,11 @@ void wait_for_device(Backend backend);
 // the cpu backend.
 int64_t device_memory_in_use(Backend backend);
 
+// Diagnostics: every device buffer allocated from now on is filled with `byte` first (a binary
+// without CUDA has none to fill). Two runs with different bytes agree unless something reads
+// device memory that nothing wrote.
+void fill_device_allocations(uint8_t byte);
+
 // f32 [capacity_rows, cols] on the backend's device.
 class DeviceRows {
  public:

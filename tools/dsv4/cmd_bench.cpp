@@ -188,8 +188,8 @@ Cache random_cache(KvRowFormat format, int64_t dims, int64_t sequences, int64_t 
   c.pages = device_tensor(DType::u8, {num_pages, g.page_stride});
   for (int64_t p = 0; p < num_pages; p += distinct) {
     const int64_t n = std::min(distinct, num_pages - p);
-    DSV4_CUDA_CHECK(cudaMemcpy(static_cast<std::byte*>(c.pages.buffer.data()) + p * g.page_stride, block.data(),
-                               static_cast<size_t>(n * g.page_stride), cudaMemcpyHostToDevice));
+    cuda::copy_to_device(static_cast<std::byte*>(c.pages.buffer.data()) + p * g.page_stride, block.data(),
+                         static_cast<size_t>(n * g.page_stride));
   }
   std::vector<int32_t> table(static_cast<size_t>(num_pages));
   std::iota(table.begin(), table.end(), 0);

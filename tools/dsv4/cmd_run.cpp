@@ -70,6 +70,7 @@ struct RunOptions {
   double check_tolerance = 0.0;
   int threads = 0;
   std::string trace_path;
+  std::optional<int> device_fill;
   TensorParallelFlags parallel;
   // The flags whose defaults depend on the profile; those not given take the profile's.
   std::map<std::string, const CLI::Option*> profile_flags;
@@ -552,6 +553,7 @@ int run(const RunOptions& o) {
   DSV4_CHECK(o.parallel.tp == 1 || !o.was_given("--backend") || parse_backend(o.backend) == Backend::cuda, "run: --tp ",
              o.parallel.tp, " runs on the cuda backend (one GPU per rank), not on ", o.backend);
   if (o.parallel.launches()) return launch_ranks(o.parallel, "run");
+  if (o.device_fill) fill_device_allocations(static_cast<uint8_t>(*o.device_fill));
   // A tensor-parallel rank joins its group first, which makes its GPU current; rank 0 reports.
   const std::shared_ptr<NcclCommunicator> ranks = join_rank_group(o.parallel, "run");
   const bool reports = !ranks || ranks->rank() == 0;
@@ -720,6 +722,10 @@ const CommandRegistration registration{
       app.add_option("--trace", o->trace_path,
                      "Write a line per step and layer with hashes of its inputs, outputs and picks to this file "
                      "(diff two runs to find where they part)");
+      app.add_option("--fill-device-memory", o->device_fill,
+                     "Fill every device buffer with this byte when it is allocated (two runs with different bytes "
+                     "differ only if something reads memory nothing wrote)")
+          ->check(CLI::Range(0, 255));
       o->parallel.add_to(app);
       return [o] { return run(*o); };
     }};

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "dsv4/error.h"
@@ -32,6 +33,16 @@ int device_count();
 // (bad configuration, too much shared memory). Does not synchronize.
 void check_launch(const char* op);
 
+// Copies host memory (pageable or pinned) to the device and returns when the bytes are there.
+// cudaMemcpy alone is not enough: from pageable memory it may return before its DMA has landed,
+// and kernels on a non-blocking stream are not ordered after it.
+void copy_to_device(void* device, const void* host, size_t bytes);
+
+// Diagnostics: from now on every new DeviceBuffer is filled with `byte` (nullopt, the default:
+// new memory is left as cudaMalloc returns it, whatever an earlier allocation left there). Two
+// runs with different bytes agree unless something reads device memory nothing wrote.
+void set_allocation_fill(std::optional<uint8_t> byte);
+
 // Owning device memory (cudaMalloc / cudaFree). Move-only.
 class DeviceBuffer {
  public:
@@ -48,7 +59,7 @@ class DeviceBuffer {
   // A contiguous cuda view of the buffer; the shape's bytes must fit in the buffer.
   TensorView view(DType dtype, const std::vector<int64_t>& shape) const;
 
-  // Synchronous copies of the first `bytes` bytes (on the legacy default stream).
+  // Copies of the first `bytes` bytes, finished on return (upload: copy_to_device).
   void upload(const void* host, size_t bytes);
   void download(void* host, size_t bytes) const;
   // Sets every byte (synchronous); tests poison outputs with 0xff (a NaN in every float format).

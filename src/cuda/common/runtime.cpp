@@ -2,6 +2,7 @@
 
 #include <cublasLt.h>
 
+#include <atomic>
 #include <utility>
 
 namespace dsv4::cuda {
@@ -33,9 +34,23 @@ void check_workspace(const char* op, const void* workspace) {
              kWorkspaceAlignment, "-byte aligned");
 }
 
+void copy_to_device(void* device, const void* host, size_t bytes) {
+  if (bytes == 0) return;
+  DSV4_CUDA_CHECK(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());  // the DMA from the staging buffer has landed
+}
+
+namespace {
+std::atomic<int> allocation_fill{-1};  // -1: none
+}  // namespace
+
+void set_allocation_fill(std::optional<uint8_t> byte) { allocation_fill = byte ? int{*byte} : -1; }
+
 DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
   DSV4_CUDA_CHECK(cudaGetDevice(&device_));
-  if (bytes > 0) DSV4_CUDA_CHECK(cudaMalloc(&data_, bytes));
+  if (bytes == 0) return;
+  DSV4_CUDA_CHECK(cudaMalloc(&data_, bytes));
+  if (const int fill = allocation_fill; fill >= 0) fill_bytes(static_cast<uint8_t>(fill));
 }
 
 DeviceBuffer::~DeviceBuffer() {
@@ -66,7 +81,7 @@ TensorView DeviceBuffer::view(DType dtype, const std::vector<int64_t>& shape) co
 
 void DeviceBuffer::upload(const void* host, size_t bytes) {
   DSV4_CHECK(bytes <= bytes_, "cuda: upload of ", bytes, " bytes into a device buffer of ", bytes_);
-  if (bytes > 0) DSV4_CUDA_CHECK(cudaMemcpy(data_, host, bytes, cudaMemcpyHostToDevice));
+  copy_to_device(data_, host, bytes);
 }
 
 void DeviceBuffer::download(void* host, size_t bytes) const {

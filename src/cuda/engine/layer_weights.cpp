@@ -74,13 +74,13 @@ void upload_bf16(const WeightTensor& w, const DeviceWeight& d, cudaStream_t stre
     const HostTensor values = w.to_f32();
     std::vector<uint16_t> bits(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) bits[static_cast<size_t>(i)] = float_to_bf16_bits(values.as<float>()[i]);
-    DSV4_CUDA_CHECK(cudaMemcpy(d.data, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+    copy_to_device(d.data, bits.data(), bits.size() * 2);
   }
 }
 
 void upload_f32(const WeightTensor& w, const DeviceWeight& d) {
   const HostTensor values = w.to_f32();
-  DSV4_CUDA_CHECK(cudaMemcpy(d.data, values.data(), values.nbytes(), cudaMemcpyHostToDevice));
+  copy_to_device(d.data, values.data(), values.nbytes());
 }
 
 }  // namespace

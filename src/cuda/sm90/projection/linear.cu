@@ -134,19 +134,15 @@ void gemm(const LinearParams& p, const LinearShape& s, const void* x, const void
   check_blas(cublasLtMatmulPreferenceSetAttribute(pref_raw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
                                                   sizeof(max_workspace)),
              "setting the workspace limit");
-  // Algorithms without split-K reductions first: NVIDIA's advice for run-to-run identical results,
-  // which a decode step (few rows, large K) would otherwise not get. Any algorithm if none is.
+  // The heuristic's first choice, split-K included: cuBLASLt reduces the splits in a fixed order
+  // (cublasLt.h: in place with counters "to guarantee the sequentiality", or in a separate step),
+  // and projection_cuda_test repeats the decode-shaped GEMMs to hold it to that. Excluding split-K
+  // cost 1.7-2x in a decode layer step (bench/RESULTS.md).
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  for (const uint32_t reductions : {uint32_t{CUBLASLT_REDUCTION_SCHEME_NONE}, uint32_t{CUBLASLT_REDUCTION_SCHEME_MASK}}) {
-    check_blas(cublasLtMatmulPreferenceSetAttribute(pref_raw, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
-                                                    sizeof(reductions)),
-               "setting the reduction schemes");
-    check_blas(cublasLtMatmulAlgoGetHeuristic(p.blas->get(), desc_raw, a.get(), b.get(), d.get(), d.get(), pref_raw, 1,
-                                              &heuristic, &found),
-               "cublasLtMatmulAlgoGetHeuristic");
-    if (found > 0) break;
-  }
+  check_blas(cublasLtMatmulAlgoGetHeuristic(p.blas->get(), desc_raw, a.get(), b.get(), d.get(), d.get(), pref_raw, 1,
+                                            &heuristic, &found),
+             "cublasLtMatmulAlgoGetHeuristic");
   if (found == 0)
     fail("linear: cuBLASLt has no algorithm for rows ", s.rows, ", groups ", s.groups, ", in ", s.in, ", out ", s.out,
          " (", dtype_name(input_dtype), " -> ", dtype_name(p.y.dtype), ")");
