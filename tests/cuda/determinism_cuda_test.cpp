@@ -1,12 +1,12 @@
-// The CUDA engine computes the same bits from the same inputs. `dsv4 run --batch 16 --prompt-len
-// 1024` on v4.1-flash did not (bench/RESULTS.md, "Open: the batch-16 decode ..."): two runs' first
-// decode step differed at one layer whose inputs were equal, while the prefill step and every
-// tiny-preset run were bit-identical. This test drives that shape through two fresh engines: the
-// first 24 layers of v4.1-flash (kv sources 2, 8, 14 at ratio 2 and 20 at ratio 1, its candidate
-// source), 16 sequences prefilled with 1024 tokens in one step, then decode steps of 16 tokens,
-// and names the first step and layer whose outputs differ. The two engines' device memory is
-// filled with different bytes when allocated, so a read of memory nothing wrote shows as a
-// difference too (a second engine in the same process would otherwise find the first's data).
+// The CUDA engine computes the same bits from the same inputs, at the shape where `dsv4 run
+// --batch 16 --prompt-len 1024` on v4.1-flash once did not (its input uploads had not always
+// landed: runtime_cuda_test; bench/RESULTS.md, "Run-to-run identical on the GPU"). Two fresh
+// engines run the first 24 layers of v4.1-flash (kv sources 2, 8, 14 at ratio 2 and 20 at ratio
+// 1, its candidate source): 16 sequences prefilled with 1024 tokens in one step, then decode steps
+// of 16 tokens; the test names the first step and layer whose outputs differ. The two engines'
+// device memory is filled with different bytes when allocated, so a read of memory nothing wrote
+// shows as a difference too (a second engine in the same process would otherwise find the first's
+// data).
 #include <gtest/gtest.h>
 
 #include <cstdint>
