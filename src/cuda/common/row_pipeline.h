@@ -33,6 +33,31 @@ struct RowPipelineLaunch {
   DType out_dtype = DType::bf16;
   DeviceRows cache;                       // written when slots != null (heads == 1)
   const int64_t* slots = nullptr;
+
+  // The fields a validated view gives. Input rows: [tokens, dims] or [tokens, heads, dims].
+  void set_input(const TensorView& rows) {
+    in = rows.data;
+    in_dtype = rows.dtype;
+    tokens = rows.shape[0];
+    heads = rows.rank == 3 ? static_cast<int>(rows.shape[1]) : 1;
+    dims = static_cast<int>(rows.shape[rows.rank - 1]);
+  }
+  // RMSNorm with this weight (an absent view: weightless).
+  void set_norm(const TensorView& weight, float epsilon) {
+    normalize = true;
+    if (is_present(weight)) {
+      norm_weight = weight.data;
+      norm_weight_dtype = weight.dtype;
+    }
+    eps = epsilon;
+  }
+  // RoPE from this table ([positions, rope_dim] f32) at the tokens' positions ([tokens] i32).
+  void set_rope(const TensorView& table, const TensorView& positions) {
+    rope_table = table.ptr<const float>();
+    rope_positions = table.shape[0];
+    rope_dim = static_cast<int>(table.shape[1]);
+    token_position = positions.ptr<const int32_t>();
+  }
 };
 
 void launch_row_pipeline(const RowPipelineLaunch& a, cudaStream_t stream, const char* op);

@@ -1,11 +1,11 @@
-// Compressor pooling: a pooling kernel (one block per token), the shared row kernel for the
-// RMSNorm, and a kernel storing the chunks' last rows in the per-sequence rings.
+// Compressor pooling: a pooling kernel (one block per token), run_rms_norm on the latents, and a
+// kernel storing the chunks' last rows in the per-sequence rings.
 #include <cmath>
 
 #include "cuda/common/check_args.h"
 #include "cuda/common/device_math.cuh"
-#include "cuda/common/row_pipeline.h"
 #include "dsv4/cuda/compressor.h"
+#include "dsv4/cuda/qkv.h"
 
 namespace dsv4::cuda {
 namespace {
@@ -147,19 +147,7 @@ void run_compressor_pool(const CompressorPoolParams& p, cudaStream_t stream) {
   pool_kernel<<<blocks, kThreads, 0, stream>>>(a);
   check_launch("compressor_pool");
 
-  RowPipelineLaunch norm;
-  norm.in = p.latent.data;
-  norm.in_dtype = p.latent.dtype;
-  norm.tokens = a.tokens;
-  norm.dims = a.dim;
-  norm.normalize = true;
-  norm.norm_weight = p.norm_weight.data;
-  norm.norm_weight_dtype = p.norm_weight.dtype;
-  norm.eps = p.eps;
-  norm.bf16_rounding = p.latent.dtype == DType::bf16;
-  norm.out = p.latent.data;
-  norm.out_dtype = p.latent.dtype;
-  launch_row_pipeline(norm, stream, "compressor_pool");
+  run_rms_norm({.x = p.latent, .weight = p.norm_weight, .eps = p.eps, .out = p.latent}, stream);
 
   store_state_kernel<<<blocks, kThreads, 0, stream>>>(a);
   check_launch("compressor_pool");

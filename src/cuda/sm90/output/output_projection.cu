@@ -52,16 +52,9 @@ void run_output_projection(const OutputProjectionParams& p, void* workspace, cud
   validate_output_projection(p);
   check_workspace("output_projection", workspace);
   RowPipelineLaunch a;
-  a.in = p.o.data;
-  a.in_dtype = p.o.dtype;
-  a.tokens = p.o.shape[0];
-  a.heads = static_cast<int>(p.o.shape[1]);
-  a.dims = static_cast<int>(p.o.shape[2]);
-  a.rope_table = p.rope_table.ptr<const float>();
-  a.rope_positions = p.rope_table.shape[0];
-  a.rope_dim = static_cast<int>(p.rope_table.shape[1]);
+  a.set_input(p.o);
+  a.set_rope(p.rope_table, p.token_position);
   a.inverse_rope = true;
-  a.token_position = p.token_position.ptr<const int32_t>();
   a.bf16_rounding = rotated_dtype(p) == DType::bf16;
   a.out = workspace;
   a.out_dtype = rotated_dtype(p);

@@ -61,16 +61,8 @@ void validate_rms_norm(const RmsNormParams& p) {
 void run_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
   validate_rms_norm(p);
   RowPipelineLaunch a;
-  a.in = p.x.data;
-  a.in_dtype = p.x.dtype;
-  a.tokens = p.x.shape[0];
-  a.dims = static_cast<int>(p.x.shape[1]);
-  a.normalize = true;
-  if (is_present(p.weight)) {
-    a.norm_weight = p.weight.data;
-    a.norm_weight_dtype = p.weight.dtype;
-  }
-  a.eps = p.eps;
+  a.set_input(p.x);
+  a.set_norm(p.weight, p.eps);
   a.bf16_rounding = p.out.dtype == DType::bf16;
   a.out = p.out.data;
   a.out_dtype = p.out.dtype;
@@ -96,18 +88,10 @@ void validate_rope_heads(const RopeHeadsParams& p) {
 void run_rope_heads(const RopeHeadsParams& p, cudaStream_t stream) {
   validate_rope_heads(p);
   RowPipelineLaunch a;
-  a.in = p.x.data;
-  a.in_dtype = p.x.dtype;
-  a.tokens = p.x.shape[0];
-  a.heads = static_cast<int>(p.x.shape[1]);
-  a.dims = static_cast<int>(p.x.shape[2]);
-  a.normalize = p.head_norm;
-  a.eps = p.eps;
-  a.rope_table = p.rope_table.ptr<const float>();
-  a.rope_positions = p.rope_table.shape[0];
-  a.rope_dim = static_cast<int>(p.rope_table.shape[1]);
+  a.set_input(p.x);
+  if (p.head_norm) a.set_norm({}, p.eps);
+  a.set_rope(p.rope_table, p.token_position);
   a.inverse_rope = p.inverse;
-  a.token_position = p.token_position.ptr<const int32_t>();
   a.bf16_rounding = p.out.dtype == DType::bf16;
   a.quant = p.quant;
   a.out = p.out.data;
@@ -140,20 +124,9 @@ void validate_cache_insert(const CacheInsertParams& p) {
 void run_cache_insert(const CacheInsertParams& p, cudaStream_t stream) {
   validate_cache_insert(p);
   RowPipelineLaunch a;
-  a.in = p.rows.data;
-  a.in_dtype = p.rows.dtype;
-  a.tokens = p.rows.shape[0];
-  a.dims = static_cast<int>(p.rows.shape[1]);
-  if (is_present(p.norm_weight)) {
-    a.normalize = true;
-    a.norm_weight = p.norm_weight.data;
-    a.norm_weight_dtype = p.norm_weight.dtype;
-    a.eps = p.eps;
-  }
-  a.rope_table = p.rope_table.ptr<const float>();
-  a.rope_positions = p.rope_table.shape[0];
-  a.rope_dim = static_cast<int>(p.rope_table.shape[1]);
-  a.token_position = p.token_position.ptr<const int32_t>();
+  a.set_input(p.rows);
+  if (is_present(p.norm_weight)) a.set_norm(p.norm_weight, p.eps);
+  a.set_rope(p.rope_table, p.token_position);
   a.position_offset = p.position_offset;
   a.bf16_rounding = p.bf16_rounding;
   a.quant = p.quant;
