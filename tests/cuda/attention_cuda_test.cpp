@@ -201,7 +201,7 @@ TEST_F(CudaTest, SparseAttentionWindowOnlyPerTensorFp8) {
 
 // Validation needs no device.
 TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
-  using testing::error_message;
+  using testing::error_of;
   using testing::fake_device_view;
   const PageGeometry g = page_geometry(KvRowFormat::v41_fp8, kHeadDim, 32);
   const PagedCache window{.pages = fake_device_view(DType::u8, {4, g.page_stride}),
@@ -214,7 +214,7 @@ TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
                                 .scale = 0.04f,
                                 .out = fake_device_view(DType::f32, {3, 8, kHeadDim})};
   EXPECT_NO_THROW(validate_sparse_attention(p));
-  auto message = [](SparseAttentionParams bad) { return error_message([&] { validate_sparse_attention(bad); }); };
+  auto message = [](SparseAttentionParams bad) { return error_of([&] { validate_sparse_attention(bad); }); };
 
   SparseAttentionParams bad = p;
   bad.q = fake_device_view(DType::bf16, {3, 8, 256});

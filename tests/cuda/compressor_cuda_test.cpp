@@ -116,7 +116,7 @@ TEST_F(CudaTest, CompressorPoolMatchesReference) {
 }
 
 TEST(CompressorCudaValidation, ReportsTheFirstBadArgument) {
-  using testing::error_message;
+  using testing::error_of;
   using testing::fake_device_view;
   const CompressorPoolParams p{.rows = fake_device_view(DType::f32, {6, 1024}),
                                .token_position = fake_device_view(DType::i32, {6}),
@@ -127,15 +127,15 @@ TEST(CompressorCudaValidation, ReportsTheFirstBadArgument) {
   EXPECT_NO_THROW(validate_compressor_pool(p));
   CompressorPoolParams bad = p;
   bad.state = fake_device_view(DType::f32, {4, 4, 1024});
-  EXPECT_EQ(error_message([&] { validate_compressor_pool(bad); }),
+  EXPECT_EQ(error_of([&] { validate_compressor_pool(bad); }),
             "dsv4: compressor_pool: argument 'state' has shape [4, 4, 1024], expected [4, 2, 1024]");
   bad = p;
   bad.rows = fake_device_view(DType::f32, {6, 512});
-  EXPECT_EQ(error_message([&] { validate_compressor_pool(bad); }),
+  EXPECT_EQ(error_of([&] { validate_compressor_pool(bad); }),
             "dsv4: compressor_pool: argument 'rows' has shape [6, 512], expected [6, 1024]");
   bad = p;
   bad.gated = false;
-  EXPECT_EQ(error_message([&] { validate_compressor_pool(bad); }),
+  EXPECT_EQ(error_of([&] { validate_compressor_pool(bad); }),
             "dsv4: compressor_pool: an ungated compressor has ratio 1 without overlap, got ratio 2");
 }
 

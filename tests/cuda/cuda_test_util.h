@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -18,6 +19,7 @@
 #include "dsv4/kv_format.h"
 #include "dsv4/numeric.h"
 #include "dsv4/tensor.h"
+#include "test_util.h"
 
 namespace dsv4::cuda::testing {
 
@@ -126,15 +128,32 @@ inline void expect_close(const std::vector<float>& actual, const std::vector<flo
                           << expected[worst];
 }
 
-// The message of the dsv4::Error `f` throws ("" when it does not throw).
-template <class F>
-std::string error_message(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
+// Validation tests catch the expected dsv4::Error's message with test::error_of (test_util.h).
+using test::error_of;
+
+// Tests whose ops project through cuBLASLt: the handle is made only where a device is.
+class BlasCudaTest : public CudaTest {
+ protected:
+  void SetUp() override {
+    CudaTest::SetUp();
+    if (!IsSkipped()) blas_.emplace();
   }
-  return "";
+  std::optional<BlasLt> blas_;
+};
+
+// Runs `step(stream)` once as a captured and instantiated CUDA graph, and waits for it.
+template <class Step>
+void run_as_graph(Stream& stream, Step&& step) {
+  cudaGraph_t graph = nullptr;
+  DSV4_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  step(stream.get());
+  DSV4_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  DSV4_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+  stream.synchronize("graph launch");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
 }
 
 // A cuda view with a dummy (never dereferenced) pointer, for validation tests that need no device.

@@ -384,7 +384,7 @@ TEST_F(EngineCudaValidation, RejectsBadActivationsAndOrder) {
   std::vector<float> in(static_cast<size_t>(3 * H), 0.5f), out(in.size());
   const TensorView good_in = TensorView::contiguous(in.data(), DType::f32, {3, H});
   const TensorView good_out = TensorView::contiguous(out.data(), DType::f32, {3, H});
-  const auto message = [](auto&& f) { return cuda::testing::error_message(f); };
+  const auto message = [](auto&& f) { return cuda::testing::error_of(f); };
   EXPECT_NE(message([&] { e->run_layer(0, TensorView::contiguous(in.data(), DType::f32, {2, H}), good_out); })
                 .find("has shape [2, 256], expected [3, 256]"),
             std::string::npos);
@@ -401,7 +401,7 @@ TEST_F(EngineCudaValidation, RejectsStepsBeyondTheCapacity) {
   const Model m = tiny_model("tiny-v4.1");
   auto e = Engine::create(m.config, m.weights, engine_options(Backend::cuda, Precision::reference, "v4.1-native"));
   const SequenceId s = e->add_sequence();
-  const auto message = [](auto&& f) { return cuda::testing::error_message(f); };
+  const auto message = [](auto&& f) { return cuda::testing::error_of(f); };
   EXPECT_NE(message([&] { e->begin_step({{s, 81}}); }).find("more than 80 tokens"), std::string::npos);
   EXPECT_NE(message([&] { e->begin_step({{s, 1}, {s, 1}}); }).find("appears more than once"), std::string::npos);
   EXPECT_NE(message([&] { e->begin_step({{s + 7, 1}}); }).find("does not exist"), std::string::npos);
@@ -413,7 +413,7 @@ TEST_F(EngineCudaValidation, RejectsStepsBeyondTheCapacity) {
 TEST(EngineCudaNoDevice, CreateExplainsTheMissingDevice) {
   if (cuda::device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
   const Model m = tiny_model("tiny-v4.1");
-  const std::string message = cuda::testing::error_message(
+  const std::string message = cuda::testing::error_of(
       [&] { Engine::create(m.config, m.weights, engine_options(Backend::cuda, Precision::reference, "")); });
   EXPECT_NE(message.find("needs a CUDA device"), std::string::npos) << message;
 }

@@ -4,7 +4,6 @@
 // captured into one graph, replayed, and must reproduce the eagerly run results bit for bit.
 #include <gtest/gtest.h>
 
-#include <optional>
 
 #include "cuda/cuda_test_util.h"
 #include "dsv4/cuda/attention.h"
@@ -22,14 +21,7 @@ using testing::DeviceTensor;
 constexpr int64_t kTokens = 12, kHeads = 8, kDim = 512, kIndexHeads = 4, kIndexDim = 128, kRatio = 2;
 constexpr int64_t kEntries = 8, kTopk = 4, kGroups = 2, kRank = 32, kRopeDim = 64;
 
-class GraphCudaTest : public testing::CudaTest {
- protected:
-  void SetUp() override {
-    CudaTest::SetUp();
-    if (!IsSkipped()) blas_.emplace();
-  }
-  std::optional<BlasLt> blas_;
-};
+using GraphCudaTest = testing::BlasCudaTest;
 
 TEST_F(GraphCudaTest, LayerStepReplaysBitForBit) {
   const RopeParams rope{.theta = 160000.0, .yarn = true, .factor = 16.0, .original_max_position = 64};
@@ -124,16 +116,7 @@ TEST_F(GraphCudaTest, LayerStepReplaysBitForBit) {
   for (DeviceTensor* t : outputs) t->buffer.fill_bytes(0xff);
   state.buffer.fill_bytes(0xff);  // the eager step filled the ring: start from the same state
 
-  cudaGraph_t graph = nullptr;
-  DSV4_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
-  step(stream.get());
-  DSV4_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
-  cudaGraphExec_t exec = nullptr;
-  DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  DSV4_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
-  stream.synchronize("graph replay");
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  testing::run_as_graph(stream, step);
   for (size_t i = 0; i < outputs.size(); ++i)
     EXPECT_EQ(testing::download_as<std::byte>(outputs[i]->view), eager[i]) << "output " << i << " differs after replay";
   // The step computed something: every token attended at least its own window row.

@@ -208,7 +208,7 @@ TEST_F(CudaTest, CandidateBlocksMatchReference) {
 }
 
 TEST(IndexerCudaValidation, ReportsTheFirstBadArgument) {
-  using testing::error_message;
+  using testing::error_of;
   using testing::fake_device_view;
   const PageGeometry g = page_geometry(KvRowFormat::index_mxfp4, kIndexDim, 64);
   const IndexScoresParams p{.q = fake_device_view(DType::bf16, {3, 32, kIndexDim}),
@@ -220,7 +220,7 @@ TEST(IndexerCudaValidation, ReportsTheFirstBadArgument) {
                             .compress_ratio = 2,
                             .scores = fake_device_view(DType::f32, {3, 100})};
   EXPECT_NO_THROW(validate_index_scores(p));
-  auto message = [](IndexScoresParams bad) { return error_message([&] { validate_index_scores(bad); }); };
+  auto message = [](IndexScoresParams bad) { return error_of([&] { validate_index_scores(bad); }); };
   IndexScoresParams bad = p;
   bad.weights = fake_device_view(DType::f32, {3, 31});
   EXPECT_EQ(message(bad), "dsv4: index_scores: argument 'weights' has shape [3, 31], expected [3, 32]");
@@ -238,17 +238,17 @@ TEST(IndexerCudaValidation, ReportsTheFirstBadArgument) {
   EXPECT_NO_THROW(validate_topk(topk));
   TopkParams bad_topk = topk;
   bad_topk.picks = fake_device_view(DType::i32, {2, 8});
-  EXPECT_EQ(error_message([&] { validate_topk(bad_topk); }),
+  EXPECT_EQ(error_of([&] { validate_topk(bad_topk); }),
             "dsv4: topk: argument 'picks' has shape [2, 8], expected [3, 8]");
   bad_topk = topk;
   bad_topk.group_size = 0;
-  EXPECT_EQ(error_message([&] { validate_topk(bad_topk); }), "dsv4: topk: group_size is 0, expected >= 1");
+  EXPECT_EQ(error_of([&] { validate_topk(bad_topk); }), "dsv4: topk: group_size is 0, expected >= 1");
 
   const CandidateBlockScoresParams blocks{.scores = fake_device_view(DType::f32, {3, 100}),
                                           .token_position = fake_device_view(DType::i32, {3}),
                                           .block_size = 8,
                                           .block_scores = fake_device_view(DType::f32, {3, 12})};
-  EXPECT_EQ(error_message([&] { validate_candidate_block_scores(blocks); }),
+  EXPECT_EQ(error_of([&] { validate_candidate_block_scores(blocks); }),
             "dsv4: candidate_block_scores: argument 'block_scores' has shape [3, 12], expected [3, 13]");
 }
 

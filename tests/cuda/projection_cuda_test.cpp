@@ -9,7 +9,6 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
-#include <optional>
 
 #include "cuda/cuda_test_util.h"
 #include "dsv4/cuda/projection.h"
@@ -61,12 +60,8 @@ Fp8Weight random_fp8_weight(std::vector<int64_t> shape, int block_out, int block
   return w;
 }
 
-class LinearCudaTest : public CudaTest {
+class LinearCudaTest : public testing::BlasCudaTest {
  protected:
-  void SetUp() override {
-    CudaTest::SetUp();
-    if (!IsSkipped()) blas_.emplace();  // cuBLASLt needs a device
-  }
   // Runs p on a fresh stream with a fresh workspace and returns y as floats.
   std::vector<float> run(LinearParams p) {
     p.blas = &*blas_;
@@ -76,7 +71,6 @@ class LinearCudaTest : public CudaTest {
     stream.synchronize("linear test");
     return testing::download_floats(p.y);
   }
-  std::optional<BlasLt> blas_;
 };
 
 TEST_F(LinearCudaTest, Bf16WeightWithF32AndBf16Outputs) {
@@ -175,16 +169,7 @@ TEST_F(LinearCudaTest, CapturedInACudaGraph) {
                        .activation_block = 32, .y = dy.view, .blas = &*blas_};
   DeviceBuffer workspace(linear_workspace_bytes(p));
   Stream stream;
-  cudaGraph_t graph = nullptr;
-  DSV4_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
-  run_linear(p, workspace.data(), stream.get());
-  DSV4_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
-  cudaGraphExec_t exec = nullptr;
-  DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  DSV4_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
-  stream.synchronize("graph launch");
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  testing::run_as_graph(stream, [&](cudaStream_t s) { run_linear(p, workspace.data(), s); });
   std::vector<float> expected(static_cast<size_t>(rows * out));
   reference::linear(x.data(), rows, in, w.value.data(), out, expected.data(), {.fp8_activation_block = 32});
   testing::expect_close(testing::download_floats(dy.view), expected, kF32Atol, kF32Rtol, "graph-launched y");
@@ -239,7 +224,7 @@ TEST_F(CudaTest, DequantizeWeightIsExact) {
 
 // Validation needs no device: the views only carry shapes and dtypes.
 TEST(LinearCudaValidation, ReportsTheFirstBadArgument) {
-  using testing::error_message;
+  using testing::error_of;
   using testing::fake_device_view;
   static int dummy_handle;  // never used: validation only checks that a handle is given
   LinearParams p{.x = fake_device_view(DType::bf16, {3, 64}), .weight = fake_device_view(DType::bf16, {32, 64}),
@@ -249,50 +234,50 @@ TEST(LinearCudaValidation, ReportsTheFirstBadArgument) {
 
   LinearParams bad = p;
   bad.x = fake_device_view(DType::bf16, {3, 2, 2, 64});
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }),
             "dsv4: linear: argument 'x' has rank 4, expected 2 ([rows, in]) or 3 ([rows, groups, in])");
   bad = p;
   bad.weight = fake_device_view(DType::bf16, {2, 32, 64});
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }), "dsv4: linear: argument 'weight' has rank 3, expected 2");
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }), "dsv4: linear: argument 'weight' has rank 3, expected 2");
   bad = p;
   bad.y.device = Device::cpu;
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }), "dsv4: linear: argument 'y' is on cpu, expected cuda");
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }), "dsv4: linear: argument 'y' is on cpu, expected cuda");
   bad = p;
   bad.x.dtype = DType::f16;
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }),
             "dsv4: linear: argument 'x' has dtype F16, expected BF16 or F32");
   bad = p;
   bad.weight = fake_device_view(DType::bf16, {64, 32});
   bad.weight.stride = {1, 64};  // a transposed view
   bad.weight.shape = {32, 64};
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }),
             "dsv4: linear: argument 'weight' is not contiguous (shape [32, 64], strides [1, 64])");
   bad = p;
   bad.weight = fake_device_view(DType::bf16, {32, 60});
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }),
             "dsv4: linear: argument 'weight' has shape [32, 60], expected [32, 64]");
   bad = p;
   bad.y = fake_device_view(DType::f32, {3, 31});
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }), "dsv4: linear: argument 'y' has shape [3, 31], expected [3, 32]");
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }), "dsv4: linear: argument 'y' has shape [3, 31], expected [3, 32]");
   bad = p;
   bad.weight.dtype = DType::e4m3;
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }),
             "dsv4: linear: argument 'weight_scale' is missing; an e4m3 weight needs its block scales");
   bad.weight_scale = fake_device_view(DType::ue8m0, {2, 2});
   bad.block_out = bad.block_in = 32;
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }),
             "dsv4: linear: argument 'weight_scale' has shape [2, 2], expected [1, 2]");
   bad = p;
   bad.weight_scale = fake_device_view(DType::ue8m0, {1, 1});
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }),
             "dsv4: linear: argument 'weight_scale' is given for a BF16 weight; only e4m3 weights have block scales");
   bad = p;
   bad.activation_block = 48;
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }),
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }),
             "dsv4: linear: activation_block 48 does not divide the input size 64");
   bad = p;
   bad.blas = nullptr;
-  EXPECT_EQ(error_message([&] { validate_linear(bad); }), "dsv4: linear: argument 'blas' is null (pass the BlasLt of the stream)");
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }), "dsv4: linear: argument 'blas' is null (pass the BlasLt of the stream)");
 }
 
 }  // namespace

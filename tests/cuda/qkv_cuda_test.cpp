@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <optional>
 
 #include "cuda/cuda_test_util.h"
 #include "dsv4/cuda/output.h"
@@ -206,14 +205,7 @@ TEST_F(CudaTest, CacheInsertWritesTheReferenceBytes) {
   for (const InsertCase& c : cases) check_cache_insert(c, seed += 10);
 }
 
-class OutputProjectionCudaTest : public CudaTest {
- protected:
-  void SetUp() override {
-    CudaTest::SetUp();
-    if (!IsSkipped()) blas_.emplace();
-  }
-  std::optional<BlasLt> blas_;
-};
+using OutputProjectionCudaTest = testing::BlasCudaTest;
 
 TEST_F(OutputProjectionCudaTest, InverseRopeThenGroupedWoA) {
   Rope rope;
@@ -240,7 +232,7 @@ TEST_F(OutputProjectionCudaTest, InverseRopeThenGroupedWoA) {
 }
 
 TEST(QkvCudaValidation, ReportsTheFirstBadArgument) {
-  using testing::error_message;
+  using testing::error_of;
   using testing::fake_device_view;
   const RopeHeadsParams p{.x = fake_device_view(DType::bf16, {4, 8, 512}),
                           .token_position = fake_device_view(DType::i32, {4}),
@@ -249,11 +241,11 @@ TEST(QkvCudaValidation, ReportsTheFirstBadArgument) {
   EXPECT_NO_THROW(validate_rope_heads(p));
   RopeHeadsParams bad = p;
   bad.rope_table = fake_device_view(DType::f32, {100, 63});
-  EXPECT_EQ(error_message([&] { validate_rope_heads(bad); }),
+  EXPECT_EQ(error_of([&] { validate_rope_heads(bad); }),
             "dsv4: rope_heads: argument 'rope_table' has 63 columns, expected an even rope_dim <= 512");
   bad = p;
   bad.out = fake_device_view(DType::bf16, {4, 8, 511});
-  EXPECT_EQ(error_message([&] { validate_rope_heads(bad); }),
+  EXPECT_EQ(error_of([&] { validate_rope_heads(bad); }),
             "dsv4: rope_heads: argument 'out' has shape [4, 8, 511], expected [4, 8, 512]");
 
   const PageGeometry g = page_geometry(KvRowFormat::v41_fp4, 512, 64);
@@ -266,16 +258,16 @@ TEST(QkvCudaValidation, ReportsTheFirstBadArgument) {
   EXPECT_NO_THROW(validate_cache_insert(insert));
   CacheInsertParams bad_insert = insert;
   bad_insert.slots = fake_device_view(DType::i32, {4});
-  EXPECT_EQ(error_message([&] { validate_cache_insert(bad_insert); }),
+  EXPECT_EQ(error_of([&] { validate_cache_insert(bad_insert); }),
             "dsv4: cache_insert: argument 'slots' has dtype I32, expected I64");
   bad_insert = insert;
   bad_insert.rows = fake_device_view(DType::bf16, {4, 128});
-  EXPECT_EQ(error_message([&] { validate_cache_insert(bad_insert); }),
+  EXPECT_EQ(error_of([&] { validate_cache_insert(bad_insert); }),
             "dsv4: cache_insert: cache 'cache' holds rows of 512 channels, expected 128");
 
   const RmsNormParams norm{.x = fake_device_view(DType::f32, {3, 10}), .eps = 0.0f,
                            .out = fake_device_view(DType::f32, {3, 10})};
-  EXPECT_EQ(error_message([&] { validate_rms_norm(norm); }), "dsv4: rms_norm: eps is 0, expected finite and > 0");
+  EXPECT_EQ(error_of([&] { validate_rms_norm(norm); }), "dsv4: rms_norm: eps is 0, expected finite and > 0");
 
   static int dummy_handle;
   const OutputProjectionParams out{.o = fake_device_view(DType::bf16, {3, 8, 512}),
@@ -284,7 +276,7 @@ TEST(QkvCudaValidation, ReportsTheFirstBadArgument) {
                                    .wo_a = fake_device_view(DType::bf16, {2, 64, 1000}),
                                    .y = fake_device_view(DType::bf16, {3, 2, 64}),
                                    .blas = reinterpret_cast<const BlasLt*>(&dummy_handle)};
-  EXPECT_EQ(error_message([&] { validate_output_projection(out); }),
+  EXPECT_EQ(error_of([&] { validate_output_projection(out); }),
             "dsv4: output_projection: argument 'wo_a' has shape [2, 64, 1000], expected [2, 64, 2048]");
 }
 
