@@ -46,12 +46,13 @@ Model tiny_model(const std::string& preset, bool fp8) {
   return m;
 }
 
-// Paged caches (a kv_format) are sized up front: 8 sequences of 256 tokens.
+// kv_format "": float rows. Paged caches (a kv_format) are sized up front: 8 sequences of 256 tokens.
 std::unique_ptr<Engine> make_engine(const Model& m, Precision precision, int threads = 0,
                                     const std::string& kv_format = "") {
   EngineOptions options;
   options.precision = precision;
   options.num_threads = threads;
+  options.cache_storage = kv_format.empty() ? CacheStorage::float_rows : CacheStorage::paged;
   options.kv_format = kv_format;
   if (!kv_format.empty()) {
     options.max_sequences = 8;
@@ -434,6 +435,13 @@ TEST(EngineCreate, OptionsAndWeightsAreChecked) {
   options.backend = Backend::cuda;
   EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "backend 'cuda' is not available in this build");
 #endif
+  options = {};
+  options.backend = Backend::cuda;
+  options.cache_storage = CacheStorage::float_rows;
+  EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "float_rows is a cpu backend storage");
+  options = {};
+  options.indexer_sharding = IndexerSharding::split;
+  EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "indexer_sharding is split but no communicator");
   options = {};
   options.max_context = 10;
   options.max_sequences = 1;

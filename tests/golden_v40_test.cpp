@@ -54,6 +54,7 @@ Replayed replay(bool split) {
   const GoldenSet& g = r.golden;
   EngineOptions options;
   options.precision = Precision::fp32;
+  options.cache_storage = CacheStorage::float_rows;
   auto engine = Engine::create(g.config, g.weights, options);
   auto& cpu = dynamic_cast<CpuEngine&>(*engine);
   cpu.set_record_index_scores(!split);

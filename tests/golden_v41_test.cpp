@@ -97,6 +97,7 @@ const Replayed& replayed() {
     Replayed r{golden::load_golden_set("v41a"), nullptr, {}, {}, {}};
     EngineOptions options;
     options.precision = Precision::reference;
+    options.cache_storage = CacheStorage::float_rows;
     r.engine = Engine::create(r.golden.config, r.golden.weights, options);
     auto& cpu = dynamic_cast<CpuEngine&>(*r.engine);
     cpu.set_record_index_scores(true);
@@ -174,6 +175,7 @@ TEST(GoldenV41, SequencesInSeparateStepsMatchTheBatchedRun) {
   const GoldenSet& g = r.golden;
   EngineOptions options;
   options.precision = Precision::reference;
+  options.cache_storage = CacheStorage::float_rows;
   auto engine = Engine::create(g.config, g.weights, options);
   std::vector<SequenceId> sequences;
   std::vector<std::vector<int64_t>> steps;

@@ -270,16 +270,12 @@ TEST(TensorParallelShard, WrongWeightShapeThrows) {
                {"layer 2", "'attn.wo_b.weight'", "[256, 64]", "expected [256, 128]"});
 }
 
-TEST(TensorParallelEngine, SplitIndexerNeedsACommunicatorAndAWholeShare) {
+TEST(TensorParallelEngine, SplitIndexerNeedsACommunicator) {
   const ModelConfig c = preset_config("tiny-v4.1");
   const auto weights = case_weights(c);
   EngineOptions options = tp_testing::workload_options(Backend::cpu, Precision::fp32);
-  options.split_index_heads = 8;
-  expect_error([&] { Engine::create(c, weights, options); }, {"split_index_heads is 8", "no communicator"});
-  options.communicator = ThreadGroup(2).rank(0);
-  options.split_index_heads = 6;
-  expect_error([&] { Engine::create(c, weights, options); },
-               {"split_index_heads is 6", "multiple of the shard's index_n_heads = 4"});
+  options.indexer_sharding = IndexerSharding::split;
+  expect_error([&] { Engine::create(c, weights, options); }, {"indexer_sharding is split", "no communicator"});
   expect_error([&] { make_rank_shard(c, *weights, options, nullptr, IndexerSharding::split); }, {"no communicator"});
 }
 

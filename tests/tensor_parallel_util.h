@@ -52,6 +52,7 @@ inline EngineOptions workload_options(Backend backend, Precision precision) {
   options.max_sequences = 8;
   options.max_tokens_per_step = 128;
   options.max_context = 128;
+  if (backend == Backend::cpu) options.cache_storage = CacheStorage::float_rows;
   return options;
 }
 

@@ -12,55 +12,60 @@
 #include "dsv4/config.h"
 #include "dsv4/kv_format.h"
 #include "dsv4/tensor.h"
+#include "dsv4/types.h"
 #include "dsv4/weights.h"
 
 namespace dsv4 {
 
 class Communicator;  // dsv4/parallel.h
 
-enum class Backend : uint8_t { cpu, cuda };
-const char* backend_name(Backend b);
-Backend parse_backend(const std::string& name);
-
-// fp32: float32 everywhere, no fake quantization (what the transformers V4.0 goldens need).
-// reference: bf16 rounding where DeepSeek's official code rounds, FP8/FP4 fake quantization of
-// window rows, compressed rows and indexer q/k (SPEC §8).
-enum class Precision : uint8_t { fp32, reference };
-const char* precision_name(Precision p);
-Precision parse_precision(const std::string& name);
+// Where the caches keep their rows.
+enum class CacheStorage : uint8_t {
+  // Pages in the byte formats of `kv_format`, allocated up front for max_sequences x max_context
+  // tokens. Every backend.
+  paged,
+  // The rows' float values, growing with each sequence (max_sequences and max_context are then
+  // only limits): exact in every precision, for checking numerics. The cpu backend only.
+  float_rows,
+};
 
 struct EngineOptions {
   Backend backend = Backend::cpu;
   Precision precision = Precision::reference;
-  // A kv_format_set name: paged caches in those byte formats, allocated up front for
-  // max_sequences x max_context tokens. Empty: float storage of the values, growing with each
-  // sequence (the sizes below are then only limits).
+  CacheStorage cache_storage = CacheStorage::paged;
+  // With paged storage: a kv_format_set name, or empty for default_kv_formats(config, precision)
+  // (the formats whose decoded rows are the precision's values, the same on every backend).
   std::string kv_format = "";
   int64_t max_sequences = 256;
   int64_t max_tokens_per_step = 8192;
   int64_t max_context = 1 << 16;     // sizes the cache pools: max_sequences x max_context tokens
-  int num_threads = 0;               // CPU backend; 0: all cores
+  int num_threads = 0;               // cpu backend; 0: all cores
+  // cuda backend: the stream every operation and every host<->device copy of the engine is queued
+  // on (a cudaStream_t; the caller keeps it alive while the engine exists). nullptr: the engine
+  // creates a stream of its own (Engine::cuda_stream()).
+  CUstream_st* cuda_stream = nullptr;
 
   // One rank of a tensor-parallel group (dsv4/parallel.h, docs/parallel.md): the config and weights
-  // given to create are the rank's shard (shard_config, shard_weights). The partial output of the
-  // rank's heads is computed in fp32, summed over the ranks with `communicator` and then rounded as
-  // the whole output is. nullptr (the default): the engine runs the whole model.
+  // given to create are the rank's shard (make_rank_shard). The partial output of the rank's heads
+  // is computed in fp32, summed over the ranks with `communicator` and then rounded as the whole
+  // output is. nullptr (the default): the engine runs the whole model.
   std::shared_ptr<Communicator> communicator;
-  // With a communicator and IndexerSharding::split: the whole model's index_n_heads (the index
-  // weight scale counts them all); the shard's indexer scores its own heads and the partial scores
-  // are summed over the ranks before top-k. 0: every rank runs the whole indexer.
-  int split_index_heads = 0;
+  // With a communicator: whether the shard's indexer holds every index head or the rank's share.
+  IndexerSharding indexer_sharding = IndexerSharding::replicated;
 };
 
-using SequenceId = int64_t;
-
-struct StepEntry {
-  SequenceId sequence;
-  int64_t num_tokens;                // >= 1; appended at the sequence's current length
+// Memory an engine holds on its backend's device (host memory for the cpu backend).
+struct EngineMemory {
+  int64_t weights = 0;    // converted layer weights
+  int64_t caches = 0;     // cache pools or rows, compressor states
+  int64_t workspace = 0;  // step metadata, intermediate rows, scratch
+  int64_t total() const { return weights + caches + workspace; }
 };
 
 class Engine {
  public:
+  // Checks the options against the config and the weights (throwing "dsv4: engine: create: ...")
+  // and builds the backend's engine.
   static std::unique_ptr<Engine> create(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
                                         const EngineOptions& options);
   virtual ~Engine() = default;
@@ -91,6 +96,13 @@ class Engine {
 
   // Bytes of cache currently held by a sequence (all layers, all caches).
   virtual int64_t sequence_cache_bytes(SequenceId sequence) const = 0;
+
+  // What the engine holds; allocated at create and constant afterwards except for float_rows
+  // caches, which grow.
+  virtual EngineMemory memory() const = 0;
+  // cuda backend: the stream the engine queues its work on (EngineOptions::cuda_stream or its own).
+  // Wait for it (or order work after it) before reading attn_out or caches. nullptr on the cpu.
+  virtual CUstream_st* cuda_stream() const = 0;
 };
 
 }  // namespace dsv4

@@ -28,10 +28,9 @@
 
 #include "dsv4/config.h"
 #include "dsv4/kv_format.h"
+#include "dsv4/types.h"
 
 namespace dsv4 {
-
-using SequenceId = int64_t;  // the same alias as in engine.h
 
 // ---------------------------------------------------------------------------------------------
 // Page pool

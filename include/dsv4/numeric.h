@@ -20,6 +20,16 @@
 
 namespace dsv4 {
 
+// The fake quantizers of finished rows (QAT, SPEC §8.2): which one a row kind uses is decided by
+// the layer recipe (src/model/layer_recipe.h); every result is exact in bf16.
+enum class RowQuantizer : uint8_t {
+  none,
+  fp8_e4m3_32,       // V4.1 window rows: e4m3 + ue8m0 scale per 32 channels, every channel
+  fp8_e4m3_nope_64,  // V4.0 rows: e4m3 + ue8m0 per 64 channels on the channels before the RoPE tail
+  fp4_ue8m0_32,      // V4.1 indexer queries and keys: e2m1 + ue8m0 per 32 channels (MXFP4)
+  fp4_e4m3_16,       // V4.1 compressed rows: e2m1 + e4m3 scale per 16 channels
+};
+
 // ------------------------------------------------------------------------------------------------
 // Bit patterns.
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dsv4/config.h"
 #include "dsv4/engine.h"
@@ -33,11 +34,7 @@ class Communicator {
   virtual void all_reduce_sum(float* data, int64_t count, void* stream) = 0;
 };
 
-// How the indexer of an index-source layer is spread over the ranks.
-enum class IndexerSharding : uint8_t {
-  replicated,  // every rank computes every index head (no communication, redundant work)
-  split,       // each rank scores index_n_heads / tp heads; partial scores are all-reduced
-};
+// IndexerSharding (how the indexer is spread over the ranks) is in dsv4/engine.h.
 const char* indexer_sharding_name(IndexerSharding s);
 // "replicated" or "split"; throws naming the given value otherwise.
 IndexerSharding parse_indexer_sharding(const std::string& name);
@@ -60,8 +57,8 @@ ModelWeights shard_weights(const ModelWeights& weights, const ModelConfig& confi
                            IndexerSharding indexer);
 
 // What the engine of one rank is created from (Engine::create(shard.config, shard.weights,
-// shard.options)): the rank's shard of the model, and `options` with the communicator set (and
-// split_index_heads, for a split indexer).
+// shard.options)): the rank's shard of the model, and `options` with the communicator and the
+// indexer sharding set.
 struct RankShard {
   ModelConfig config;
   std::shared_ptr<const ModelWeights> weights;
@@ -69,5 +66,19 @@ struct RankShard {
 };
 RankShard make_rank_shard(const ModelConfig& config, const ModelWeights& weights, EngineOptions options,
                           std::shared_ptr<Communicator> communicator, IndexerSharding indexer);
+
+// Whether this build can make NCCL communicators (CUDA with NCCL found at configure time).
+bool nccl_available();
+
+// The NCCL communicator of rank `rank` of `size` ranks, one process each, on CUDA device `device`
+// (made current for the calling thread). The ranks find each other through `id_file`: rank 0
+// writes the group's NCCL unique id there (the file must not exist yet), the other ranks wait up
+// to `timeout_s` seconds for it. Throws when NCCL is not available or the group cannot form.
+std::shared_ptr<Communicator> make_nccl_communicator(const std::string& id_file, int rank, int size, int device,
+                                                     double timeout_s = 120.0);
+// Every rank of a group inside one process, rank r on devices[r]: each rank's engine then runs on a
+// thread of its own with the rank's device current, and that thread releases the rank's
+// communicator (destroying one waits for the other ranks to do the same).
+std::vector<std::shared_ptr<Communicator>> make_local_nccl_group(const std::vector<int>& devices);
 
 }  // namespace dsv4

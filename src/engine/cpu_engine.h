@@ -1,37 +1,23 @@
-// The CPU backend of dsv4::Engine: the reference layers (src/reference) over per-sequence caches.
-// Exposed inside the library (and to tests) for the diagnostics the public interface does not carry.
+// The CPU backend (Backend::cpu): the reference layers (src/reference) over the reference's cache
+// stores, behind the step engine's protocol. Exposed inside the library (and to tests) for the
+// diagnostics the public interface does not carry.
 #pragma once
 
-#include <functional>
-#include <map>
 #include <memory>
 #include <vector>
 
-#include "dsv4/engine.h"
-#include "engine/sequence_registry.h"
-#include "reference/layer.h"
+#include "engine/step_engine.h"
 #include "reference/cache_store.h"
+#include "reference/layer.h"
 
 namespace dsv4 {
 
-class CpuEngine final : public Engine {
+class CpuEngine final : public StepEngine {
  public:
   CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights, const EngineOptions& options);
 
-  const ModelConfig& config() const override { return config_; }
-  const ModelTopology& topology() const override { return topology_; }
-
-  SequenceId add_sequence() override;
-  SequenceId fork_sequence(SequenceId parent) override;
-  void release_sequence(SequenceId sequence) override;
-  int64_t sequence_length(SequenceId sequence) const override;
-
-  void begin_step(const std::vector<StepEntry>& entries) override;
-  void run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) override;
-  HostTensor layer_picks(int layer) const override;
-  void end_step() override;
-
-  int64_t sequence_cache_bytes(SequenceId sequence) const override;
+  EngineMemory memory() const override;
+  CUstream_st* cuda_stream() const override { return nullptr; }
 
   // Diagnostics. When on, index sources keep the masked scores their top-k ran on.
   void set_record_index_scores(bool on) { record_index_scores_ = on; }
@@ -41,22 +27,19 @@ class CpuEngine final : public Engine {
   const reference::CacheStore& cache_store() const { return *caches_; }
 
  private:
-  void check_layer(const char* operation, int layer) const;
-  void check_activation(const char* name, const TensorView& v, int layer) const;
-  void check_layer_inputs(int layer) const;
+  void add_sequence_caches(SequenceId id) override { caches_->add_sequence(id); }
+  void fork_sequence_caches(SequenceId parent, SequenceId child) override { caches_->fork_sequence(parent, child); }
+  void release_sequence_caches(SequenceId id) override { caches_->release_sequence(id); }
+  int64_t cached_length(SequenceId id) const override { return caches_->length(id); }
+  int64_t cached_bytes(SequenceId id) const override { return caches_->cache_bytes(id); }
+  void prepare_step(const StepLayout& step) override;
+  void run_layer_step(int layer, const TensorView& hidden_in, const TensorView& attn_out) override;
+  bool accepts_activations_on(Device device) const override { return device == Device::cpu; }
+  HostTensor read_picks(int layer) const override;
+  void commit_sequence(const StepChunk& chunk) override { caches_->commit(chunk.sequence, chunk.tokens); }
 
-  ModelConfig config_;
-  ModelTopology topology_;
-  std::shared_ptr<const ModelWeights> weights_;
-  EngineOptions options_;
-  std::vector<reference::LayerParameters> layers_;
-  std::vector<bool> layer_has_weights_;  // false for MTP layers absent from the checkpoint
+  std::vector<reference::LayerParameters> layers_;  // absent MTP layers: the recipe only
   std::unique_ptr<reference::CacheStore> caches_;
-  SequenceRegistry sequences_;
-
-  bool in_step_ = false;
-  std::vector<StepEntry> step_entries_;
-  reference::StepLayout step_;
   std::vector<reference::LayerPublication> published_;
   bool record_index_scores_ = false;
 };

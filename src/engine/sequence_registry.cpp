@@ -61,8 +61,4 @@ void SequenceRegistry::check_step(const std::vector<StepEntry>& entries, const E
   }
 }
 
-bool step_contains(const std::vector<StepEntry>& entries, SequenceId sequence) {
-  return std::any_of(entries.begin(), entries.end(), [&](const StepEntry& e) { return e.sequence == sequence; });
-}
-
 }  // namespace dsv4

@@ -42,7 +42,4 @@ class SequenceRegistry {
   SequenceId next_ = 0;
 };
 
-// Whether `sequence` is one of the entries of a step.
-bool step_contains(const std::vector<StepEntry>& entries, SequenceId sequence);
-
 }  // namespace dsv4

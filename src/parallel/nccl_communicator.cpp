@@ -216,4 +216,14 @@ bool NcclCommunicator::same_on_all_ranks(uint64_t) { no_nccl("same_on_all_ranks"
 
 #endif
 
+std::shared_ptr<Communicator> make_nccl_communicator(const std::string& id_file, int rank, int size, int device,
+                                                     double timeout_s) {
+  return NcclCommunicator::join_through_file(id_file, rank, size, device, timeout_s);
+}
+
+std::vector<std::shared_ptr<Communicator>> make_local_nccl_group(const std::vector<int>& devices) {
+  std::vector<std::shared_ptr<NcclCommunicator>> group = NcclCommunicator::create_local_group(devices);
+  return {group.begin(), group.end()};
+}
+
 }  // namespace dsv4

@@ -1,6 +1,7 @@
 // The NCCL Communicator of tensor-parallel ranks on the GPUs of one node (docs/parallel.md).
 // Built when CMake finds NCCL next to CUDA (DSV4_WITH_NCCL); without it nccl_available() is false
-// and creating a communicator throws saying so.
+// and creating a communicator throws saying so. Users make one through dsv4/parallel.h's
+// make_nccl_communicator / make_local_nccl_group; the tools use this class for same_on_all_ranks.
 #pragma once
 
 #include <cstdint>
@@ -11,9 +12,6 @@
 #include "dsv4/parallel.h"
 
 namespace dsv4 {
-
-// Whether this binary was built with NCCL.
-bool nccl_available();
 
 class NcclCommunicator final : public Communicator {
  public:

@@ -152,7 +152,7 @@ RankShard make_rank_shard(const ModelConfig& config, const ModelWeights& weights
   shard.config = shard_config(config, rank, tp, indexer);
   shard.weights = std::make_shared<const ModelWeights>(shard_weights(weights, config, rank, tp, indexer));
   options.communicator = std::move(communicator);
-  options.split_index_heads = indexer == IndexerSharding::split ? config.index_n_heads : 0;
+  options.indexer_sharding = indexer;
   shard.options = std::move(options);
   return shard;
 }

@@ -4,9 +4,9 @@
 //
 // Layers address rows by position and entries by index and copy them in and out, the way a paged
 // cache manager with byte formats is addressed; two stores implement that:
-//  * float storage (EngineOptions::kv_format empty): fp32 rows in per-sequence arrays that grow
+//  * float storage (CacheStorage::float_rows): fp32 rows in per-sequence arrays that grow
 //    with the sequence; nothing is allocated up front;
-//  * paged storage (a kv_format set name): the KvCacheManager's page pools in that set's byte
+//  * paged storage (CacheStorage::paged): the KvCacheManager's page pools in that set's byte
 //    formats, sized up front for max_sequences × max_context, forks sharing pages.
 #pragma once
 
@@ -17,7 +17,8 @@
 #include <vector>
 
 #include "dsv4/config.h"
-#include "dsv4/engine.h"
+#include "dsv4/kv_format.h"
+#include "dsv4/types.h"
 
 namespace dsv4::reference {
 
@@ -43,6 +44,9 @@ class CacheStore {
   // Committed tokens (the position of the next token).
   virtual int64_t length(SequenceId id) const = 0;
   virtual int64_t cache_bytes(SequenceId id) const = 0;
+  // Bytes the store holds for all sequences: the page pools of paged storage (allocated up
+  // front), the live sequences' rows and states of float storage.
+  virtual int64_t held_bytes() const = 0;
 
   // ----- steps
   // Makes room for every row the step writes; all-or-nothing (throws and changes nothing).
@@ -77,10 +81,16 @@ class CacheStore {
 // Float storage; `shapes` has one entry per layer.
 std::unique_ptr<CacheStore> make_float_cache_store(std::vector<LayerCacheShape> shapes);
 
-// Paged storage in the formats of kv_format_set(options.kv_format), pools sized for
-// options.max_sequences sequences of options.max_context tokens in steps of at most
-// options.max_tokens_per_step tokens.
+// How many sequences of how many tokens paged pools are sized for.
+struct PoolLimits {
+  int64_t max_sequences = 0;
+  int64_t max_context = 0;
+  int64_t max_step_tokens = 0;  // tokens of one step, over all sequences
+};
+
+// Paged storage in `formats`, pools sized for `limits`.
 std::unique_ptr<CacheStore> make_paged_cache_store(const ModelConfig& config, const ModelTopology& topology,
-                                                   std::vector<LayerCacheShape> shapes, const EngineOptions& options);
+                                                   std::vector<LayerCacheShape> shapes, const KvFormatSet& formats,
+                                                   const PoolLimits& limits);
 
 }  // namespace dsv4::reference

@@ -38,6 +38,12 @@ class FloatCacheStore final : public CacheStore {
     return static_cast<int64_t>(floats * sizeof(float));
   }
 
+  int64_t held_bytes() const override {
+    int64_t bytes = 0;
+    for (const auto& [id, s] : sequences_) bytes += cache_bytes(id);
+    return bytes;
+  }
+
   // Arrays grow on demand; reserving capacity up front keeps a step from failing half-way.
   void reserve(const std::vector<StepEntry>& step) override {
     for (const StepEntry& e : step) {

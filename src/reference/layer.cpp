@@ -38,16 +38,17 @@ class LayerWeightReader {
     return std::vector<float>(t.as<float>(), t.as<float>() + t.numel());
   }
 
-  // A projection [out, in]. fp8 weights are multiplied with fp8-quantized activations (the
-  // reference's fp8 GEMM) when `fp8_gemm`, else dequantized and rounded to bf16 (wo_a).
-  Projection projection(WeightRole role, int64_t out, int64_t in, bool fp8_gemm = true) const {
+  // A projection [out, in]. In bf16 (reference) precision, fp8 weights are multiplied with
+  // fp8-quantized activations (the reference's fp8 GEMM) where the recipe says so, else
+  // dequantized and rounded to bf16.
+  Projection projection(WeightRole role, int64_t out, int64_t in) const {
     Projection p;
     p.weight = values(role, {out, in});
     p.out = out;
     p.in = in;
     const WeightTensor& w = weights_.get(role);
     if (bf16_ && w.is_fp8()) {
-      if (fp8_gemm)
+      if (weight_recipe(role).fp8_activations)
         p.fp8_activation_block = w.block_in;
       else
         round_bf16(p.weight.data(), static_cast<int64_t>(p.weight.size()));
@@ -69,9 +70,9 @@ CompressorParameters read_compressor(const LayerWeightReader& r, const Compresso
   CompressorParameters c;
   c.geometry = g;
   const int64_t width = (g.overlap ? 2 : 1) * g.dim;
-  c.projection = r.projection(wkv, width, hidden, false);
+  c.projection = r.projection(wkv, width, hidden);
   if (g.gated) {
-    const Projection gate = r.projection(wgate, width, hidden, false);
+    const Projection gate = r.projection(wgate, width, hidden);
     c.projection.weight.insert(c.projection.weight.end(), gate.weight.begin(), gate.weight.end());
     c.projection.out += width;
   }
@@ -89,12 +90,13 @@ void project(const float* x, int64_t n, const Projection& p, float* y, bool bf16
                                                  .bf16_output = bf16 && round_output});
 }
 
-void quantize_rows(RowQuantization q, float* rows, int64_t n, int64_t dim, int64_t rope_dim) {
+void quantize_rows(RowQuantizer q, float* rows, int64_t n, int64_t dim, int64_t rope_dim) {
   switch (q) {
-    case RowQuantization::none: return;
-    case RowQuantization::fp8_all_32: fake_quant_fp8_rows(rows, n, dim, dim, 32); return;
-    case RowQuantization::fp8_nope_64: fake_quant_fp8_rows(rows, n, dim, dim - rope_dim, 64); return;
-    case RowQuantization::fp4_e4m3_16: fake_quant_fp4_e4m3_rows(rows, n, dim); return;
+    case RowQuantizer::none: return;
+    case RowQuantizer::fp8_e4m3_32: fake_quant_fp8_rows(rows, n, dim, dim, 32); return;
+    case RowQuantizer::fp8_e4m3_nope_64: fake_quant_fp8_rows(rows, n, dim, dim - rope_dim, 64); return;
+    case RowQuantizer::fp4_e4m3_16: fake_quant_fp4_e4m3_rows(rows, n, dim); return;
+    case RowQuantizer::fp4_ue8m0_32: fake_quant_fp4_ue8m0_rows(rows, n, dim); return;
   }
 }
 
@@ -111,7 +113,7 @@ struct NewEntries {
 NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& c, const StepLayout& step,
                           CacheStore& caches, const float* x) {
   const CompressorGeometry& g = c.geometry;
-  const int layer = L.plan.layer;
+  const int layer = L.recipe.plan.layer;
   const int64_t T = step.tokens(), width = g.row_width();
   std::vector<float> rows(static_cast<size_t>(T * width));
   // The reference projects in fp32 (ratio 2, V4.0) or in bf16 (ratio 1, no gate, where the
@@ -142,9 +144,9 @@ NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& 
     pool_compressed_entry(g, entry_index[i], row_at, c.position_bias.empty() ? nullptr : c.position_bias.data(),
                           pooled.data() + i * g.dim);
   }
-  round_bf16(pooled.data(), E * g.dim, L.bf16);
+  round_bf16(pooled.data(), E * g.dim, L.recipe.round_bf16);
   e.latent.resize(pooled.size());
-  rms_norm(pooled.data(), E, g.dim, c.norm.data(), L.eps, e.latent.data(), L.bf16);
+  rms_norm(pooled.data(), E, g.dim, c.norm.data(), L.recipe.eps, e.latent.data(), L.recipe.round_bf16);
 
   for (const StepChunk& ch : step.chunks) {
     float* ring = caches.compressor_state(ch.sequence, layer).data() + c.state_offset;
@@ -159,7 +161,7 @@ NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& 
 // Compressed rows and index keys of a kv-source layer for the entries closing in this step.
 void update_compressed_caches(const ModelConfig& config, const LayerParameters& L, const StepLayout& step,
                               CacheStore& caches, const float* x) {
-  const int layer = L.plan.layer;
+  const int layer = L.recipe.plan.layer;
   const int64_t D = config.head_dim, rd = config.rope_head_dim;
   NewEntries main = run_compressor(L, L.compressor, step, caches, x);
   const int64_t E = static_cast<int64_t>(main.chunk.size());
@@ -167,22 +169,22 @@ void update_compressed_caches(const ModelConfig& config, const LayerParameters& 
   // Index keys first: V4.1 derives them from the pre-RoPE latent (SPEC §4.1).
   std::vector<float> keys;
   const int64_t dI = config.index_head_dim;
-  if (L.plan.owns_index_keys) {
-    if (L.family == ModelFamily::v4_1) {
-      keys.resize(static_cast<size_t>(E * dI));
-      project(main.latent.data(), E, L.indexer_wk, keys.data(), L.bf16);
-      rms_norm(keys.data(), E, dI, L.indexer_k_norm.data(), L.eps, keys.data(), L.bf16);
-    } else {
+  if (L.recipe.plan.owns_index_keys) {
+    if (L.recipe.index_compressor) {
       NewEntries index = run_compressor(L, L.index_compressor, step, caches, x);
       keys = std::move(index.latent);
+    } else {
+      keys.resize(static_cast<size_t>(E * dI));
+      project(main.latent.data(), E, L.indexer_wk, keys.data(), L.recipe.round_bf16);
+      rms_norm(keys.data(), E, dI, L.indexer_k_norm.data(), L.recipe.eps, keys.data(), L.recipe.round_bf16);
     }
-    apply_rope(keys.data(), E, 1, dI, L.rope_freqs.data(), rd, main.position.data(), false, L.bf16);
-    if (L.indexer_fp4) fake_quant_fp4_ue8m0_rows(keys.data(), E, dI);
+    apply_rope(keys.data(), E, 1, dI, L.recipe.rope_frequencies.data(), rd, main.position.data(), false, L.recipe.round_bf16);
+    quantize_rows(L.recipe.index_rows, keys.data(), E, dI, rd);
   }
 
   std::vector<float>& rows = main.latent;  // rotated and quantized in place
-  apply_rope(rows.data(), E, 1, D, L.rope_freqs.data(), rd, main.position.data(), false, L.bf16);
-  quantize_rows(L.compressed_quantization, rows.data(), E, D, rd);
+  apply_rope(rows.data(), E, 1, D, L.recipe.rope_frequencies.data(), rd, main.position.data(), false, L.recipe.round_bf16);
+  quantize_rows(L.recipe.compressed_rows, rows.data(), E, D, rd);
 
   // The entries of a chunk are consecutive in step order.
   for (int64_t i = 0; i < E;) {
@@ -190,7 +192,7 @@ void update_compressed_caches(const ModelConfig& config, const LayerParameters& 
     while (end < E && main.chunk[end] == main.chunk[i]) ++end;
     const SequenceId s = step.chunks[static_cast<size_t>(main.chunk[i])].sequence;
     caches.append_compressed_entries(s, layer, end - i, rows.data() + i * D);
-    if (L.plan.owns_index_keys) caches.append_index_keys(s, layer, end - i, keys.data() + i * dI);
+    if (L.recipe.plan.owns_index_keys) caches.append_index_keys(s, layer, end - i, keys.data() + i * dI);
     i = end;
   }
 }
@@ -199,19 +201,19 @@ void update_compressed_caches(const ModelConfig& config, const LayerParameters& 
 void run_indexer(const ModelConfig& config, const LayerParameters& L, const StepLayout& step,
                  const CacheStore& caches, const float* x, const float* qr, std::vector<LayerPublication>& published,
                  bool record_scores, const RankReduction& ranks) {
-  const int layer = L.plan.layer, kv_src = L.plan.kv_source;
+  const int layer = L.recipe.plan.layer, kv_src = L.recipe.plan.kv_source;
   const int64_t T = step.tokens(), nI = config.index_n_heads, dI = config.index_head_dim, k = config.index_topk;
-  const int64_t ratio = L.plan.compress_ratio;
+  const int64_t ratio = L.recipe.plan.compress_ratio;
   std::vector<float> q(static_cast<size_t>(T * nI * dI)), w(static_cast<size_t>(T * nI));
-  project(qr, T, L.indexer_wq_b, q.data(), L.bf16);
-  apply_rope(q.data(), T, nI, dI, L.rope_freqs.data(), config.rope_head_dim, step.positions.data(), false, L.bf16);
-  if (L.indexer_fp4) fake_quant_fp4_ue8m0_rows(q.data(), T * nI, dI);
-  project(x, T, L.indexer_weights_proj, w.data(), L.bf16);
-  for (float& v : w) v = L.bf16 ? round_to_bf16(v * L.indexer_weight_scale) : v * L.indexer_weight_scale;
+  project(qr, T, L.indexer_wq_b, q.data(), L.recipe.round_bf16);
+  apply_rope(q.data(), T, nI, dI, L.recipe.rope_frequencies.data(), config.rope_head_dim, step.positions.data(), false, L.recipe.round_bf16);
+  quantize_rows(L.recipe.index_rows, q.data(), T * nI, dI, config.rope_head_dim);
+  project(x, T, L.indexer_weights_proj, w.data(), L.recipe.round_bf16);
+  for (float& v : w) v = L.recipe.round_bf16 ? round_to_bf16(v * L.recipe.index_weight_scale) : v * L.recipe.index_weight_scale;
 
   LayerPublication& out = published[static_cast<size_t>(layer)];
   const LayerPublication* candidates =
-      L.plan.uses_candidates ? &published[static_cast<size_t>(config.candidate_source_layer)] : nullptr;
+      L.recipe.plan.uses_candidates ? &published[static_cast<size_t>(config.candidate_source_layer)] : nullptr;
   // Every key of the kv source, per chunk, and ragged per-token rows over them.
   std::vector<std::vector<float>> keys(step.chunks.size());
   for (size_t c = 0; c < step.chunks.size(); ++c) {
@@ -227,14 +229,14 @@ void run_indexer(const ModelConfig& config, const LayerParameters& L, const Step
     DSV4_CHECK(candidates->candidate_mask.offset == offset, "engine: layer ", layer,
                " applies the candidates of layer ", config.candidate_source_layer,
                ", which were published over a different compressed cache");
-  if (L.plan.is_candidate_source) out.candidate_mask = {offset, std::vector<uint8_t>(static_cast<size_t>(offset[T]))};
+  if (L.recipe.plan.is_candidate_source) out.candidate_mask = {offset, std::vector<uint8_t>(static_cast<size_t>(offset[T]))};
   out.picks.assign(static_cast<size_t>(T * k), -1);
 
   const auto visible = [&](int64_t t) { return std::min(offset[t + 1] - offset[t], (step.positions[t] + 1) / ratio); };
   // Candidate blocks and picks of token t from its scores (masked in place).
   const auto select = [&](int64_t t, float* scores) {
     const int64_t n = offset[t + 1] - offset[t], n_visible = visible(t);
-    if (L.plan.is_candidate_source)
+    if (L.recipe.plan.is_candidate_source)
       select_candidate_blocks(scores, n, n_visible, config.candidate_block_size, config.candidate_topk_blocks,
                               out.candidate_mask.values.data() + offset[t]);
     if (candidates) {
@@ -256,13 +258,13 @@ void run_indexer(const ModelConfig& config, const LayerParameters& L, const Step
     std::vector<float> local(static_cast<size_t>(all_scores.values.empty() ? n : 0));
     float* scores = all_scores.values.empty() ? local.data() : all_scores.values.data() + offset[t];
     index_scores(q.data() + t * nI * dI, w.data() + t * nI, nI, dI, keys[static_cast<size_t>(step.chunk_of[t])].data(),
-                 n, visible(t), L.bf16, scores, split);
+                 n, visible(t), L.recipe.round_bf16, scores, split);
     if (!split) select(t, scores);
   }
   if (split) {
     DSV4_CHECK(ranks.communicator != nullptr, "engine: layer ", layer, ": a split indexer needs a communicator");
     ranks.communicator->all_reduce_sum(all_scores.values.data(), offset[T], nullptr);
-    round_bf16(all_scores.values.data(), offset[T], L.bf16);
+    round_bf16(all_scores.values.data(), offset[T], L.recipe.round_bf16);
 #pragma omp parallel for schedule(dynamic, 1) if (parallel)
     for (int64_t t = 0; t < T; ++t) select(t, all_scores.values.data() + offset[t]);
   }
@@ -284,22 +286,22 @@ ChunkAttendedRows read_attended_rows(const ModelConfig& config, const LayerParam
   ChunkAttendedRows a;
   a.window_first = std::max<int64_t>(0, ch.start - config.sliding_window + 1);
   a.window_rows.resize(static_cast<size_t>((ch.start - a.window_first) * D));
-  caches.read_window_rows(ch.sequence, L.plan.layer, a.window_first, ch.start - a.window_first, a.window_rows.data());
-  const int kv_src = L.plan.kv_source;
+  caches.read_window_rows(ch.sequence, L.recipe.plan.layer, a.window_first, ch.start - a.window_first, a.window_rows.data());
+  const int kv_src = L.recipe.plan.kv_source;
   if (kv_src < 0) return a;
   const int64_t count = caches.compressed_entries(ch.sequence, kv_src);
   a.entry_row.assign(static_cast<size_t>(count), -1);
-  if (L.plan.index_source >= 0) {
-    const std::vector<int32_t>& picks = published[static_cast<size_t>(L.plan.index_source)].picks;
+  if (L.recipe.plan.index_source >= 0) {
+    const std::vector<int32_t>& picks = published[static_cast<size_t>(L.recipe.plan.index_source)].picks;
     for (int64_t t = ch.first_token; t < ch.first_token + ch.tokens; ++t)
       for (int64_t i = 0; i < k; ++i)
         if (const int32_t j = picks[t * k + i]; j >= 0) {
-          DSV4_CHECK(j < count, "engine: layer ", L.plan.layer, ": pick ", j, " of index source ", L.plan.index_source,
+          DSV4_CHECK(j < count, "engine: layer ", L.recipe.plan.layer, ": pick ", j, " of index source ", L.recipe.plan.index_source,
                      " is beyond the ", count, " entries of kv source ", kv_src);
           a.entry_row[j] = 0;
         }
   } else {  // V4.0 HCA: every entry visible to the chunk's last token
-    std::fill_n(a.entry_row.begin(), std::min(count, (ch.start + ch.tokens) / L.plan.compress_ratio), 0);
+    std::fill_n(a.entry_row.begin(), std::min(count, (ch.start + ch.tokens) / L.recipe.plan.compress_ratio), 0);
   }
   std::vector<int64_t> read;
   for (int64_t j = 0; j < count; ++j)
@@ -322,76 +324,53 @@ void gather_attended_rows(const ModelConfig& config, const LayerParameters& L, c
   for (int64_t pos = std::max<int64_t>(0, p - config.sliding_window + 1); pos <= p; ++pos)
     rows.push_back(pos >= ch.start ? kv + (ch.first_token + pos - ch.start) * D
                                    : a.window_rows.data() + (pos - a.window_first) * D);
-  if (L.plan.kv_source < 0) return;
+  if (L.recipe.plan.kv_source < 0) return;
   const auto entry = [&](int64_t j) { return a.entries.data() + a.entry_row[j] * D; };
-  if (L.plan.index_source >= 0) {
-    const int32_t* picks = published[static_cast<size_t>(L.plan.index_source)].picks.data() + t * config.index_topk;
+  if (L.recipe.plan.index_source >= 0) {
+    const int32_t* picks = published[static_cast<size_t>(L.recipe.plan.index_source)].picks.data() + t * config.index_topk;
     for (int64_t i = 0; i < config.index_topk; ++i)
       if (picks[i] >= 0) rows.push_back(entry(picks[i]));
   } else {
-    const int64_t n_visible = std::min(static_cast<int64_t>(a.entry_row.size()), (p + 1) / L.plan.compress_ratio);
+    const int64_t n_visible = std::min(static_cast<int64_t>(a.entry_row.size()), (p + 1) / L.recipe.plan.compress_ratio);
     for (int64_t j = 0; j < n_visible; ++j) rows.push_back(entry(j));
   }
 }
 
 }  // namespace
 
-LayerParameters prepare_layer(const ModelConfig& config, const LayerPlan& plan, const LayerWeights& weights,
-                              Precision precision, int index_weight_heads) {
+LayerParameters prepare_layer(const ModelConfig& config, const LayerRecipe& recipe, const LayerWeights& weights) {
   LayerParameters L;
-  L.plan = plan;
-  L.family = config.family;
-  L.bf16 = precision == Precision::reference;
-  L.eps = static_cast<float>(config.rms_norm_eps);
-  const bool v41 = config.family == ModelFamily::v4_1;
+  L.recipe = recipe;
+  const LayerPlan& plan = recipe.plan;
   const int64_t hidden = config.hidden_size, H = config.num_heads, D = config.head_dim, G = config.o_groups;
-  const LayerWeightReader r(config, plan, weights, L.bf16);
+  const LayerWeightReader r(config, plan, weights, recipe.round_bf16);
 
-  L.rope_freqs = rope_frequencies(plan.uses_compress_rope ? config.compress_rope : config.main_rope, config.rope_head_dim);
   L.wq_a = r.projection(WeightRole::wq_a, config.q_lora_rank, hidden);
   L.q_norm = r.values(WeightRole::q_norm, {config.q_lora_rank});
   L.wq_b = r.projection(WeightRole::wq_b, H * D, config.q_lora_rank);
   L.wkv = r.projection(WeightRole::wkv, D, hidden);
   L.kv_norm = r.values(WeightRole::kv_norm, {D});
-  L.wo_a = r.projection(WeightRole::wo_a, G * config.o_lora_rank, H * D / G, false);
+  L.wo_a = r.projection(WeightRole::wo_a, G * config.o_lora_rank, H * D / G);
   L.wo_b = r.projection(WeightRole::wo_b, hidden, G * config.o_lora_rank);
   L.attn_sink = r.values(WeightRole::attn_sink, {H});
-  L.q_head_norm = !v41;
-  if (L.bf16) {
-    L.window_quantization = v41 ? RowQuantization::fp8_all_32 : RowQuantization::fp8_nope_64;
-    L.compressed_quantization = v41 ? RowQuantization::fp4_e4m3_16 : RowQuantization::fp8_nope_64;
-    // The official V4.0 indexer rotates q and k with a Hadamard transform before its FP4
-    // quantization; transformers' V4.0 does neither, and neither does this reference.
-    L.indexer_fp4 = v41;
-  }
-
-  const int64_t ratio = plan.compress_ratio;
-  if (plan.owns_compressor) {
-    const CompressorGeometry g{.ratio = ratio,
-                               .overlap = plan.kind == AttentionKind::csa,
-                               .gated = !(v41 && ratio == 1),
-                               .dim = D};
-    L.compressor = read_compressor(r, g, hidden, WeightRole::compressor_wkv, WeightRole::compressor_wgate,
-                                   WeightRole::compressor_norm, WeightRole::compressor_ape);
-  }
+  if (recipe.compressor)
+    L.compressor = read_compressor(r, *recipe.compressor, hidden, WeightRole::compressor_wkv,
+                                   WeightRole::compressor_wgate, WeightRole::compressor_norm, WeightRole::compressor_ape);
   const int64_t nI = config.index_n_heads, dI = config.index_head_dim;
   if (plan.owns_index_keys) {
-    if (v41) {
-      L.indexer_wk = r.projection(WeightRole::indexer_wk, dI, D, false);
-      L.indexer_k_norm = r.values(WeightRole::indexer_k_norm, {dI});
-    } else {
-      const CompressorGeometry g{.ratio = ratio, .overlap = true, .gated = true, .dim = dI};
-      L.index_compressor = read_compressor(r, g, hidden, WeightRole::indexer_compressor_wkv,
+    if (recipe.index_compressor) {
+      L.index_compressor = read_compressor(r, *recipe.index_compressor, hidden, WeightRole::indexer_compressor_wkv,
                                            WeightRole::indexer_compressor_wgate, WeightRole::indexer_compressor_norm,
                                            WeightRole::indexer_compressor_ape);
       L.index_compressor.state_offset = L.compressor.state_floats();  // its ring follows the main one
+    } else {
+      L.indexer_wk = r.projection(WeightRole::indexer_wk, dI, D);
+      L.indexer_k_norm = r.values(WeightRole::indexer_k_norm, {dI});
     }
   }
   if (plan.owns_indexer) {
     L.indexer_wq_b = r.projection(WeightRole::indexer_wq_b, nI * dI, config.q_lora_rank);
-    L.indexer_weights_proj = r.projection(WeightRole::indexer_weights_proj, nI, hidden, false);
-    const double scale_heads = index_weight_heads > 0 ? index_weight_heads : static_cast<double>(nI);
-    L.indexer_weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dI)) / std::sqrt(scale_heads));
+    L.indexer_weights_proj = r.projection(WeightRole::indexer_weights_proj, nI, hidden);
   }
   return L;
 }
@@ -400,9 +379,9 @@ LayerCacheShape layer_cache_shape(const ModelConfig& config, const LayerParamete
   LayerCacheShape s;
   s.window = config.sliding_window;
   s.row_dim = config.head_dim;
-  s.compress_ratio = L.plan.compress_ratio;
-  s.has_compressed = L.plan.owns_compressor;
-  if (L.plan.owns_index_keys) s.index_key_dim = config.index_head_dim;
+  s.compress_ratio = L.recipe.plan.compress_ratio;
+  s.has_compressed = L.recipe.plan.owns_compressor;
+  if (L.recipe.plan.owns_index_keys) s.index_key_dim = config.index_head_dim;
   for (const CompressorParameters* c : {&L.compressor, &L.index_compressor})
     if (c->geometry.ratio > 0) s.compressor_floats = std::max(s.compressor_floats, c->state_offset + c->state_floats());
   return s;
@@ -413,7 +392,7 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
                     bool record_index_scores, const RankReduction& ranks) {
   const int64_t T = step.tokens(), hidden = config.hidden_size, H = config.num_heads, D = config.head_dim;
   const int64_t rd = config.rope_head_dim, G = config.o_groups, R = config.o_lora_rank;
-  const bool bf16 = L.bf16;
+  const bool bf16 = L.recipe.round_bf16;
 
   std::vector<float> x(hidden_in, hidden_in + T * hidden);
   round_bf16(x.data(), T * hidden, bf16);
@@ -421,29 +400,29 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
   // Queries (SPEC §2.2 steps 1-4; V4.0 §12 adds the per-head normalization).
   std::vector<float> qr(static_cast<size_t>(T * config.q_lora_rank)), q(static_cast<size_t>(T * H * D));
   project(x.data(), T, L.wq_a, qr.data(), bf16);
-  rms_norm(qr.data(), T, config.q_lora_rank, L.q_norm.data(), L.eps, qr.data(), bf16);
+  rms_norm(qr.data(), T, config.q_lora_rank, L.q_norm.data(), L.recipe.eps, qr.data(), bf16);
   project(qr.data(), T, L.wq_b, q.data(), bf16);
-  if (L.q_head_norm) rms_norm(q.data(), T * H, D, nullptr, L.eps, q.data(), bf16);
-  apply_rope(q.data(), T, H, D, L.rope_freqs.data(), rd, step.positions.data(), false, bf16);
+  if (L.recipe.q_head_norm) rms_norm(q.data(), T * H, D, nullptr, L.recipe.eps, q.data(), bf16);
+  apply_rope(q.data(), T, H, D, L.recipe.rope_frequencies.data(), rd, step.positions.data(), false, bf16);
 
   // The step's window rows (steps 5-6).
   std::vector<float> kv(static_cast<size_t>(T * D));
   project(x.data(), T, L.wkv, kv.data(), bf16);
-  rms_norm(kv.data(), T, D, L.kv_norm.data(), L.eps, kv.data(), bf16);
-  apply_rope(kv.data(), T, 1, D, L.rope_freqs.data(), rd, step.positions.data(), false, bf16);
-  quantize_rows(L.window_quantization, kv.data(), T, D, rd);
-  caches.round_trip_window_rows(L.plan.layer, kv.data(), T);
+  rms_norm(kv.data(), T, D, L.kv_norm.data(), L.recipe.eps, kv.data(), bf16);
+  apply_rope(kv.data(), T, 1, D, L.recipe.rope_frequencies.data(), rd, step.positions.data(), false, bf16);
+  quantize_rows(L.recipe.window_rows, kv.data(), T, D, rd);
+  caches.round_trip_window_rows(L.recipe.plan.layer, kv.data(), T);
 
-  if (L.plan.owns_compressor) update_compressed_caches(config, L, step, caches, x.data());
-  if (L.plan.owns_indexer)
+  if (L.recipe.plan.owns_compressor) update_compressed_caches(config, L, step, caches, x.data());
+  if (L.recipe.plan.owns_indexer)
     run_indexer(config, L, step, caches, x.data(), qr.data(), published, record_index_scores, ranks);
 
   // Sparse attention (SPEC §5).
   std::vector<float> o(static_cast<size_t>(T * H * D));
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const float scale = L.recipe.softmax_scale;
   std::vector<ChunkAttendedRows> attended;
   for (const StepChunk& ch : step.chunks) attended.push_back(read_attended_rows(config, L, caches, ch, published));
-  const int64_t attended_rows = T * (config.sliding_window + (L.plan.kv_source >= 0 ? config.index_topk : 0));
+  const int64_t attended_rows = T * (config.sliding_window + (L.recipe.plan.kv_source >= 0 ? config.index_topk : 0));
 #pragma omp parallel for schedule(dynamic, 1) if (attended_rows * H * D >= kMinParallelWork)
   for (int64_t t = 0; t < T; ++t) {
     std::vector<const float*> rows;
@@ -452,10 +431,10 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
                      scale, bf16, o.data() + t * H * D);
   }
   for (const StepChunk& ch : step.chunks)
-    caches.write_window_rows(ch.sequence, L.plan.layer, ch.start, ch.tokens, kv.data() + ch.first_token * D);
+    caches.write_window_rows(ch.sequence, L.recipe.plan.layer, ch.start, ch.tokens, kv.data() + ch.first_token * D);
 
   // Output projection (SPEC §6).
-  apply_rope(o.data(), T, H, D, L.rope_freqs.data(), rd, step.positions.data(), true, bf16);
+  apply_rope(o.data(), T, H, D, L.recipe.rope_frequencies.data(), rd, step.positions.data(), true, bf16);
   std::vector<float> y(static_cast<size_t>(T * G * R));
   grouped_linear(o.data(), T, G, H / G * D, L.wo_a.weight.data(), R, y.data(), bf16);
   // A tensor-parallel rank's output is a partial sum over its heads: fp32 until the ranks' partial
@@ -465,7 +444,7 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
     ranks.communicator->all_reduce_sum(attn_out, T * hidden, nullptr);
     round_bf16(attn_out, T * hidden, bf16);
   }
-  published[static_cast<size_t>(L.plan.layer)].ran = true;
+  published[static_cast<size_t>(L.recipe.plan.layer)].ran = true;
 }
 
 }  // namespace dsv4::reference

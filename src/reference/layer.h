@@ -7,10 +7,16 @@
 #include <vector>
 
 #include "dsv4/config.h"
-#include "dsv4/engine.h"
+#include "dsv4/types.h"
 #include "dsv4/weights.h"
+#include "common/step_layout.h"
+#include "model/layer_recipe.h"
 #include "reference/ops.h"
 #include "reference/cache_store.h"
+
+namespace dsv4 {
+class Communicator;  // dsv4/parallel.h
+}  // namespace dsv4
 
 namespace dsv4::reference {
 
@@ -19,14 +25,6 @@ struct Projection {
   std::vector<float> weight;          // [out, in] fp32 (fp8 weights dequantized)
   int64_t out = 0, in = 0;
   int64_t fp8_activation_block = 0;   // > 0: activations are fp8-quantized in blocks (fp8 weights)
-};
-
-// How the rows a layer caches are fake-quantized (SPEC §2.2 step 6, §3.4, §10).
-enum class RowQuantization : uint8_t {
-  none,
-  fp8_all_32,    // V4.1 window rows: e4m3, ue8m0 scale per 32 channels, all channels
-  fp8_nope_64,   // V4.0 window and compressed rows: e4m3, ue8m0 per 64 channels, RoPE channels kept
-  fp4_e4m3_16,   // V4.1 compressed rows: e2m1, e4m3 scale per 16 channels
 };
 
 struct CompressorParameters {
@@ -39,19 +37,12 @@ struct CompressorParameters {
   int64_t state_floats() const { return geometry.span() * geometry.row_width(); }
 };
 
-// Everything one layer needs, resolved once when the engine is created.
+// Everything one layer needs, resolved once when the engine is created: its recipe and its
+// weights converted as the reference multiplies them.
 struct LayerParameters {
-  LayerPlan plan;
-  ModelFamily family = ModelFamily::v4_1;
-  bool bf16 = false;                  // Precision::reference: round op outputs to bf16
-  float eps = 1e-6f;
-  std::vector<float> rope_freqs;      // the layer's table (main, or compress + YaRN)
+  LayerRecipe recipe;
   Projection wq_a, wq_b, wkv, wo_a, wo_b;
   std::vector<float> q_norm, kv_norm, attn_sink;
-  bool q_head_norm = false;           // V4.0: per-head RMS normalization of q without weight
-  RowQuantization window_quantization = RowQuantization::none;
-  RowQuantization compressed_quantization = RowQuantization::none;
-  bool indexer_fp4 = false;           // V4.1 reference: FP4 fake quantization of indexer q and k
   // kv sources
   CompressorParameters compressor;
   // index keys: V4.1 from the latent (wk, k_norm); V4.0 CSA from the indexer's own compressor
@@ -60,33 +51,14 @@ struct LayerParameters {
   CompressorParameters index_compressor;
   // index sources
   Projection indexer_wq_b, indexer_weights_proj;
-  float indexer_weight_scale = 1.0f;  // index_head_dim^-0.5 · index_n_heads^-0.5 (of the whole model)
 };
 
-// Checks the layer's tensors against the plan and converts them. Throws naming layer, tensor,
-// shape and expectation. `index_weight_heads`: the index heads the index weight scale counts, when
-// `config` is a tensor-parallel shard whose indexer holds only its rank's share (0: index_n_heads).
-LayerParameters prepare_layer(const ModelConfig& config, const LayerPlan& plan, const LayerWeights& weights,
-                              Precision precision, int index_weight_heads = 0);
+// Checks the layer's tensors against the recipe's plan and converts them. Throws naming layer,
+// tensor, shape and expectation.
+LayerParameters prepare_layer(const ModelConfig& config, const LayerRecipe& recipe, const LayerWeights& weights);
 
 // What the layer caches per sequence.
 LayerCacheShape layer_cache_shape(const ModelConfig& config, const LayerParameters& layer);
-
-// One sequence's tokens in a step: tokens [first_token, first_token + tokens) of the step at
-// positions [start, start + tokens).
-struct StepChunk {
-  SequenceId sequence = 0;
-  int64_t first_token = 0;
-  int64_t tokens = 0;
-  int64_t start = 0;
-};
-
-struct StepLayout {
-  std::vector<StepChunk> chunks;
-  std::vector<int64_t> positions;     // [T]
-  std::vector<int32_t> chunk_of;      // [T]
-  int64_t tokens() const { return static_cast<int64_t>(positions.size()); }
-};
 
 // Per-token rows of different lengths (token t: values[offset[t] .. offset[t + 1])).
 template <class T>

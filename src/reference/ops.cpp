@@ -98,36 +98,6 @@ void rms_norm(const float* x, int64_t n, int64_t dim, const float* weight, float
   }
 }
 
-std::vector<float> rope_frequencies(const RopeParams& params, int64_t rope_dim) {
-  DSV4_CHECK(rope_dim > 0 && rope_dim % 2 == 0, "reference: rope: rope_dim ", rope_dim, " must be even and positive");
-  DSV4_CHECK(params.theta > 1.0, "reference: rope: theta ", params.theta, " must be > 1");
-  const int64_t pairs = rope_dim / 2;
-  std::vector<float> freqs(static_cast<size_t>(pairs));
-  const float base = static_cast<float>(params.theta);
-  for (int64_t i = 0; i < pairs; ++i)
-    freqs[i] = 1.0f / std::pow(base, static_cast<float>(2 * i) / static_cast<float>(rope_dim));
-  if (!params.yarn) return freqs;
-  DSV4_CHECK(params.factor > 0 && params.original_max_position > 0, "reference: rope: YaRN factor ", params.factor,
-             " and original_max_position ", params.original_max_position, " must be positive");
-  // The correction range is computed in double, the blend in fp32, as the reference does.
-  const auto correction_dim = [&](double rotations) {
-    return static_cast<double>(rope_dim) *
-           std::log(static_cast<double>(params.original_max_position) / (rotations * 2.0 * std::numbers::pi)) /
-           (2.0 * std::log(params.theta));
-  };
-  const double low = std::max(std::floor(correction_dim(params.beta_fast)), 0.0);
-  double high = std::min(std::ceil(correction_dim(params.beta_slow)), static_cast<double>(rope_dim - 1));
-  if (low == high) high += 0.001;
-  const float factor = static_cast<float>(params.factor);
-  for (int64_t i = 0; i < pairs; ++i) {
-    const float ramp = std::clamp((static_cast<float>(i) - static_cast<float>(low)) / static_cast<float>(high - low),
-                                  0.0f, 1.0f);
-    const float smooth = 1.0f - ramp;  // weight of the original frequency
-    freqs[i] = freqs[i] / factor * (1.0f - smooth) + freqs[i] * smooth;
-  }
-  return freqs;
-}
-
 void apply_rope(float* x, int64_t n, int64_t heads, int64_t head_dim, const float* freqs, int64_t rope_dim,
                 const int64_t* positions, bool inverse, bool bf16_output) {
   DSV4_CHECK(rope_dim % 2 == 0 && rope_dim <= head_dim, "reference: rope: rope_dim ", rope_dim,

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dsv4/config.h"
+#include "model/layer_recipe.h"  // CompressorGeometry
 
 namespace dsv4::reference {
 
@@ -54,9 +55,6 @@ void rms_norm(const float* x, int64_t n, int64_t dim, const float* weight, float
 // ---------------------------------------------------------------------------------------------
 // Rotary embedding (SPEC §2.3, §2.4)
 
-// The per-pair frequencies f_i, i < rope_dim / 2, in fp32: base^(-2i/rope_dim), blended with
-// f_i / factor by the YaRN ramp when params.yarn. No attention scaling.
-std::vector<float> rope_frequencies(const RopeParams& params, int64_t rope_dim);
 
 // Rotates the last rope_dim channels of every head of x [n, heads, head_dim] by the angles
 // float(positions[t]) · freqs[i] (interleaved pairs (2i, 2i+1)); `inverse` rotates by the negated
@@ -87,16 +85,6 @@ void softmax_pool(const float* const* kv, const float* const* score, const float
                   int64_t dim, float* pooled);
 
 // How a layer's compressor maps tokens to compressed entries.
-struct CompressorGeometry {
-  int64_t ratio = 0;     // tokens per entry; entry w closes at position w·ratio + ratio − 1
-  bool overlap = false;  // V4.0 CSA: entry w also pools the first half of window w − 1
-  bool gated = true;     // false: V4.1 ratio 1, a plain projection
-  int64_t dim = 0;       // channels of one entry (512, or 128 for the V4.0 indexer's compressor)
-  // Channels of one projected token row: [kv (coff·dim) | score (coff·dim)], coff = 1 + overlap.
-  int64_t row_width() const { return (gated ? 2 : 1) * (overlap ? 2 : 1) * dim; }
-  // Tokens whose projected rows an entry can read: the window, plus the previous one when overlapping.
-  int64_t span() const { return (overlap ? 2 : 1) * ratio; }
-};
 
 // The pooled (pre-norm) vector of entry `w` [dim]. row(p) returns the projected row (row_width())
 // of the token at position p, for every p of the entry's span; bias [ratio, coff·dim] or nullptr.

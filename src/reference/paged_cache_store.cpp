@@ -12,20 +12,21 @@ namespace dsv4::reference {
 namespace {
 
 KvCacheOptions cache_options(const ModelConfig& config, const ModelTopology& topology,
-                             const std::vector<LayerCacheShape>& shapes, const EngineOptions& options) {
+                             const std::vector<LayerCacheShape>& shapes, const KvFormatSet& formats,
+                             const PoolLimits& limits) {
   KvCacheOptions o;
-  o.formats = kv_format_set(options.kv_format);
+  o.formats = formats;
   for (const LayerCacheShape& s : shapes) o.compressor_state_floats.push_back(s.compressor_floats);
-  o.capacity = plan_kv_cache_capacity(config, topology, o, options.max_sequences, options.max_context,
-                                      options.max_tokens_per_step);
+  o.capacity = plan_kv_cache_capacity(config, topology, o, limits.max_sequences, limits.max_context,
+                                      limits.max_step_tokens);
   return o;
 }
 
 class PagedCacheStore final : public CacheStore {
  public:
   PagedCacheStore(const ModelConfig& config, const ModelTopology& topology, std::vector<LayerCacheShape> shapes,
-                  const EngineOptions& options)
-      : shapes_(std::move(shapes)), manager_(config, topology, cache_options(config, topology, shapes_, options)) {
+                  const KvFormatSet& formats, const PoolLimits& limits)
+      : shapes_(std::move(shapes)), manager_(config, topology, cache_options(config, topology, shapes_, formats, limits)) {
     for (int l = 0; l < static_cast<int>(shapes_.size()); ++l) {
       const LayerCacheShape& s = shapes_[static_cast<size_t>(l)];
       DSV4_CHECK(manager_.has_pool(CacheKind::compressed, l) == s.has_compressed &&
@@ -49,6 +50,13 @@ class PagedCacheStore final : public CacheStore {
   }
   int64_t length(SequenceId id) const override { return manager_.sequence_length(id); }
   int64_t cache_bytes(SequenceId id) const override { return manager_.sequence_bytes(id); }
+  int64_t held_bytes() const override {
+    int64_t bytes = 0;
+    for (const PagePool* pool : manager_.pools()) bytes += static_cast<int64_t>(pool->bytes().size());
+    int64_t state_floats = 0;  // compressor states of one sequence
+    for (const LayerCacheShape& s : shapes_) state_floats += s.compressor_floats;
+    return bytes + static_cast<int64_t>(manager_.sequences().size()) * state_floats * static_cast<int64_t>(sizeof(float));
+  }
 
   void reserve(const std::vector<StepEntry>& step) override {
     std::vector<CacheStepEntry> entries;
@@ -132,12 +140,13 @@ class PagedCacheStore final : public CacheStore {
 }  // namespace
 
 std::unique_ptr<CacheStore> make_paged_cache_store(const ModelConfig& config, const ModelTopology& topology,
-                                                   std::vector<LayerCacheShape> shapes, const EngineOptions& options) {
+                                                   std::vector<LayerCacheShape> shapes, const KvFormatSet& formats,
+                                                   const PoolLimits& limits) {
   try {
-    return std::make_unique<PagedCacheStore>(config, topology, std::move(shapes), options);
+    return std::make_unique<PagedCacheStore>(config, topology, std::move(shapes), formats, limits);
   } catch (const std::bad_alloc&) {
-    fail("engine: create: the '", options.kv_format, "' cache pools for ", options.max_sequences, " sequences of ",
-         options.max_context, " tokens (EngineOptions::max_sequences, max_context) do not fit in memory");
+    fail("engine: create: the '", formats.name, "' cache pools for ", limits.max_sequences, " sequences of ",
+         limits.max_context, " tokens (EngineOptions::max_sequences, max_context) do not fit in memory");
   }
 }
 

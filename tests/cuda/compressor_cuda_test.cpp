@@ -35,7 +35,7 @@ struct Chunk {
 };
 
 void check_compressor(const CompressorCase& c, uint32_t seed) {
-  const reference::CompressorGeometry g{.ratio = c.ratio, .overlap = c.overlap, .gated = c.gated, .dim = c.dim};
+  const CompressorGeometry g{.ratio = c.ratio, .overlap = c.overlap, .gated = c.gated, .dim = c.dim};
   const int64_t width = g.row_width(), span = g.span(), coff = c.overlap ? 2 : 1;
   const std::vector<int32_t> ring_of_sequence = {3, 0};  // sequence -> state slot
   const int64_t slots = 5;

@@ -27,7 +27,6 @@
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
-#include "cuda/engine/cuda_engine.h"
 #include "dsv4/config.h"
 #include "dsv4/engine.h"
 #include "dsv4/weights.h"
@@ -60,6 +59,8 @@ EngineOptions engine_options(Backend backend, Precision precision, const std::st
   EngineOptions o;
   o.backend = backend;
   o.precision = precision;
+  // "": the cpu engine keeps float rows, the cuda engine the default (exact) formats.
+  o.cache_storage = kv_format.empty() && backend == Backend::cpu ? CacheStorage::float_rows : CacheStorage::paged;
   o.kv_format = kv_format;
   o.max_sequences = 4;
   o.max_context = 128;
@@ -329,9 +330,13 @@ using EngineCudaGraph = CudaTest;
 
 TEST_F(EngineCudaGraph, DecodeStepReplaysFromAGraph) {
   const Model m = tiny_model("tiny-v4.1");
-  const EngineOptions options = engine_options(Backend::cuda, Precision::reference, "v4.1-native");
+  EngineOptions options = engine_options(Backend::cuda, Precision::reference, "v4.1-native");
   auto eager = Engine::create(m.config, m.weights, options);
+  // The graphed engine runs on the caller's stream (EngineOptions::cuda_stream).
+  const cuda::Stream caller;
+  options.cuda_stream = caller.get();
   auto graphed = Engine::create(m.config, m.weights, options);
+  ASSERT_EQ(graphed->cuda_stream(), caller.get());
   std::vector<SequenceId> ids;
   for (Engine* e : {eager.get(), graphed.get()}) {
     ids = {e->add_sequence(), e->add_sequence()};
@@ -340,7 +345,7 @@ TEST_F(EngineCudaGraph, DecodeStepReplaysFromAGraph) {
     run_layers(*e, m, prefill, 49);
     e->end_step();
   }
-  auto& g = dynamic_cast<cuda::CudaEngine&>(*graphed);
+  cudaStream_t g = graphed->cuda_stream();
   for (int step = 0; step < 2; ++step) {
     const DeviceLayers a = device_layers(m, 2, 200 + step), b = device_layers(m, 2, 200 + step);
     eager->begin_step({{ids[0], 1}, {ids[1], 1}});
@@ -349,20 +354,20 @@ TEST_F(EngineCudaGraph, DecodeStepReplaysFromAGraph) {
     if (step == 0) {
       // The first decode step: captured, then launched.
       cudaGraph_t graph = nullptr;
-      DSV4_CUDA_CHECK(cudaStreamBeginCapture(g.stream(), cudaStreamCaptureModeThreadLocal));
+      DSV4_CUDA_CHECK(cudaStreamBeginCapture(g, cudaStreamCaptureModeThreadLocal));
       run_layers(*graphed, m, b, 2);
-      DSV4_CUDA_CHECK(cudaStreamEndCapture(g.stream(), &graph));
+      DSV4_CUDA_CHECK(cudaStreamEndCapture(g, &graph));
       cudaGraphExec_t exec = nullptr;
       DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      DSV4_CUDA_CHECK(cudaGraphLaunch(exec, g.stream()));
-      DSV4_CUDA_CHECK(cudaStreamSynchronize(g.stream()));
+      DSV4_CUDA_CHECK(cudaGraphLaunch(exec, g));
+      DSV4_CUDA_CHECK(cudaStreamSynchronize(g));
       DSV4_CUDA_CHECK(cudaGraphExecDestroy(exec));
       DSV4_CUDA_CHECK(cudaGraphDestroy(graph));
     } else {
       // The next step runs directly on the caches the replay wrote.
       run_layers(*graphed, m, b, 2);
     }
-    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    for (Engine* e : {eager.get(), graphed.get()}) DSV4_CUDA_CHECK(cudaStreamSynchronize(e->cuda_stream()));
     for (int l = 0; l < m.topology.size(); ++l)
       EXPECT_LE(relative_l2(download(b.out[l]), download(a.out[l])), 1e-6) << "step " << step << " layer " << l;
     eager->end_step();

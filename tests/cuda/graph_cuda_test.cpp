@@ -25,7 +25,7 @@ using GraphCudaTest = testing::BlasCudaTest;
 
 TEST_F(GraphCudaTest, LayerStepReplaysBitForBit) {
   const RopeParams rope{.theta = 160000.0, .yarn = true, .factor = 16.0, .original_max_position = 64};
-  DeviceTensor table = testing::device_tensor(rope_table(reference::rope_frequencies(rope, kRopeDim), 64));
+  DeviceTensor table = testing::device_tensor(rope_table(rope_frequencies(rope, kRopeDim), 64));
   // One sequence, a 12-token prefill chunk at positions 0..11 (state slot 0, pages in order).
   std::vector<int32_t> position(kTokens), zeros(kTokens, 0);
   std::vector<int64_t> window_slot(kTokens), entry_slot(kTokens);
@@ -82,18 +82,18 @@ TEST_F(GraphCudaTest, LayerStepReplaysBitForBit) {
   const auto step = [&](cudaStream_t s) {
     run_rope_heads({.x = q_raw.view, .token_position = dpos.view, .rope_table = table.view, .out = q.view}, s);
     run_cache_insert({.rows = kv_raw.view, .norm_weight = kv_norm.view, .eps = 1e-20f, .token_position = dpos.view,
-                      .rope_table = table.view, .quant = RowQuant::fp8_e4m3_32, .slots = dwindow_slot.view,
+                      .rope_table = table.view, .quant = RowQuantizer::fp8_e4m3_32, .slots = dwindow_slot.view,
                       .cache = window}, s);
     run_compressor_pool({.rows = rows.view, .token_position = dpos.view, .state_slot = dseq.view, .state = state.view,
                          .norm_weight = kv_norm.view, .eps = 1e-20f, .ratio = kRatio, .latent = latent.view}, s);
     run_cache_insert({.rows = latent.view, .token_position = dpos.view, .position_offset = 1 - kRatio,
-                      .rope_table = table.view, .quant = RowQuant::fp4_e4m3_16, .slots = dentry_slot.view,
+                      .rope_table = table.view, .quant = RowQuantizer::fp4_e4m3_16, .slots = dentry_slot.view,
                       .cache = compressed}, s);
     run_cache_insert({.rows = latent_keys.view, .norm_weight = k_norm.view, .eps = 1e-20f, .token_position = dpos.view,
-                      .position_offset = 1 - kRatio, .rope_table = table.view, .quant = RowQuant::fp4_ue8m0_32,
+                      .position_offset = 1 - kRatio, .rope_table = table.view, .quant = RowQuantizer::fp4_ue8m0_32,
                       .slots = dentry_slot.view, .cache = keys}, s);
     run_rope_heads({.x = iq_raw.view, .token_position = dpos.view, .rope_table = table.view,
-                    .quant = RowQuant::fp4_ue8m0_32, .out = iq.view}, s);
+                    .quant = RowQuantizer::fp4_ue8m0_32, .out = iq.view}, s);
     run_index_scores({.q = iq.view, .weights = iweights.view, .keys = keys, .token_sequence = dseq.view,
                       .token_position = dpos.view, .compress_ratio = kRatio, .scores = scores.view}, s);
     run_candidate_block_scores({.scores = scores.view, .token_position = dpos.view, .compress_ratio = kRatio,

@@ -171,7 +171,7 @@ TEST(KernelTimingCudaTest, DISABLED_ProjectionsAndRowOpsAtFlashSizes) {
   }
   const int64_t tokens = 2048;
   const RopeParams rope{.theta = 160000.0, .yarn = true, .factor = 16.0, .original_max_position = 65536};
-  DeviceTensor table = testing::device_tensor(rope_table(reference::rope_frequencies(rope, 64), 65536));
+  DeviceTensor table = testing::device_tensor(rope_table(rope_frequencies(rope, 64), 65536));
   Step step(1, tokens, 16383);
   DeviceTensor q = testing::device_tensor(testing::random_floats(tokens * kHeads * kDim, 9), DType::bf16, {tokens, kHeads, kDim});
   const RopeHeadsParams rope_q{.x = q.view, .token_position = step.dposition.view, .rope_table = table.view, .out = q.view};
@@ -184,7 +184,7 @@ TEST(KernelTimingCudaTest, DISABLED_ProjectionsAndRowOpsAtFlashSizes) {
   DeviceTensor norm = testing::device_tensor(testing::random_floats(kDim, 11, 0.5f, 1.5f), DType::bf16, {kDim});
   const CacheInsertParams insert{.rows = kv.view, .norm_weight = norm.view, .eps = 1e-20f,
                                  .token_position = step.dposition.view, .rope_table = table.view,
-                                 .quant = RowQuant::fp8_e4m3_32, .slots = dslots.view, .cache = window.view};
+                                 .quant = RowQuantizer::fp8_e4m3_32, .slots = dslots.view, .cache = window.view};
   report("cache_insert window (norm, RoPE, fp8 QAT, v41_fp8): 2048 rows",
          time_ms([&](cudaStream_t s) { run_cache_insert(insert, s); }, stream));
   expect_finite(q.view, "rotated q");

@@ -27,7 +27,7 @@ const RopeParams kCompressRope{.theta = 160000.0, .yarn = true, .factor = 16.0, 
 
 // The layer's RoPE table on the device and its frequencies for the reference.
 struct Rope {
-  std::vector<float> frequencies = reference::rope_frequencies(kCompressRope, kRopeDim);
+  std::vector<float> frequencies = rope_frequencies(kCompressRope, kRopeDim);
   DeviceTensor table = testing::device_tensor(rope_table(frequencies, kTablePositions));
 };
 
@@ -66,14 +66,14 @@ TEST_F(CudaTest, RopeHeadsIsExact) {
   struct Case {
     int64_t tokens, heads, dim;
     bool inverse, head_norm;
-    RowQuant quant;
+    RowQuantizer quant;
     DType out_dtype;
   };
   const Case cases[] = {
-      {11, 7, 512, false, false, RowQuant::none, DType::bf16},          // V4.1 q
-      {5, 4, 512, false, true, RowQuant::none, DType::bf16},            // V4.0 q (per-head norm)
-      {9, 32, 128, false, false, RowQuant::fp4_ue8m0_32, DType::bf16},  // indexer q
-      {6, 3, 512, true, false, RowQuant::none, DType::f32},             // output un-rotation, fp32
+      {11, 7, 512, false, false, RowQuantizer::none, DType::bf16},          // V4.1 q
+      {5, 4, 512, false, true, RowQuantizer::none, DType::bf16},            // V4.0 q (per-head norm)
+      {9, 32, 128, false, false, RowQuantizer::fp4_ue8m0_32, DType::bf16},  // indexer q
+      {6, 3, 512, true, false, RowQuantizer::none, DType::f32},             // output un-rotation, fp32
   };
   uint32_t seed = 10;
   for (const Case& c : cases) {
@@ -93,7 +93,7 @@ TEST_F(CudaTest, RopeHeadsIsExact) {
     const auto positions = widened(position);
     reference::apply_rope(expected.data(), c.tokens, c.heads, c.dim, rope.frequencies.data(), kRopeDim, positions.data(),
                           c.inverse, bf16);
-    if (c.quant == RowQuant::fp4_ue8m0_32) reference::fake_quant_fp4_ue8m0_rows(expected.data(), c.tokens * c.heads, c.dim);
+    if (c.quant == RowQuantizer::fp4_ue8m0_32) reference::fake_quant_fp4_ue8m0_rows(expected.data(), c.tokens * c.heads, c.dim);
     testing::expect_close(testing::download_floats(out.view), expected, 0.0f, 0.0f,
                           "rope_heads case with " + std::to_string(c.heads) + " heads of " + std::to_string(c.dim));
   }
@@ -120,7 +120,7 @@ struct InsertCase {
   KvRowFormat format;
   int64_t dim;
   bool norm;
-  RowQuant quant;
+  RowQuantizer quant;
   int64_t position_offset = 0;
   PagePlacement placement = PagePlacement::segregated;
   const char* what = "";
@@ -147,10 +147,10 @@ void check_cache_insert(const InsertCase& c, uint32_t seed) {
   for (int64_t t = 0; t < tokens; ++t) rope_position[t] = position[t] + c.position_offset;
   reference::apply_rope(expected.data(), tokens, 1, c.dim, rope.frequencies.data(), kRopeDim, rope_position.data(),
                         false, true);
-  if (c.quant == RowQuant::fp8_e4m3_32) reference::fake_quant_fp8_rows(expected.data(), tokens, c.dim, c.dim, 32);
-  if (c.quant == RowQuant::fp8_e4m3_nope_64) reference::fake_quant_fp8_rows(expected.data(), tokens, c.dim, c.dim - kRopeDim, 64);
-  if (c.quant == RowQuant::fp4_ue8m0_32) reference::fake_quant_fp4_ue8m0_rows(expected.data(), tokens, c.dim);
-  if (c.quant == RowQuant::fp4_e4m3_16) reference::fake_quant_fp4_e4m3_rows(expected.data(), tokens, c.dim);
+  if (c.quant == RowQuantizer::fp8_e4m3_32) reference::fake_quant_fp8_rows(expected.data(), tokens, c.dim, c.dim, 32);
+  if (c.quant == RowQuantizer::fp8_e4m3_nope_64) reference::fake_quant_fp8_rows(expected.data(), tokens, c.dim, c.dim - kRopeDim, 64);
+  if (c.quant == RowQuantizer::fp4_ue8m0_32) reference::fake_quant_fp4_ue8m0_rows(expected.data(), tokens, c.dim);
+  if (c.quant == RowQuantizer::fp4_e4m3_16) reference::fake_quant_fp4_e4m3_rows(expected.data(), tokens, c.dim);
   const PageGeometry g = page_geometry(c.format, c.dim, rows_per_page, c.placement);
   std::vector<std::byte> pages(static_cast<size_t>(num_pages * g.page_stride));
   std::mt19937 rng(seed + 4);
@@ -193,14 +193,14 @@ void check_cache_insert(const InsertCase& c, uint32_t seed) {
 TEST_F(CudaTest, CacheInsertWritesTheReferenceBytes) {
   uint32_t seed = 100;
   const InsertCase cases[] = {
-      {KvRowFormat::v41_fp8, 512, true, RowQuant::fp8_e4m3_32, 0, PagePlacement::segregated, "V4.1 window row"},
-      {KvRowFormat::v41_fp8, 512, true, RowQuant::fp8_e4m3_32, 0, PagePlacement::interleaved, "interleaved window"},
-      {KvRowFormat::bf16, 512, true, RowQuant::fp8_e4m3_32, 0, PagePlacement::segregated, "bf16 window after QAT"},
-      {KvRowFormat::fp8_ds_mla, 512, true, RowQuant::fp8_e4m3_nope_64, 0, PagePlacement::segregated, "V4.0 window"},
-      {KvRowFormat::fp8_per_tensor, 512, true, RowQuant::none, 0, PagePlacement::segregated, "per-tensor fp8"},
-      {KvRowFormat::v41_fp4, 512, false, RowQuant::fp4_e4m3_16, -1, PagePlacement::segregated, "compressed entry"},
-      {KvRowFormat::index_mxfp4, 128, true, RowQuant::fp4_ue8m0_32, -1, PagePlacement::segregated, "MXFP4 index key"},
-      {KvRowFormat::index_fp8, 128, true, RowQuant::none, -3, PagePlacement::segregated, "FP8 index key"},
+      {KvRowFormat::v41_fp8, 512, true, RowQuantizer::fp8_e4m3_32, 0, PagePlacement::segregated, "V4.1 window row"},
+      {KvRowFormat::v41_fp8, 512, true, RowQuantizer::fp8_e4m3_32, 0, PagePlacement::interleaved, "interleaved window"},
+      {KvRowFormat::bf16, 512, true, RowQuantizer::fp8_e4m3_32, 0, PagePlacement::segregated, "bf16 window after QAT"},
+      {KvRowFormat::fp8_ds_mla, 512, true, RowQuantizer::fp8_e4m3_nope_64, 0, PagePlacement::segregated, "V4.0 window"},
+      {KvRowFormat::fp8_per_tensor, 512, true, RowQuantizer::none, 0, PagePlacement::segregated, "per-tensor fp8"},
+      {KvRowFormat::v41_fp4, 512, false, RowQuantizer::fp4_e4m3_16, -1, PagePlacement::segregated, "compressed entry"},
+      {KvRowFormat::index_mxfp4, 128, true, RowQuantizer::fp4_ue8m0_32, -1, PagePlacement::segregated, "MXFP4 index key"},
+      {KvRowFormat::index_fp8, 128, true, RowQuantizer::none, -3, PagePlacement::segregated, "FP8 index key"},
   };
   for (const InsertCase& c : cases) check_cache_insert(c, seed += 10);
 }
@@ -252,7 +252,7 @@ TEST(QkvCudaValidation, ReportsTheFirstBadArgument) {
   const CacheInsertParams insert{.rows = fake_device_view(DType::bf16, {4, 512}),
                                  .token_position = fake_device_view(DType::i32, {4}),
                                  .rope_table = fake_device_view(DType::f32, {100, 64}),
-                                 .quant = RowQuant::fp4_e4m3_16,
+                                 .quant = RowQuantizer::fp4_e4m3_16,
                                  .slots = fake_device_view(DType::i64, {4}),
                                  .cache = {.pages = fake_device_view(DType::u8, {2, g.page_stride}), .geometry = g}};
   EXPECT_NO_THROW(validate_cache_insert(insert));

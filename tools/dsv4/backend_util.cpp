@@ -70,11 +70,22 @@ Backend usable_backend(Backend requested, const std::string& command) {
   return Backend::cpu;
 }
 
-void wait_for_device(Backend backend) {
+void apply_kv_format_flag(EngineOptions& options, const std::string& flag) {
+  options.cache_storage = flag == "float" ? CacheStorage::float_rows : CacheStorage::paged;
+  options.kv_format = flag == "float" ? "" : flag;
+}
+
+std::string cache_storage_label(const EngineOptions& options) {
+  if (options.cache_storage == CacheStorage::float_rows) return "float";
+  return options.kv_format.empty() ? "default" : options.kv_format;
+}
+
+void wait_for_engine(const Engine& engine) {
 #ifdef DSV4_WITH_CUDA
-  if (backend == Backend::cuda) check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (engine.cuda_stream() != nullptr)
+    check_cuda(cudaStreamSynchronize(engine.cuda_stream()), "cudaStreamSynchronize");
 #else
-  (void)backend;
+  (void)engine;
 #endif
 }
 
@@ -97,12 +108,12 @@ int64_t device_memory_in_use(Backend backend) {
 #endif
 }
 
-DeviceRows::DeviceRows(Backend backend, int64_t capacity_rows, int64_t cols)
-    : backend_(backend), capacity_rows_(capacity_rows), cols_(cols) {
+DeviceRows::DeviceRows(const Engine& engine, int64_t capacity_rows, int64_t cols)
+    : stream_(engine.cuda_stream()), capacity_rows_(capacity_rows), cols_(cols) {
   DSV4_CHECK(capacity_rows >= 0 && cols >= 1, "device rows: shape [", capacity_rows, ", ", cols,
              "] is invalid, expected rows >= 0 and cols >= 1");
   const size_t bytes = static_cast<size_t>(capacity_rows * cols) * sizeof(float);
-  if (backend == Backend::cuda) {
+  if (stream_ != nullptr) {
 #ifdef DSV4_WITH_CUDA
     // The rows live on the current device (a tensor-parallel rank's own GPU); the views say which.
     check_cuda(cudaGetDevice(&device_index_), "cudaGetDevice");
@@ -117,7 +128,7 @@ DeviceRows::DeviceRows(Backend backend, int64_t capacity_rows, int64_t cols)
 
 DeviceRows::~DeviceRows() {
 #ifdef DSV4_WITH_CUDA
-  if (backend_ == Backend::cuda) {
+  if (stream_ != nullptr) {
     cudaFree(data_);
     return;
   }
@@ -133,18 +144,16 @@ void DeviceRows::check_rows(int64_t rows, const char* what) const {
 TensorView DeviceRows::view(int64_t rows) const {
   check_rows(rows, "view");
   return TensorView::contiguous(data_, DType::f32, {rows, cols_},
-                                backend_ == Backend::cuda ? Device::cuda : Device::cpu, device_index_);
+                                stream_ != nullptr ? Device::cuda : Device::cpu, device_index_);
 }
 
 void DeviceRows::upload(const float* host, int64_t rows) {
   check_rows(rows, "upload");
   const size_t bytes = static_cast<size_t>(rows * cols_) * sizeof(float);
 #ifdef DSV4_WITH_CUDA
-  if (backend_ == Backend::cuda) {
-    // The engine may run on its own stream and still be reading the previous rows; it reads the
-    // new ones on that stream too, which is not ordered after this copy: copy_to_device finishes it.
-    wait_for_device(backend_);
-    cuda::copy_to_device(data_, host, bytes);
+  if (stream_ != nullptr) {
+    // Ordered after the engine's reads of the previous rows.
+    cuda::copy_to_device(data_, host, bytes, stream_);
     return;
   }
 #endif
@@ -155,9 +164,9 @@ void DeviceRows::download(float* host, int64_t rows) const {
   check_rows(rows, "download");
   const size_t bytes = static_cast<size_t>(rows * cols_) * sizeof(float);
 #ifdef DSV4_WITH_CUDA
-  if (backend_ == Backend::cuda) {
-    wait_for_device(backend_);
-    check_cuda(cudaMemcpy(host, data_, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to the host");
+  if (stream_ != nullptr) {
+    check_cuda(cudaMemcpyAsync(host, data_, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync to the host");
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
     return;
   }
 #endif

@@ -21,8 +21,14 @@ bool cuda_backend_usable(std::string* why);
 // and the reason.
 Backend usable_backend(Backend requested, const std::string& command);
 
-// Waits until work queued on the backend's device has finished (nothing to wait for on the CPU).
-void wait_for_device(Backend backend);
+// The --kv-format flag of the commands: "float" keeps float rows (CacheStorage::float_rows, cpu
+// only), any other value pages in that kv_format_set ("" : default_kv_formats).
+void apply_kv_format_flag(EngineOptions& options, const std::string& flag);
+// How `options` stores the caches, for the commands' summaries: "float" or the set's name.
+std::string cache_storage_label(const EngineOptions& options);
+
+// Waits until the work the engine queued has finished (its stream; nothing to wait for on the CPU).
+void wait_for_engine(const Engine& engine);
 
 // Bytes of memory in use on the current GPU (all allocations, as cudaMemGetInfo sees them); 0 for
 // the cpu backend.
@@ -33,24 +39,25 @@ int64_t device_memory_in_use(Backend backend);
 // device memory that nothing wrote.
 void fill_device_allocations(uint8_t byte);
 
-// f32 [capacity_rows, cols] on the backend's device.
+// f32 [capacity_rows, cols] on the device of `engine` (host memory for the cpu backend); copies
+// are ordered on the engine's stream.
 class DeviceRows {
  public:
-  DeviceRows(Backend backend, int64_t capacity_rows, int64_t cols);
+  DeviceRows(const Engine& engine, int64_t capacity_rows, int64_t cols);
   ~DeviceRows();
   DeviceRows(const DeviceRows&) = delete;
   DeviceRows& operator=(const DeviceRows&) = delete;
 
   // [rows, cols] view of the first `rows` rows.
   TensorView view(int64_t rows) const;
-  // Both wait for the device first, so that rows the engine still reads or writes are safe.
+  // Both are queued on the engine's stream after the work it already holds, and finished on return.
   void upload(const float* host, int64_t rows);
   // Copies the first `rows` rows to `host`.
   void download(float* host, int64_t rows) const;
 
  private:
   void check_rows(int64_t rows, const char* what) const;
-  Backend backend_;
+  CUstream_st* stream_;  // nullptr: host rows
   int64_t capacity_rows_;
   int64_t cols_;
   int device_index_ = 0;

@@ -35,7 +35,6 @@
 #include "dsv4/tensor_parallel.h"
 
 #ifdef DSV4_WITH_CUDA
-#include "cuda/engine/cuda_engine.h"
 #include "dsv4/cuda/attention.h"
 #include "dsv4/cuda/compressor.h"
 #include "dsv4/cuda/indexer.h"
@@ -406,10 +405,12 @@ bool bench_layer(const BenchOptions& o, const ModelConfig& preset, cuda::Stream&
   options.max_sequences = B;
   options.max_context = L + 1;
   options.max_tokens_per_step = std::max(B, std::min(B * L, kPrefillTokens));
+  options.cuda_stream = stream.get();
   // A tensor-parallel rank runs its shard of the layer (docs/parallel.md).
   const RankShard shard = ranks ? make_rank_shard(c, *weights, options, ranks, o.parallel.indexer_sharding())
                                 : RankShard{c, weights, options};
-  cuda::CudaEngine engine(shard.config, shard.weights, shard.options);
+  const std::unique_ptr<Engine> engine_owner = Engine::create(shard.config, shard.weights, shard.options);
+  Engine& engine = *engine_owner;
   std::vector<SequenceId> ids;
   for (int64_t s = 0; s < B; ++s) ids.push_back(engine.add_sequence());
   Tensor in = random_tensor(DType::f32, {options.max_tokens_per_step, hidden}, 13);
@@ -436,12 +437,12 @@ bool bench_layer(const BenchOptions& o, const ModelConfig& preset, cuda::Stream&
   for (SequenceId id : ids) decode.push_back({id, 1});
   engine.begin_step(decode);
   cudaGraph_t graph = nullptr;
-  DSV4_CUDA_CHECK(cudaStreamBeginCapture(engine.stream(), cudaStreamCaptureModeThreadLocal));
+  DSV4_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
   engine.run_layer(0, in.buffer.view(DType::f32, {B, hidden}), out.buffer.view(DType::f32, {B, hidden}));
-  DSV4_CUDA_CHECK(cudaStreamEndCapture(engine.stream(), &graph));
+  DSV4_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
   cudaGraphExec_t exec = nullptr;
   DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const std::vector<double> us = time_runs(o, engine.stream(), [&] { DSV4_CUDA_CHECK(cudaGraphLaunch(exec, engine.stream())); });
+  const std::vector<double> us = time_runs(o, stream.get(), [&] { DSV4_CUDA_CHECK(cudaGraphLaunch(exec, stream.get())); });
   DSV4_CUDA_CHECK(cudaGraphExecDestroy(exec));
   DSV4_CUDA_CHECK(cudaGraphDestroy(graph));
   engine.end_step();

@@ -60,7 +60,8 @@ int replay(const ReplayOptions& o) {
   EngineOptions options;
   options.precision = parse_precision(o.precision);
   options.backend = usable_backend(parse_backend(o.backend), "replay");
-  options.kv_format = o.kv_format;
+  // Float rows by default on the cpu (exact in every precision); the cuda backend pages.
+  apply_kv_format_flag(options, o.kv_format.empty() && options.backend == Backend::cpu ? "float" : o.kv_format);
   options.num_threads = o.threads;
   ModelConfig config = load_config_file(o.config_path);
   const std::shared_ptr<SafetensorsFile> calls = SafetensorsFile::open(o.calls_path);
@@ -82,14 +83,14 @@ int replay(const ReplayOptions& o) {
   std::vector<SequenceId> sequences;
   for (int64_t b = 0; b < batch; ++b) sequences.push_back(engine->add_sequence());
 
-  DeviceRows hidden_rows(options.backend, options.max_tokens_per_step, hidden);
-  DeviceRows out_rows(options.backend, options.max_tokens_per_step, hidden);
+  DeviceRows hidden_rows(*engine, options.max_tokens_per_step, hidden);
+  DeviceRows out_rows(*engine, options.max_tokens_per_step, hidden);
   SafetensorsWriter writer;
   writer.set_metadata("dsv4.command", "replay");
   writer.set_metadata("dsv4.config", config.name);
   writer.set_metadata("dsv4.backend", backend_name(options.backend));
   writer.set_metadata("dsv4.precision", precision_name(options.precision));
-  writer.set_metadata("dsv4.kv_format", o.kv_format.empty() ? "float" : o.kv_format);
+  writer.set_metadata("dsv4.kv_format", cache_storage_label(options));
   writer.set_metadata("dsv4.split_steps", o.split_steps ? "true" : "false");
   int64_t tensors_written = 0;
 
@@ -149,7 +150,7 @@ int replay(const ReplayOptions& o) {
       "%s, %s: wrote %lld tensors to %s in %.2f s\n",
       schedule.calls.size(), static_cast<long long>(schedule.total_positions()), config.total_layers(),
       static_cast<long long>(batch), config.name.c_str(), backend_name(options.backend),
-      precision_name(options.precision), o.kv_format.empty() ? "float" : o.kv_format.c_str(),
+      precision_name(options.precision), cache_storage_label(options).c_str(),
       o.split_steps ? "one step per sequence and call" : "one step per call", static_cast<long long>(tensors_written),
       o.out_path.c_str(), seconds);
   return 0;
@@ -167,7 +168,7 @@ const CommandRegistration registration{
       app.add_option("--backend", o->backend, "cpu or cuda")->capture_default_str();
       app.add_option("--precision", o->precision, "fp32 or reference (DeepSeek's roundings and fake quantization)")
           ->capture_default_str();
-      app.add_option("--kv-format", o->kv_format, "KV cache format set (empty: float storage)");
+      app.add_option("--kv-format", o->kv_format, "KV cache format set, or float for float rows (default: float on cpu, the exact formats on cuda)");
       app.add_flag("--split-steps", o->split_steps, "One step per sequence and call instead of one per call");
       app.add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();
       return [o] { return replay(*o); };

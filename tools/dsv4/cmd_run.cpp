@@ -146,12 +146,12 @@ double seconds_since(Clock::time_point start) {
 
 // Runs layer `layer` of a begun step on `rows` rows of `hidden` and brings its output to `attn_out`
 // on the host. Returns the seconds spent in the engine (run_layer until its device work finished).
-double run_layer_on_host_rows(Engine& engine, Backend backend, int layer, int64_t rows, const float* hidden,
+double run_layer_on_host_rows(Engine& engine, int layer, int64_t rows, const float* hidden,
                               float* attn_out, DeviceRows& device_in, DeviceRows& device_out) {
   device_in.upload(hidden, rows);
   const auto start = Clock::now();
   engine.run_layer(layer, device_in.view(rows), device_out.view(rows));
-  wait_for_device(backend);
+  wait_for_engine(engine);
   const double seconds = seconds_since(start);
   device_out.download(attn_out, rows);
   return seconds;
@@ -350,7 +350,6 @@ class Trace {
 // The caches in the byte formats a serving engine of the model's family keeps (vLLM's defaults on
 // Hopper), unless --kv-format names another set or "float" (fp32 rows, no format).
 std::string run_kv_format(const std::string& requested, const ModelConfig& config) {
-  if (requested == "float") return "";
   if (!requested.empty()) return requested;
   return config.family == ModelFamily::v4_1 ? "v4.1-native" : "fp8_ds_mla";
 }
@@ -361,7 +360,7 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
   const int layers = engine.config().total_layers();
   const ModelTopology& topology = engine.topology();
   std::vector<SequenceState> states(w.prompt_lengths.size());
-  DeviceRows device_in(backend, w.step_tokens, hidden), device_out(backend, w.step_tokens, hidden);
+  DeviceRows device_in(engine, w.step_tokens, hidden), device_out(engine, w.step_tokens, hidden);
   std::vector<float> inputs, outputs;
   WorkloadStats stats;
   Progress progress("run", w.total_tokens());
@@ -384,7 +383,7 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
     double engine_seconds = seconds_since(step_start);
     outputs.resize(inputs.size());
     for (int l = 0; l < layers; ++l) {
-      engine_seconds += run_layer_on_host_rows(engine, backend, l, step.rows, inputs.data(), outputs.data(),
+      engine_seconds += run_layer_on_host_rows(engine, l, step.rows, inputs.data(), outputs.data(),
                                                device_in, device_out);
       if (trace) trace->record(engine, stats.steps, l, step.rows, hidden, inputs.data(), outputs.data());
       int64_t row = 0;
@@ -476,10 +475,10 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
   const int64_t hidden = config.hidden_size, positions = static_cast<int64_t>(probe.positions.size());
   std::vector<float> outputs(static_cast<size_t>(probe.length * hidden)), recomputed(probe.outputs.size());
   std::vector<int32_t> recomputed_picks(probe.picks.size(), -1);
-  DeviceRows device_in(options.backend, probe.length, hidden), device_out(options.backend, probe.length, hidden);
+  DeviceRows device_in(*engine, probe.length, hidden), device_out(*engine, probe.length, hidden);
   engine->begin_step({{engine->add_sequence(), probe.length}});
   for (int l = 0; l < config.total_layers(); ++l) {
-    run_layer_on_host_rows(*engine, options.backend, l, probe.length, probe.layer_inputs(l, hidden), outputs.data(),
+    run_layer_on_host_rows(*engine, l, probe.length, probe.layer_inputs(l, hidden), outputs.data(),
                            device_in, device_out);
     probe.record_sampled(recomputed, l, 0, probe.length, outputs.data(), 0, hidden);
     if (topology[l].owns_indexer)
@@ -605,7 +604,7 @@ int run(const RunOptions& o) {
   EngineOptions options;
   options.backend = backend;
   options.precision = precision;
-  options.kv_format = run_kv_format(o.kv_format, config);
+  apply_kv_format_flag(options, run_kv_format(o.kv_format, config));
   options.max_sequences = w.max_running;
   options.max_tokens_per_step = w.step_tokens;
   options.max_context = w.longest();
@@ -642,7 +641,7 @@ int run(const RunOptions& o) {
                   ? ("random weights (seed " + std::to_string(o.seed) + (fp8_weights ? ", fp8)" : ", bf16)")).c_str()
                   : ("weights " + o.weights_path).c_str());
   std::printf("engine: backend %s, precision %s, kv format %s\n", backend_name(backend),
-              precision_name(options.precision), options.kv_format.empty() ? "float" : options.kv_format.c_str());
+              precision_name(options.precision), cache_storage_label(options).c_str());
   if (ranks)
     std::printf("tensor parallel: %d ranks on GPUs 0..%d (NCCL), %d heads and %d output groups per rank, indexer %s; "
                 "last-layer outputs of every step %s on all ranks (checksum %016llx)\n",

@@ -6,8 +6,8 @@
 //      (ratio 1: wkv only);
 //   2. run_compressor_pool -> latent [tokens, dim] for every token that closes a group;
 //   3. V4.1 index keys: run_linear(latent, wk) then run_cache_insert(norm k_norm, position_offset
-//      1 - ratio, RowQuant::fp4_ue8m0_32) into the index-key cache;
-//   4. compressed entries: run_cache_insert(latent, position_offset 1 - ratio, RowQuant::fp4_e4m3_16
+//      1 - ratio, RowQuantizer::fp4_ue8m0_32) into the index-key cache;
+//   4. compressed entries: run_cache_insert(latent, position_offset 1 - ratio, RowQuantizer::fp4_e4m3_16
 //      (V4.1) or none / fp8_e4m3_nope_64 (V4.0)) into the compressed cache at the entries' slots.
 #pragma once
 

@@ -17,15 +17,6 @@
 
 namespace dsv4::cuda {
 
-// QAT fake quantization of a finished row (SPEC §8.2); every result is exact in bf16.
-enum class RowQuant : uint8_t {
-  none,
-  fp8_e4m3_32,       // V4.1 window rows: e4m3 + ue8m0 scale per 32 channels, all channels
-  fp8_e4m3_nope_64,  // V4.0 (DeepSeek): e4m3 + ue8m0 per 64 channels on the channels before the RoPE tail
-  fp4_ue8m0_32,      // indexer q and keys: e2m1 + ue8m0 per 32 channels
-  fp4_e4m3_16,       // V4.1 compressed rows: e2m1 + e4m3 scale per 16 channels
-};
-
 // The RoPE table of a layer: [max_positions, rope_dim] f32, row p = [cos(p·f_0) … cos(p·f_{n−1}),
 // sin(p·f_0) … sin(p·f_{n−1})] with the angle float(p)·f_i in fp32 (as reference::apply_rope),
 // n = rope_dim / 2 = frequencies.size(). Upload it once per layer kind.
@@ -53,7 +44,7 @@ struct RopeHeadsParams {
   bool inverse = false;
   bool head_norm = false;     // V4.0: q ← q · rsqrt(mean(q²) + eps) per head, before RoPE
   float eps = 1e-6f;          // head_norm only
-  RowQuant quant = RowQuant::none;
+  RowQuantizer quant = RowQuantizer::none;
   TensorView out;             // [tokens, heads, head_dim] bf16 | f32; may be x
 };
 
@@ -71,7 +62,7 @@ struct CacheInsertParams {
   TensorView token_position;  // [tokens] i32
   int64_t position_offset = 0;
   TensorView rope_table;      // [max_positions, rope_dim] f32
-  RowQuant quant = RowQuant::none;
+  RowQuantizer quant = RowQuantizer::none;
   bool bf16_rounding = true;  // round after the norm and after RoPE, as the reference
   TensorView slots;           // [tokens] i64, -1: not stored
   PagedCache cache;           // writer (its block_table is not read)

@@ -33,10 +33,11 @@ int device_count();
 // (bad configuration, too much shared memory). Does not synchronize.
 void check_launch(const char* op);
 
-// Copies host memory (pageable or pinned) to the device and returns when the bytes are there.
-// cudaMemcpy alone is not enough: from pageable memory it may return before its DMA has landed,
-// and kernels on a non-blocking stream are not ordered after it.
-void copy_to_device(void* device, const void* host, size_t bytes);
+// Copies host memory (pageable or pinned) to the device, queued on `stream` (ordered with its other
+// work), and returns when the bytes are there, so the host memory may go. cudaMemcpy alone is not
+// enough: from pageable memory it may return before its DMA has landed, and it is not ordered with
+// a non-blocking stream. Waits for `stream` only, never for the whole device.
+void copy_to_device(void* device, const void* host, size_t bytes, cudaStream_t stream);
 
 // Diagnostics: from now on every new DeviceBuffer is filled with `byte` (nullopt, the default:
 // new memory is left as cudaMalloc returns it, whatever an earlier allocation left there). Two
@@ -59,8 +60,8 @@ class DeviceBuffer {
   // A contiguous cuda view of the buffer; the shape's bytes must fit in the buffer.
   TensorView view(DType dtype, const std::vector<int64_t>& shape) const;
 
-  // Copies of the first `bytes` bytes, finished on return (upload: copy_to_device).
-  void upload(const void* host, size_t bytes);
+  // Copies of the first `bytes` bytes, queued on `stream` and finished on return (copy_to_device).
+  void upload(const void* host, size_t bytes, cudaStream_t stream = nullptr);
   void download(void* host, size_t bytes) const;
   // Sets every byte (synchronous); tests poison outputs with 0xff (a NaN in every float format).
   void fill_bytes(uint8_t value);

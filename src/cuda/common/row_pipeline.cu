@@ -7,19 +7,19 @@
 
 namespace dsv4::cuda {
 
-int quant_tile(RowQuant quant) {
+int quant_tile(RowQuantizer quant) {
   switch (quant) {
-    case RowQuant::fp8_e4m3_32: case RowQuant::fp4_ue8m0_32: return 32;
-    case RowQuant::fp8_e4m3_nope_64: return 64;
-    case RowQuant::fp4_e4m3_16: return 16;
-    case RowQuant::none: break;
+    case RowQuantizer::fp8_e4m3_32: case RowQuantizer::fp4_ue8m0_32: return 32;
+    case RowQuantizer::fp8_e4m3_nope_64: return 64;
+    case RowQuantizer::fp4_e4m3_16: return 16;
+    case RowQuantizer::none: break;
   }
   return 1;
 }
 
-int quantized_channels(RowQuant quant, int dims, int rope_dim) {
-  if (quant == RowQuant::none) return 0;
-  return quant == RowQuant::fp8_e4m3_nope_64 ? dims - rope_dim : dims;
+int quantized_channels(RowQuantizer quant, int dims, int rope_dim) {
+  if (quant == RowQuantizer::none) return 0;
+  return quant == RowQuantizer::fp8_e4m3_nope_64 ? dims - rope_dim : dims;
 }
 
 namespace {
@@ -78,15 +78,15 @@ __global__ void __launch_bounds__(kThreads) row_pipeline_kernel(RowPipelineLaunc
     __syncthreads();
   }
 
-  if (a.quant != RowQuant::none) {
+  if (a.quant != RowQuantizer::none) {
     for (int first = threadIdx.x * tile; first < quant_channels; first += kThreads * tile) {
       float* x = row + first;
       const int n = min(tile, quant_channels - first);
       switch (a.quant) {
-        case RowQuant::fp8_e4m3_32: case RowQuant::fp8_e4m3_nope_64: fake_quant_fp8_ue8m0(x, x, n); break;
-        case RowQuant::fp4_ue8m0_32: fake_quant_fp4_ue8m0(x, x, n); break;
-        case RowQuant::fp4_e4m3_16: fake_quant_fp4_e4m3(x, x, n); break;
-        case RowQuant::none: break;
+        case RowQuantizer::fp8_e4m3_32: case RowQuantizer::fp8_e4m3_nope_64: fake_quant_fp8_ue8m0(x, x, n); break;
+        case RowQuantizer::fp4_ue8m0_32: fake_quant_fp4_ue8m0(x, x, n); break;
+        case RowQuantizer::fp4_e4m3_16: fake_quant_fp4_e4m3(x, x, n); break;
+        case RowQuantizer::none: break;
       }
     }
     __syncthreads();

@@ -28,7 +28,7 @@ struct RowPipelineLaunch {
   const int32_t* token_position = nullptr;
   int64_t position_offset = 0;
   bool bf16_rounding = true;
-  RowQuant quant = RowQuant::none;
+  RowQuantizer quant = RowQuantizer::none;
   void* out = nullptr;                    // [tokens, heads, dims] or null
   DType out_dtype = DType::bf16;
   DeviceRows cache;                       // written when slots != null (heads == 1)
@@ -63,7 +63,7 @@ struct RowPipelineLaunch {
 void launch_row_pipeline(const RowPipelineLaunch& a, cudaStream_t stream, const char* op);
 
 // Channels the quantizer covers and its tile (quant != none).
-int quantized_channels(RowQuant quant, int dims, int rope_dim);
-int quant_tile(RowQuant quant);
+int quantized_channels(RowQuantizer quant, int dims, int rope_dim);
+int quant_tile(RowQuantizer quant);
 
 }  // namespace dsv4::cuda

@@ -34,10 +34,10 @@ void check_workspace(const char* op, const void* workspace) {
              kWorkspaceAlignment, "-byte aligned");
 }
 
-void copy_to_device(void* device, const void* host, size_t bytes) {
+void copy_to_device(void* device, const void* host, size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return;
-  DSV4_CUDA_CHECK(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
-  DSV4_CUDA_CHECK(cudaDeviceSynchronize());  // the DMA from the staging buffer has landed
+  DSV4_CUDA_CHECK(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream));
+  DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));  // the DMA from the staging buffer has landed
 }
 
 namespace {
@@ -79,9 +79,9 @@ TensorView DeviceBuffer::view(DType dtype, const std::vector<int64_t>& shape) co
   return v;
 }
 
-void DeviceBuffer::upload(const void* host, size_t bytes) {
+void DeviceBuffer::upload(const void* host, size_t bytes, cudaStream_t stream) {
   DSV4_CHECK(bytes <= bytes_, "cuda: upload of ", bytes, " bytes into a device buffer of ", bytes_);
-  copy_to_device(data_, host, bytes);
+  copy_to_device(data_, host, bytes, stream);
 }
 
 void DeviceBuffer::download(void* host, size_t bytes) const {

@@ -2,44 +2,10 @@
 
 #include "dsv4/cuda/projection.h"
 #include "dsv4/numeric.h"
+#include "model/layer_recipe.h"
 
 namespace dsv4::cuda {
 namespace {
-
-// Weights multiplied by a GEMM (stored bf16); every other role is a vector kept in f32.
-bool is_projection(WeightRole role) {
-  switch (role) {
-    case WeightRole::wq_a:
-    case WeightRole::wq_b:
-    case WeightRole::wkv:
-    case WeightRole::wo_a:
-    case WeightRole::wo_b:
-    case WeightRole::compressor_wkv:
-    case WeightRole::compressor_wgate:
-    case WeightRole::indexer_wq_b:
-    case WeightRole::indexer_weights_proj:
-    case WeightRole::indexer_wk:
-    case WeightRole::indexer_compressor_wkv:
-    case WeightRole::indexer_compressor_wgate:
-      return true;
-    default:
-      return false;
-  }
-}
-
-// The projections the reference runs as fp8 GEMMs (activation quantized) when the checkpoint
-// stores them in fp8; wo_a is dequantized to bf16 and multiplied without activation quantization.
-bool is_fp8_gemm(WeightRole role) {
-  return role == WeightRole::wq_a || role == WeightRole::wq_b || role == WeightRole::wkv || role == WeightRole::wo_b ||
-         role == WeightRole::indexer_wq_b;
-}
-
-// The compressors' projections: the reference multiplies them in fp32 (SPEC §3.2), so fp32
-// checkpoint weights stay fp32 (an fp32 GEMM) instead of being rounded to bf16.
-bool is_compressor_projection(WeightRole role) {
-  return role == WeightRole::compressor_wkv || role == WeightRole::compressor_wgate ||
-         role == WeightRole::indexer_compressor_wkv || role == WeightRole::indexer_compressor_wgate;
-}
 
 // Gate projections are placed right after their kv projection (no alignment gap).
 bool follows_its_kv(WeightRole role) {
@@ -56,12 +22,12 @@ int64_t element_count(const std::vector<int64_t>& shape) {
 void upload_bf16(const WeightTensor& w, const DeviceWeight& d, cudaStream_t stream) {
   const int64_t n = w.numel();
   if (w.dtype == DType::bf16) {
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(d.data, w.data, static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice, stream));
+    copy_to_device(d.data, w.data, static_cast<size_t>(n) * 2, stream);
   } else if (w.dtype == DType::e4m3) {
     DeviceBuffer codes(static_cast<size_t>(n));
     DeviceBuffer scales(static_cast<size_t>(element_count(w.scale_shape)) * dtype_size(w.scale_dtype));
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(codes.data(), w.data, codes.bytes(), cudaMemcpyHostToDevice, stream));
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(scales.data(), w.scale_data, scales.bytes(), cudaMemcpyHostToDevice, stream));
+    copy_to_device(codes.data(), w.data, codes.bytes(), stream);
+    copy_to_device(scales.data(), w.scale_data, scales.bytes(), stream);
     run_dequantize_weight({.weight = codes.view(DType::e4m3, w.shape),
                            .weight_scale = scales.view(w.scale_dtype, w.scale_shape),
                            .block_out = w.block_out,
@@ -74,13 +40,13 @@ void upload_bf16(const WeightTensor& w, const DeviceWeight& d, cudaStream_t stre
     const HostTensor values = w.to_f32();
     std::vector<uint16_t> bits(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) bits[static_cast<size_t>(i)] = float_to_bf16_bits(values.as<float>()[i]);
-    copy_to_device(d.data, bits.data(), bits.size() * 2);
+    copy_to_device(d.data, bits.data(), bits.size() * 2, stream);
   }
 }
 
-void upload_f32(const WeightTensor& w, const DeviceWeight& d) {
+void upload_f32(const WeightTensor& w, const DeviceWeight& d, cudaStream_t stream) {
   const HostTensor values = w.to_f32();
-  copy_to_device(d.data, values.data(), values.nbytes());
+  copy_to_device(d.data, values.data(), values.nbytes(), stream);
 }
 
 }  // namespace
@@ -91,9 +57,10 @@ TensorView DeviceWeight::view(const std::vector<int64_t>& as_shape) const {
   return TensorView::contiguous(data, dtype, as_shape, Device::cuda, device);
 }
 
-DeviceLayerWeights::DeviceLayerWeights(const ModelConfig& config, const LayerPlan& plan, const LayerWeights& weights,
-                                       Precision precision, cudaStream_t stream)
-    : layer_(plan.layer) {
+DeviceLayerWeights::DeviceLayerWeights(const ModelConfig& config, const LayerRecipe& recipe,
+                                       const LayerWeights& weights, cudaStream_t stream)
+    : layer_(recipe.plan.layer) {
+  const LayerPlan& plan = recipe.plan;
   int device = 0;
   DSV4_CUDA_CHECK(cudaGetDevice(&device));
   const std::vector<ExpectedWeight> expected = expected_layer_weights(config, plan);
@@ -110,11 +77,12 @@ DeviceLayerWeights::DeviceLayerWeights(const ModelConfig& config, const LayerPla
                " weight '", weight_role_name(e.role), "' has dtype ", dtype_name(w.dtype),
                ", expected BF16, F32 or F8_E4M3");
     DeviceWeight& d = weights_[static_cast<size_t>(e.role)];
-    const bool keep_f32 = !is_projection(e.role) || (is_compressor_projection(e.role) && w.dtype == DType::f32);
+    const WeightRecipe use = weight_recipe(e.role);
+    const bool keep_f32 = !use.projection || (use.fp32_product && w.dtype == DType::f32);
     d.dtype = keep_f32 ? DType::f32 : DType::bf16;
     d.shape = e.shape;
     d.device = device;
-    if (precision == Precision::reference && w.is_fp8() && is_fp8_gemm(e.role)) d.activation_block = w.block_in;
+    if (recipe.round_bf16 && w.is_fp8() && use.fp8_activations) d.activation_block = w.block_in;
     if (!follows_its_kv(e.role)) bytes = align_workspace(bytes);
     offsets.push_back(bytes);
     bytes += static_cast<size_t>(element_count(e.shape)) * dtype_size(d.dtype);
@@ -125,7 +93,7 @@ DeviceLayerWeights::DeviceLayerWeights(const ModelConfig& config, const LayerPla
     DeviceWeight& d = weights_[static_cast<size_t>(role)];
     d.data = static_cast<std::byte*>(memory_.data()) + offsets[i];
     if (d.dtype == DType::bf16) upload_bf16(weights.get(role), d, stream);
-    else upload_f32(weights.get(role), d);
+    else upload_f32(weights.get(role), d, stream);
   }
   DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));
 }

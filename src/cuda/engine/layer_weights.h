@@ -1,8 +1,9 @@
 // A layer's attention weights on the device, converted once when the engine is created and kept
-// in one allocation per layer: projections as bf16 (fp8 weights dequantized with their block
-// scales, exact for ue8m0 scales; f32 weights rounded) except fp32 compressor projections, which
-// the reference multiplies in fp32; vectors (norm weights, attn_sink, position biases) as f32. A compressor's gate projection follows its kv projection directly, so
-// that the two multiply as one fused [kv; gate] GEMM (compressor.h).
+// in one allocation per layer, as the layer recipe's weight_recipe says: projections as bf16 (fp8
+// weights dequantized with their block scales, exact for ue8m0 scales; f32 weights rounded) except
+// fp32 compressor projections, which the reference multiplies in fp32; vectors (norm weights,
+// attn_sink, position biases) as f32. A compressor's gate projection follows its kv projection
+// directly, so that the two multiply as one fused [kv; gate] GEMM (compressor.h).
 #pragma once
 
 #include <array>
@@ -11,7 +12,7 @@
 
 #include "dsv4/config.h"
 #include "dsv4/cuda/runtime.h"
-#include "dsv4/engine.h"
+#include "model/layer_recipe.h"
 #include "dsv4/weights.h"
 
 namespace dsv4::cuda {
@@ -35,8 +36,8 @@ class DeviceLayerWeights {
  public:
   // Checks every tensor the plan needs against its expected shape (expected_layer_weights), then
   // uploads and converts it on `stream`, waiting for the conversions to finish.
-  DeviceLayerWeights(const ModelConfig& config, const LayerPlan& plan, const LayerWeights& weights,
-                     Precision precision, cudaStream_t stream);
+  DeviceLayerWeights(const ModelConfig& config, const LayerRecipe& recipe, const LayerWeights& weights,
+                     cudaStream_t stream);
 
   bool has(WeightRole role) const { return weights_[static_cast<size_t>(role)].present(); }
   // Throws naming the layer and the tensor when the layer has no such weight.

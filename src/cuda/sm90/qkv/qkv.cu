@@ -16,9 +16,9 @@ void check_rope_table(const char* op, const TensorView& table, int64_t dims) {
              " columns, expected an even rope_dim <= ", dims);
 }
 
-void check_quant(const char* op, RowQuant quant, int64_t dims, int64_t rope_dim) {
+void check_quant(const char* op, RowQuantizer quant, int64_t dims, int64_t rope_dim) {
   const int channels = quantized_channels(quant, static_cast<int>(dims), static_cast<int>(rope_dim));
-  DSV4_CHECK(quant == RowQuant::none || quant == RowQuant::fp8_e4m3_nope_64 || channels % quant_tile(quant) == 0, op,
+  DSV4_CHECK(quant == RowQuantizer::none || quant == RowQuantizer::fp8_e4m3_nope_64 || channels % quant_tile(quant) == 0, op,
              ": a row of ", dims, " channels does not split into quantization tiles of ", quant_tile(quant));
 }
 

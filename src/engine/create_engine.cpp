@@ -1,7 +1,9 @@
-// Engine::create and the backend / precision names.
+// Engine::create: the checks every backend shares, then the backend's engine. The interface
+// (dsv4/engine.h) knows no backend; this file is the one place that knows them all.
 #include "dsv4/engine.h"
 
 #include "dsv4/error.h"
+#include "dsv4/parallel.h"
 #include "engine/cpu_engine.h"
 #if defined(DSV4_WITH_CUDA)
 #include "cuda/engine/cuda_engine.h"
@@ -9,25 +11,8 @@
 
 namespace dsv4 {
 
-const char* backend_name(Backend b) { return b == Backend::cpu ? "cpu" : "cuda"; }
-
-Backend parse_backend(const std::string& name) {
-  if (name == "cpu") return Backend::cpu;
-  if (name == "cuda") return Backend::cuda;
-  fail("engine: unknown backend '", name, "', expected cpu or cuda");
-}
-
-const char* precision_name(Precision p) { return p == Precision::fp32 ? "fp32" : "reference"; }
-
-Precision parse_precision(const std::string& name) {
-  if (name == "fp32") return Precision::fp32;
-  if (name == "reference") return Precision::reference;
-  fail("engine: unknown precision '", name, "', expected fp32 or reference");
-}
-
 std::unique_ptr<Engine> Engine::create(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
                                        const EngineOptions& options) {
-  // What every backend needs; each backend adds its own limits.
   DSV4_CHECK(weights != nullptr, "engine: create: no weights given");
   DSV4_CHECK(static_cast<int>(weights->layers.size()) == config.total_layers(), "engine: create: the weights have ",
              weights->layers.size(), " layers, the config ", config.total_layers());
@@ -35,6 +20,13 @@ std::unique_ptr<Engine> Engine::create(const ModelConfig& config, std::shared_pt
   DSV4_CHECK(options.max_tokens_per_step >= 1, "engine: create: max_tokens_per_step is ", options.max_tokens_per_step,
              ", expected >= 1");
   DSV4_CHECK(options.max_context >= 1, "engine: create: max_context is ", options.max_context, ", expected >= 1");
+  if (options.cache_storage == CacheStorage::paged && !options.kv_format.empty())
+    kv_format_set(options.kv_format);  // an unknown name fails here, naming the accepted ones
+  DSV4_CHECK(options.cache_storage == CacheStorage::paged || options.backend == Backend::cpu,
+             "engine: create: cache_storage float_rows is a cpu backend storage; the ", backend_name(options.backend),
+             " backend stores paged caches (CacheStorage::paged)");
+  DSV4_CHECK(options.cuda_stream == nullptr || options.backend == Backend::cuda,
+             "engine: create: a cuda_stream is given to the ", backend_name(options.backend), " backend");
   // Candidate masks are published over the candidate source's entries; a layer applying them
   // must score the same entries.
   const ModelTopology topology = resolve_topology(config);
@@ -45,16 +37,11 @@ std::unique_ptr<Engine> Engine::create(const ModelConfig& config, std::shared_pt
                  " applies the candidates of layer ", source, ", which scores the entries of kv source ",
                  topology[source].kv_source, ", but layer ", plan.layer, " scores those of kv source ", plan.kv_source);
     }
-  // A split indexer's partial scores are summed over the ranks, and the weight scale counts the
-  // whole model's index heads, of which the shard holds an equal share.
-  if (options.split_index_heads != 0) {
-    DSV4_CHECK(options.communicator != nullptr, "engine: create: split_index_heads is ", options.split_index_heads,
-               " but no communicator is given (a split indexer sums its partial scores over the ranks)");
-    DSV4_CHECK(options.split_index_heads > 0 && config.index_n_heads > 0 &&
-                   options.split_index_heads % config.index_n_heads == 0,
-               "engine: create: split_index_heads is ", options.split_index_heads,
-               ", expected a positive multiple of the shard's index_n_heads = ", config.index_n_heads);
-  }
+  // A split indexer's partial scores are summed over the ranks.
+  if (options.indexer_sharding == IndexerSharding::split)
+    DSV4_CHECK(options.communicator != nullptr,
+               "engine: create: indexer_sharding is split but no communicator is given (a split indexer sums its "
+               "partial scores over the ranks)");
   if (options.backend == Backend::cpu) return std::make_unique<CpuEngine>(config, std::move(weights), options);
 #if defined(DSV4_WITH_CUDA)
   return std::make_unique<cuda::CudaEngine>(config, std::move(weights), options);

@@ -1,0 +1,366 @@
+#include "cuda/engine/layer_pipeline.h"
+
+#include <algorithm>
+
+#include "cuda/engine/glue.h"
+#include "dsv4/cuda/attention.h"
+#include "dsv4/cuda/compressor.h"
+#include "dsv4/cuda/indexer.h"
+#include "dsv4/cuda/projection.h"
+#include "dsv4/parallel.h"
+
+namespace dsv4::cuda {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Rows [first, first + count) of a contiguous view.
+TensorView rows_of(const TensorView& v, int64_t first, int64_t count) {
+  TensorView r = v;
+  int64_t row_elements = 1;
+  for (int d = 1; d < v.rank; ++d) row_elements *= v.shape[d];
+  r.data = static_cast<std::byte*>(v.data) + first * row_elements * static_cast<int64_t>(dtype_size(v.dtype));
+  r.shape[0] = count;
+  return r;
+}
+
+LinearParams linear_params(const TensorView& x, const TensorView& weight, int activation_block, const TensorView& y,
+                           const BlasLt* blas) {
+  LinearParams p;
+  p.x = x;
+  p.weight = weight;
+  p.activation_block = activation_block;
+  p.y = y;
+  p.blas = blas;
+  return p;
+}
+
+}  // namespace
+
+TensorView LayerPipeline::view(void* data, DType dtype, const std::vector<int64_t>& shape) const {
+  return TensorView::contiguous(data, dtype, shape, Device::cuda, in_.device);
+}
+
+TensorView LayerPipeline::rope_table(int layer) const {
+  const DeviceBuffer& table = recipe(layer).plan.uses_compress_rope ? *in_.compress_rope : *in_.main_rope;
+  return table.view(DType::f32, {in_.max_context, config().rope_head_dim});
+}
+
+void LayerPipeline::project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const {
+  run_linear(linear_params(x, w.view(), w.activation_block, y, in_.blas), in_.workspace->scratch, in_.stream);
+}
+
+CacheInsertParams LayerPipeline::insert_params(int layer, RowQuantizer quantizer, const TensorView& slots,
+                                               const PagedCache& cache) const {
+  CacheInsertParams p;
+  p.token_position = in_.step->token_position();
+  p.rope_table = rope_table(layer);
+  p.quant = quantizer;
+  p.bf16_rounding = recipe(layer).round_bf16;
+  p.slots = slots;
+  p.cache = cache;
+  return p;
+}
+
+OutputProjectionParams LayerPipeline::output_params(int layer, const TensorView& o, const TensorView& y) const {
+  const int64_t G = config().o_groups, R = config().o_lora_rank, H = config().num_heads, D = config().head_dim;
+  OutputProjectionParams p;
+  p.o = o;
+  p.token_position = in_.step->token_position();
+  p.rope_table = rope_table(layer);
+  p.wo_a = weights(layer).get(WeightRole::wo_a).view({G, R, H * D / G});
+  p.y = y;
+  p.blas = in_.blas;
+  return p;
+}
+
+size_t LayerPipeline::scratch_bytes(int64_t T) const {
+  const Workspace& ws = *in_.workspace;
+  const int64_t hidden = config().hidden_size, H = config().num_heads, D = config().head_dim;
+  const int64_t dI = config().index_head_dim, nI = config().index_n_heads;
+  // The size queries read shapes only; the views point at the workspace.
+  void* any = ws.memory.data();
+  const auto rows_view = [&](int64_t cols) { return view(any, ws.rows, {T, cols}); };
+  const auto bf16_view = [&](int64_t cols) { return view(any, DType::bf16, {T, cols}); };
+  size_t scratch = 0;
+  int64_t max_rows = config().index_topk;
+  for (size_t l = 0; l < in_.recipes->size(); ++l) {
+    const LayerRecipe& r = (*in_.recipes)[l];
+    if (r.plan.kind == AttentionKind::hca && r.compressor)
+      max_rows = std::max(max_rows, in_.max_context / r.compressor->ratio);
+    if (!(*in_.weights)[l]) continue;
+    const DeviceLayerWeights& w = *(*in_.weights)[l];
+    const auto measure = [&](const TensorView& x, const TensorView& weight, int activation_block, const TensorView& y) {
+      scratch = std::max(scratch, linear_workspace_bytes(linear_params(x, weight, activation_block, y, in_.blas)));
+    };
+    const auto measure_role = [&](const TensorView& x, WeightRole role, const TensorView& y) {
+      measure(x, w.get(role).view(), w.get(role).activation_block, y);
+    };
+    measure_role(bf16_view(hidden), WeightRole::wq_a, rows_view(config().q_lora_rank));
+    measure_role(rows_view(config().q_lora_rank), WeightRole::wq_b, bf16_view(H * D));
+    measure_role(bf16_view(hidden), WeightRole::wkv, rows_view(D));
+    measure_role(rows_view(config().o_groups * config().o_lora_rank), WeightRole::wo_b,
+                 in_.communicator ? view(any, DType::f32, {T, hidden}) : rows_view(hidden));
+    OutputProjectionParams output = output_params(static_cast<int>(l), view(any, ws.rows, {T, H, D}),
+                                                  view(any, ws.rows, {T, config().o_groups, config().o_lora_rank}));
+    output.token_position = view(any, DType::i32, {T});
+    scratch = std::max(scratch, output_projection_workspace_bytes(output));
+    if (r.compressor) {
+      measure(bf16_view(hidden), w.fused(WeightRole::compressor_wkv, WeightRole::compressor_wgate), 0,
+              view(any, DType::f32, {T, r.compressor->row_width()}));
+      if (r.index_compressor)
+        measure(bf16_view(hidden), w.fused(WeightRole::indexer_compressor_wkv, WeightRole::indexer_compressor_wgate), 0,
+                view(any, DType::f32, {T, r.index_compressor->row_width()}));
+      else if (r.plan.owns_index_keys)
+        measure_role(rows_view(D), WeightRole::indexer_wk, rows_view(dI));
+    }
+    if (r.plan.owns_indexer) {
+      measure_role(rows_view(config().q_lora_rank), WeightRole::indexer_wq_b, bf16_view(nI * dI));
+      measure_role(bf16_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
+    }
+  }
+  return std::max(scratch, sparse_attention_max_workspace_bytes(T, H, config().sliding_window + max_rows));
+}
+
+void LayerPipeline::run(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
+  Workspace& ws = *in_.workspace;
+  const cudaStream_t stream = in_.stream;
+  const LayerRecipe& r = recipe(layer);
+  const DeviceLayerWeights& w = weights(layer);
+  const LayerStep& ls = in_.step->layer(layer);
+  const int64_t T = in_.step->tokens(), hidden = config().hidden_size, H = config().num_heads, D = config().head_dim;
+  const int64_t G = config().o_groups, R = config().o_lora_rank;
+  const auto rows = [&](void* data, std::vector<int64_t> shape) { return view(data, ws.rows, shape); };
+  const auto bf16 = [&](void* data, std::vector<int64_t> shape) { return view(data, DType::bf16, shape); };
+  for (const TensorView* v : {&hidden_in, &attn_out})
+    DSV4_CHECK(v->device == Device::cpu || v->device_index == in_.device, "engine: run_layer: layer ", layer,
+               " activations are on cuda device ", v->device_index, ", the engine runs on device ", in_.device);
+  const float* in = hidden_in.device == Device::cpu ? ws.staged_in : hidden_in.ptr<float>();
+  float* out = attn_out.device == Device::cpu ? ws.staged_out : attn_out.ptr<float>();
+
+  if (hidden_in.device == Device::cpu)
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.staged_in, hidden_in.data, static_cast<size_t>(T * hidden) * 4,
+                                    cudaMemcpyHostToDevice, stream));
+  launch_f32_to_bf16(in, static_cast<uint16_t*>(ws.x), T * hidden, stream);
+  const TensorView x = bf16(ws.x, {T, hidden});
+
+  // Queries (SPEC §2.2 steps 1-4; V4.0 §12 adds the per-head normalization).
+  const TensorView qr = rows(ws.qr, {T, config().q_lora_rank});
+  project(x, w.get(WeightRole::wq_a), qr);
+  RmsNormParams q_norm;
+  q_norm.x = q_norm.out = qr;
+  q_norm.weight = w.get(WeightRole::q_norm).view();
+  q_norm.eps = r.eps;
+  run_rms_norm(q_norm, stream);
+  const TensorView q = bf16(ws.q, {T, H, D});
+  project(qr, w.get(WeightRole::wq_b), bf16(ws.q, {T, H * D}));
+  RopeHeadsParams q_rope;
+  q_rope.x = q_rope.out = q;
+  q_rope.token_position = in_.step->token_position();
+  q_rope.rope_table = rope_table(layer);
+  q_rope.head_norm = r.q_head_norm;
+  q_rope.eps = r.eps;
+  run_rope_heads(q_rope, stream);
+
+  // The step's window rows (steps 5-6), stored before the attention reads them.
+  const TensorView kv = rows(ws.kv, {T, D});
+  project(x, w.get(WeightRole::wkv), kv);
+  CacheInsertParams window = insert_params(layer, r.window_rows, ls.window_slots, ls.window);
+  window.rows = kv;
+  window.norm_weight = w.get(WeightRole::kv_norm).view();
+  window.eps = r.eps;
+  run_cache_insert(window, stream);
+
+  if (r.plan.owns_compressor) compress(layer);
+  if (r.plan.owns_indexer) index(layer);
+  attend(layer);
+
+  // Output projection (SPEC §6).
+  const TensorView y = rows(ws.y, {T, G, R});
+  run_output_projection(output_params(layer, rows(ws.o, {T, H, D}), y), ws.scratch, stream);
+  // The reference's output is bf16: widen it into attn_out (fp32 precision writes f32 directly).
+  // A tensor-parallel rank's output is a partial sum over its heads: f32 until the ranks' partial
+  // sums are added up, then rounded as the whole output is.
+  const TensorView y_flat = rows(ws.y, {T, G * R});
+  const TensorView out_f32 = view(out, DType::f32, {T, hidden});
+  if (in_.communicator) {
+    project(y_flat, w.get(WeightRole::wo_b), out_f32);
+    in_.communicator->all_reduce_sum(out, T * hidden, stream);
+    if (ws.rows != DType::f32) launch_scale_to_f32(out, DType::f32, 1.0f, true, out, T * hidden, stream);
+  } else if (ws.rows == DType::f32) {
+    project(y_flat, w.get(WeightRole::wo_b), out_f32);
+  } else {
+    project(y_flat, w.get(WeightRole::wo_b), rows(ws.out, {T, hidden}));
+    launch_scale_to_f32(ws.out, ws.rows, 1.0f, false, out, T * hidden, stream);
+  }
+  if (attn_out.device == Device::cpu) {
+    DSV4_CUDA_CHECK(
+        cudaMemcpyAsync(attn_out.data, out, static_cast<size_t>(T * hidden) * 4, cudaMemcpyDeviceToHost, stream));
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+}
+
+// Compressed entries and index keys of a kv-source layer for the groups closing in this step
+// (SPEC §3, §4.1; V4.0 §12), in the pipeline compressor.h describes.
+void LayerPipeline::compress(int layer) {
+  Workspace& ws = *in_.workspace;
+  const cudaStream_t stream = in_.stream;
+  const LayerRecipe& r = recipe(layer);
+  const DeviceLayerWeights& w = weights(layer);
+  const LayerStep& ls = in_.step->layer(layer);
+  const int64_t T = in_.step->tokens(), D = config().head_dim, dI = config().index_head_dim;
+  const TensorView x = view(ws.x, DType::bf16, {T, config().hidden_size});
+
+  // Projects the step's tokens and pools every group that closes in it into `latent`.
+  const auto pool = [&](const CompressorGeometry& c, int ring, WeightRole wkv, WeightRole wgate, WeightRole norm,
+                        WeightRole bias, void* latent) {
+    const TensorView projected = view(ws.compressor_rows, DType::f32, {T, c.row_width()});
+    run_linear(linear_params(x, w.fused(wkv, wgate), 0, projected, in_.blas), ws.scratch, stream);
+    CompressorPoolParams p;
+    p.rows = projected;
+    p.token_position = in_.step->token_position();
+    p.state_slot = in_.step->state_slot();
+    p.state = in_.caches->compressor_ring(layer, ring, c.span(), c.row_width());
+    if (w.has(bias)) p.position_bias = w.get(bias).view();
+    p.norm_weight = w.get(norm).view();
+    p.eps = r.eps;
+    p.ratio = static_cast<int>(c.ratio);
+    p.overlap = c.overlap;
+    p.gated = c.gated;
+    p.latent = view(latent, ws.rows, {T, c.dim});
+    run_compressor_pool(p, stream);
+  };
+  pool(*r.compressor, 0, WeightRole::compressor_wkv, WeightRole::compressor_wgate, WeightRole::compressor_norm,
+       WeightRole::compressor_ape, ws.latent);
+  const TensorView latent = view(ws.latent, ws.rows, {T, D});
+  const int64_t entry_offset = 1 - r.plan.compress_ratio;  // an entry rotates at its group's first position
+
+  // Index keys first: V4.1 derives them from the pre-RoPE latent (SPEC §4.1).
+  if (r.plan.owns_index_keys) {
+    CacheInsertParams keys = insert_params(layer, r.index_rows, ls.index_key_slots, ls.index_keys);
+    keys.position_offset = entry_offset;
+    if (r.index_compressor) {
+      pool(*r.index_compressor, 1, WeightRole::indexer_compressor_wkv, WeightRole::indexer_compressor_wgate,
+           WeightRole::indexer_compressor_norm, WeightRole::indexer_compressor_ape, ws.index_latent);
+      keys.rows = view(ws.index_latent, ws.rows, {T, dI});
+    } else {
+      keys.rows = view(ws.keys, ws.rows, {T, dI});
+      project(latent, w.get(WeightRole::indexer_wk), keys.rows);
+      keys.norm_weight = w.get(WeightRole::indexer_k_norm).view();
+      keys.eps = r.eps;
+    }
+    run_cache_insert(keys, stream);
+  }
+  CacheInsertParams entries = insert_params(layer, r.compressed_rows, ls.compressed_slots, ls.compressed);
+  entries.rows = latent;
+  entries.position_offset = entry_offset;
+  run_cache_insert(entries, stream);
+}
+
+// The indexer of an index-source layer: scores over its kv source's keys, candidate blocks, top-k
+// picks (SPEC §4), in token chunks that fit the score buffer.
+void LayerPipeline::index(int layer) {
+  Workspace& ws = *in_.workspace;
+  const cudaStream_t stream = in_.stream;
+  const LayerRecipe& r = recipe(layer);
+  const LayerPlan& plan = r.plan;
+  const DeviceLayerWeights& w = weights(layer);
+  const LayerStep& source = in_.step->layer(plan.kv_source);
+  const int64_t T = in_.step->tokens(), nI = config().index_n_heads, dI = config().index_head_dim;
+  const int64_t k = config().index_topk;
+
+  // Queries and head weights (SPEC §4.2).
+  const TensorView q = view(ws.index_q, DType::bf16, {T, nI, dI});
+  project(view(ws.qr, ws.rows, {T, config().q_lora_rank}), w.get(WeightRole::indexer_wq_b),
+          view(ws.index_q, DType::bf16, {T, nI * dI}));
+  RopeHeadsParams rope;
+  rope.x = rope.out = q;
+  rope.token_position = in_.step->token_position();
+  rope.rope_table = rope_table(layer);
+  rope.quant = r.index_rows;
+  run_rope_heads(rope, stream);
+  project(view(ws.x, DType::bf16, {T, config().hidden_size}), w.get(WeightRole::indexer_weights_proj),
+          view(ws.index_w_raw, ws.rows, {T, nI}));
+  launch_scale_to_f32(ws.index_w_raw, ws.rows, r.index_weight_scale, r.round_bf16, ws.index_w, T * nI, stream);
+  const TensorView weights = view(ws.index_w, DType::f32, {T, nI});
+
+  const int64_t entries = source.entries, block_size = config().candidate_block_size;
+  const int ratio = plan.compress_ratio;
+  const TensorView picks = view(ws.picks[static_cast<size_t>(layer)], DType::i32, {T, k});
+  const TensorView candidates =
+      ws.candidates ? view(ws.candidates, DType::i32, {T, config().candidate_topk_blocks}) : TensorView{};
+  const int64_t chunk = std::max<int64_t>(1, ws.score_floats / std::max<int64_t>(entries, 1));
+  for (int64_t first = 0; first < T; first += chunk) {
+    const int64_t n = std::min(chunk, T - first);
+    const TensorView positions = rows_of(in_.step->token_position(), first, n);
+    IndexScoresParams scores;
+    scores.q = rows_of(q, first, n);
+    scores.weights = rows_of(weights, first, n);
+    scores.keys = source.index_keys;
+    scores.token_sequence = rows_of(in_.step->token_sequence(), first, n);
+    scores.token_position = positions;
+    scores.compress_ratio = ratio;
+    if (plan.uses_candidates) {
+      scores.candidates = rows_of(candidates, first, n);
+      scores.candidate_block_size = block_size;
+    }
+    scores.scores = view(ws.scores, DType::f32, {n, entries});
+    run_index_scores(scores, stream);
+    // Split indexer: the partial sums over the rank's heads are summed over the ranks.
+    if (in_.split_indexer) in_.communicator->all_reduce_sum(ws.scores, n * entries, stream);
+    TopkParams topk;
+    topk.token_position = positions;
+    topk.compress_ratio = ratio;
+    if (plan.is_candidate_source) {
+      // Published over the candidate source's entries; the source itself does not apply them.
+      CandidateBlockScoresParams blocks;
+      blocks.scores = scores.scores;
+      blocks.token_position = positions;
+      blocks.compress_ratio = ratio;
+      blocks.block_size = block_size;
+      blocks.block_scores = view(ws.block_scores, DType::f32, {n, ceil_div(entries, block_size)});
+      run_candidate_block_scores(blocks, stream);
+      topk.scores = blocks.block_scores;
+      topk.group_size = block_size;
+      topk.picks = rows_of(candidates, first, n);
+      run_topk(topk, stream);
+    }
+    topk.scores = scores.scores;
+    topk.group_size = 1;
+    topk.picks = rows_of(picks, first, n);
+    run_topk(topk, stream);
+  }
+}
+
+// Sparse attention over the layer's window and the picked entries of its kv source (SPEC §5).
+void LayerPipeline::attend(int layer) {
+  Workspace& ws = *in_.workspace;
+  const LayerRecipe& r = recipe(layer);
+  const LayerPlan& plan = r.plan;
+  const int64_t T = in_.step->tokens(), H = config().num_heads, D = config().head_dim;
+  SparseAttentionParams a;
+  a.q = view(ws.q, DType::bf16, {T, H, D});
+  a.token_sequence = in_.step->token_sequence();
+  a.token_position = in_.step->token_position();
+  a.window = in_.step->layer(layer).window;
+  a.window_size = config().sliding_window;
+  a.sink = weights(layer).get(WeightRole::attn_sink).view();
+  a.scale = r.softmax_scale;
+  a.out = view(ws.o, ws.rows, {T, H, D});
+  if (plan.kv_source >= 0) {
+    const LayerStep& source = in_.step->layer(plan.kv_source);
+    a.compressed = source.compressed;
+    a.compress_ratio = plan.compress_ratio;
+    if (plan.index_source >= 0) {
+      a.picks = view(ws.picks[static_cast<size_t>(plan.index_source)], DType::i32, {T, config().index_topk});
+    } else {  // V4.0 HCA: every visible entry
+      DSV4_CHECK(source.entries <= ws.entry_picks_capacity, "engine: layer ", layer, ": ", source.entries,
+                 " compressed entries exceed the ", ws.entry_picks_capacity, " planned at create");
+      launch_fill_entry_picks(ws.entry_picks, T, source.entries, in_.stream);
+      a.picks = view(ws.entry_picks, DType::i32, {T, source.entries});
+    }
+  }
+  run_sparse_attention(a, ws.scratch, in_.stream);
+}
+
+}  // namespace dsv4::cuda

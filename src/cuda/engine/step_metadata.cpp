@@ -1,0 +1,98 @@
+#include "cuda/engine/step_metadata.h"
+
+#include <algorithm>
+
+namespace dsv4::cuda {
+namespace {
+
+// Bytes of one pool's table [S, blocks] i32, first logical pages [S] i32 and slots [T] i64.
+size_t paged_bytes(const KvCacheManager& manager, CacheKind kind, int layer, int64_t rows, int64_t S, int64_t T) {
+  const int64_t rpp = manager.pool(kind, layer).rows_per_page();
+  return align_workspace(static_cast<size_t>(S * (rows / rpp + 2)) * 4) + align_workspace(static_cast<size_t>(S) * 4) +
+         align_workspace(static_cast<size_t>(T) * 8);
+}
+
+size_t metadata_bytes(const ModelTopology& topology, const KvCacheManager& manager, int64_t T, int64_t S,
+                      int64_t max_context) {
+  size_t bytes = 3 * align_workspace(static_cast<size_t>(T) * 4);  // the token arrays
+  for (int l = 0; l < topology.size(); ++l) {
+    const LayerPlan& plan = topology[l];
+    bytes += paged_bytes(manager, CacheKind::window, l, manager.sliding_window() + T, S, T);
+    if (!plan.owns_compressor) continue;
+    const int64_t entries = max_context / plan.compress_ratio;
+    bytes += paged_bytes(manager, CacheKind::compressed, l, entries, S, T);
+    if (plan.owns_index_keys) bytes += paged_bytes(manager, CacheKind::index_keys, l, entries, S, T);
+  }
+  return bytes;
+}
+
+}  // namespace
+
+StepMetadata::StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens,
+                           int64_t max_sequences, int64_t max_context)
+    : upload_(metadata_bytes(topology, caches.manager(), max_tokens, max_sequences, max_context)),
+      layers_(static_cast<size_t>(topology.size())) {}
+
+void StepMetadata::pack(const StepLayout& step, const ModelTopology& topology, const DeviceCaches& caches,
+                        cudaStream_t stream) {
+  const KvCacheManager& manager = caches.manager();
+  const int64_t S = static_cast<int64_t>(step.chunks.size()), T = step.tokens();
+  std::vector<CacheStepEntry> cache_step;
+  std::vector<int32_t> token_position(step.positions.begin(), step.positions.end()), state_slot;
+  for (const StepChunk& ch : step.chunks) {
+    cache_step.push_back({ch.sequence, ch.tokens});
+    state_slot.insert(state_slot.end(), static_cast<size_t>(ch.tokens),
+                      static_cast<int32_t>(manager.sequence_slot(ch.sequence)));
+  }
+  upload_.begin();
+  tokens_ = T;
+  token_sequence_ = upload_.append(std::span<const int32_t>(step.chunk_of), DType::i32, {T});
+  token_position_ = upload_.append(std::span<const int32_t>(token_position), DType::i32, {T});
+  state_slot_ = upload_.append(std::span<const int32_t>(state_slot), DType::i32, {T});
+  // A pool's block tables [S, longest table] (-1 padded) and first logical pages [S].
+  const auto paged = [&](CacheKind kind, int layer) {
+    std::vector<BlockTableView> tables;
+    int64_t blocks = 1;
+    for (const StepChunk& ch : step.chunks) {
+      tables.push_back(manager.block_table(ch.sequence, kind, layer));
+      blocks = std::max<int64_t>(blocks, static_cast<int64_t>(tables.back().pages.size()));
+    }
+    std::vector<int32_t> table(static_cast<size_t>(S * blocks), -1), first(static_cast<size_t>(S));
+    for (int64_t s = 0; s < S; ++s) {
+      const BlockTableView& t = tables[static_cast<size_t>(s)];
+      std::transform(t.pages.begin(), t.pages.end(), table.begin() + s * blocks,
+                     [](int64_t page) { return static_cast<int32_t>(page); });
+      first[static_cast<size_t>(s)] = static_cast<int32_t>(t.first_logical_page);
+    }
+    PagedCache cache;
+    cache.pages = caches.pages(kind, layer);
+    cache.geometry = caches.geometry(kind, layer);
+    cache.tensor_scale = manager.pool(kind, layer).tensor_scale();
+    cache.block_table = upload_.append(std::span<const int32_t>(table), DType::i32, {S, blocks});
+    cache.first_logical_page = upload_.append(std::span<const int32_t>(first), DType::i32, {S});
+    return cache;
+  };
+  const auto slots = [&](const std::vector<int64_t>& s) {
+    return upload_.append(std::span<const int64_t>(s), DType::i64, {T});
+  };
+  for (int l = 0; l < topology.size(); ++l) {
+    LayerStep& ls = layers_[static_cast<size_t>(l)];
+    ls = LayerStep{};
+    const LayerPlan& plan = topology[l];
+    const LayerStepSlots layer_slots = manager.step_slots(cache_step, l);
+    ls.window = paged(CacheKind::window, l);
+    ls.window_slots = slots(layer_slots.window);
+    if (!plan.owns_compressor) continue;
+    ls.compressed = paged(CacheKind::compressed, l);
+    ls.compressed_slots = slots(layer_slots.compressed);
+    if (plan.owns_index_keys) {
+      ls.index_keys = paged(CacheKind::index_keys, l);
+      ls.index_key_slots = slots(layer_slots.index_keys);
+    }
+    for (const StepChunk& ch : step.chunks)
+      ls.entries = std::max(ls.entries, (ch.start + ch.tokens) / plan.compress_ratio);
+  }
+  upload_.upload(stream);
+}
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,147 @@
+#include "engine/step_engine.h"
+
+#include <algorithm>
+
+#include "dsv4/error.h"
+#include "engine/layer_order.h"
+
+namespace dsv4 {
+namespace {
+
+bool has_any_weight(const LayerWeights& w) {
+  return std::any_of(w.tensors.begin(), w.tensors.end(), [](const auto& t) { return t.has_value(); });
+}
+
+}  // namespace
+
+StepEngine::StepEngine(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights,
+                       const EngineOptions& options)
+    : config_(config),
+      topology_(resolve_topology(config)),
+      weights_(std::move(weights)),
+      options_(options),
+      sequences_(static_cast<size_t>(config.total_layers()), options.max_sequences) {
+  for (int l = 0; l < topology_.size(); ++l) {
+    // transformers checkpoints leave the MTP layers out; such a layer cannot run.
+    const bool present = !topology_[l].is_mtp || has_any_weight(weights_->layers[static_cast<size_t>(l)]);
+    present_.push_back(present ? 1 : 0);
+  }
+  ran_.assign(present_.size(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sequences
+
+bool StepEngine::in_running_step(SequenceId sequence) const {
+  return in_step_ && std::any_of(step_.chunks.begin(), step_.chunks.end(),
+                                 [&](const StepChunk& c) { return c.sequence == sequence; });
+}
+
+SequenceId StepEngine::add_sequence() {
+  return sequences_.add([&](SequenceId id) { add_sequence_caches(id); });
+}
+
+SequenceId StepEngine::fork_sequence(SequenceId parent) {
+  sequences_.skipped_layers("fork_sequence", parent);
+  DSV4_CHECK(!in_running_step(parent), "engine: fork_sequence: sequence ", parent,
+             " is part of the running step; fork it before begin_step or after end_step");
+  return sequences_.fork(parent, [&](SequenceId id) { fork_sequence_caches(parent, id); });
+}
+
+void StepEngine::release_sequence(SequenceId sequence) {
+  sequences_.skipped_layers("release_sequence", sequence);
+  DSV4_CHECK(!in_running_step(sequence), "engine: release_sequence: sequence ", sequence,
+             " is part of the running step; release it after end_step");
+  release_sequence_caches(sequence);
+  sequences_.remove(sequence);
+}
+
+int64_t StepEngine::sequence_length(SequenceId sequence) const {
+  sequences_.skipped_layers("sequence_length", sequence);
+  return cached_length(sequence);
+}
+
+int64_t StepEngine::sequence_cache_bytes(SequenceId sequence) const {
+  sequences_.skipped_layers("sequence_cache_bytes", sequence);
+  return cached_bytes(sequence);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Steps
+
+void StepEngine::begin_step(const std::vector<StepEntry>& entries) {
+  DSV4_CHECK(!in_step_, "engine: begin_step: a step is in progress; call end_step first");
+  sequences_.check_step(entries, options_, [&](SequenceId s) { return cached_length(s); });
+  StepLayout layout;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const StepEntry& e = entries[i];
+    const int64_t length = cached_length(e.sequence);
+    layout.chunks.push_back({e.sequence, tokens, e.num_tokens, length});
+    for (int64_t k = 0; k < e.num_tokens; ++k) {
+      layout.positions.push_back(length + k);
+      layout.chunk_of.push_back(static_cast<int32_t>(i));
+    }
+    tokens += e.num_tokens;
+  }
+  prepare_step(layout);  // all-or-nothing: a full pool throws here and nothing changed
+  step_ = std::move(layout);
+  ran_.assign(ran_.size(), 0);
+  in_step_ = true;
+}
+
+void StepEngine::check_layer(const char* operation, int layer) const {
+  DSV4_CHECK(layer >= 0 && layer < topology_.size(), "engine: ", operation, ": layer ", layer,
+             " does not exist (the model has ", topology_.size(), " layers)");
+}
+
+void StepEngine::check_activation(const char* name, const TensorView& v, int layer) const {
+  const std::vector<int64_t> expected{step_.tokens(), config_.hidden_size};
+  const std::vector<int64_t> given(v.shape.begin(), v.shape.begin() + std::clamp(v.rank, 0, kMaxRank));
+  DSV4_CHECK(accepts_activations_on(v.device), "engine: run_layer: layer ", layer, " ", name, " is on ",
+             device_name(v.device), ", which the ", backend_name(options_.backend), " backend cannot read");
+  DSV4_CHECK(v.dtype == DType::f32, "engine: run_layer: layer ", layer, " ", name, " has dtype ", dtype_name(v.dtype),
+             ", expected F32");
+  DSV4_CHECK(given == expected, "engine: run_layer: layer ", layer, " ", name, " has shape ", shape_string(given),
+             ", expected ", shape_string(expected), " (step tokens, hidden_size)");
+  DSV4_CHECK(v.is_contiguous() && v.data != nullptr, "engine: run_layer: layer ", layer, " ", name,
+             " must be a contiguous view of existing memory");
+}
+
+void StepEngine::run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
+  DSV4_CHECK(in_step_, "engine: run_layer: no step is in progress; call begin_step first");
+  check_layer("run_layer", layer);
+  bool skipped = false;
+  for (const StepChunk& ch : step_.chunks)
+    skipped = skipped || sequences_.skipped_layers("run_layer", ch.sequence)[static_cast<size_t>(layer)];
+  check_layer_may_run(config_, topology_, layer, layer_present(layer), skipped, [&](int l) { return layer_ran(l); });
+  check_activation("hidden_in", hidden_in, layer);
+  check_activation("attn_out", attn_out, layer);
+  run_layer_step(layer, hidden_in, attn_out);
+  ran_[static_cast<size_t>(layer)] = 1;
+}
+
+HostTensor StepEngine::layer_picks(int layer) const {
+  check_layer("layer_picks", layer);
+  const LayerPlan& plan = topology_[layer];
+  DSV4_CHECK(plan.owns_indexer, "engine: layer_picks: layer ", layer, " is not an index source",
+             plan.index_source >= 0 ? " (it reuses the picks of layer " + std::to_string(plan.index_source) + ")" : "");
+  if (!layer_ran(layer)) return HostTensor();  // kept after end_step until the next step
+  return read_picks(layer);
+}
+
+void StepEngine::end_step() {
+  DSV4_CHECK(in_step_, "engine: end_step: no step is in progress");
+  // MTP layers are optional: a sequence whose step skipped one can no longer run it.
+  for (int l = 0; l < config_.num_layers; ++l)
+    DSV4_CHECK(layer_ran(l), "engine: end_step: layer ", l, " has not run in this step");
+  for (const StepChunk& ch : step_.chunks) {
+    std::vector<uint8_t>& skipped = sequences_.skipped_layers("end_step", ch.sequence);
+    for (int l = config_.num_layers; l < topology_.size(); ++l)
+      if (!layer_ran(l)) skipped[static_cast<size_t>(l)] = 1;
+    commit_sequence(ch);
+  }
+  in_step_ = false;
+}
+
+}  // namespace dsv4

@@ -1,0 +1,85 @@
+// The engine protocol, written once for every backend (SPEC §1.3): sequences (add, fork, release,
+// lengths), the checks of begin_step / run_layer / layer_picks / end_step, the layer-order rules
+// and the bookkeeping of layers a sequence skipped. A backend derives from StepEngine and
+// implements only the hooks below: its caches, the preparation of a step, one layer, the picks
+// and the commit. Nothing a hook is handed has to be checked again.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/step_layout.h"
+#include "dsv4/engine.h"
+#include "engine/sequence_registry.h"
+
+namespace dsv4 {
+
+class StepEngine : public Engine {
+ public:
+  const ModelConfig& config() const final { return config_; }
+  const ModelTopology& topology() const final { return topology_; }
+
+  SequenceId add_sequence() final;
+  SequenceId fork_sequence(SequenceId parent) final;
+  void release_sequence(SequenceId sequence) final;
+  int64_t sequence_length(SequenceId sequence) const final;
+  int64_t sequence_cache_bytes(SequenceId sequence) const final;
+
+  void begin_step(const std::vector<StepEntry>& entries) final;
+  void run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) final;
+  HostTensor layer_picks(int layer) const final;
+  void end_step() final;
+
+ protected:
+  // Engine::create checked the options against the config and the weights.
+  StepEngine(const ModelConfig& config, std::shared_ptr<const ModelWeights> weights, const EngineOptions& options);
+
+  // ----- hooks
+  // A sequence's caches: created empty, forked from a live parent (the parent is not part of a
+  // running step), released. The ids are new or live as the operation needs.
+  virtual void add_sequence_caches(SequenceId id) = 0;
+  virtual void fork_sequence_caches(SequenceId parent, SequenceId child) = 0;
+  virtual void release_sequence_caches(SequenceId id) = 0;
+  // Committed tokens of a sequence, and the bytes of cache it holds.
+  virtual int64_t cached_length(SequenceId id) const = 0;
+  virtual int64_t cached_bytes(SequenceId id) const = 0;
+  // Reserves the step's cache space and prepares the step (step() is not yet set). All-or-nothing:
+  // when a pool is exhausted it throws and nothing changed.
+  virtual void prepare_step(const StepLayout& step) = 0;
+  // Runs layer `layer` of step(); hidden_in and attn_out are [step tokens, hidden_size] f32,
+  // contiguous, on a device accepts_activations_on() allows.
+  virtual void run_layer_step(int layer, const TensorView& hidden_in, const TensorView& attn_out) = 0;
+  virtual bool accepts_activations_on(Device device) const = 0;
+  // The picks the index source `layer` published in step(): [step tokens, index_topk] i32.
+  virtual HostTensor read_picks(int layer) const = 0;
+  // Advances the chunk's sequence by the chunk's tokens.
+  virtual void commit_sequence(const StepChunk& chunk) = 0;
+
+  // ----- for the backends
+  const ModelWeights& weights() const { return *weights_; }
+  const EngineOptions& options() const { return options_; }
+  // False for an MTP layer the checkpoint leaves out (transformers checkpoints): it cannot run.
+  bool layer_present(int layer) const { return present_[static_cast<size_t>(layer)] != 0; }
+  // The running step (kept after end_step until the next begin_step).
+  const StepLayout& step() const { return step_; }
+  bool layer_ran(int layer) const { return ran_[static_cast<size_t>(layer)] != 0; }
+
+ private:
+  void check_layer(const char* operation, int layer) const;
+  void check_activation(const char* name, const TensorView& v, int layer) const;
+  bool in_running_step(SequenceId sequence) const;
+
+  ModelConfig config_;
+  ModelTopology topology_;
+  std::shared_ptr<const ModelWeights> weights_;
+  EngineOptions options_;
+  std::vector<uint8_t> present_;  // per layer
+  SequenceRegistry sequences_;
+
+  bool in_step_ = false;
+  StepLayout step_;
+  std::vector<uint8_t> ran_;      // per layer: ran in this step
+};
+
+}  // namespace dsv4
