@@ -668,6 +668,11 @@ int run(const RunOptions& o) {
               static_cast<long long>(stats.decode_tokens_alone), stats.decode_step_seconds,
               format_rate(stats.decode_tokens_alone, stats.decode_step_seconds).c_str(),
               stats.decode_steps > 0 ? 1e3 * stats.decode_step_seconds / static_cast<double>(stats.decode_steps) : 0.0);
+  const EngineMemory held = engine->memory();
+  std::printf("engine memory (%s): weights %s, caches %s, workspace %s\n", backend == Backend::cuda ? "gpu" : "host",
+              format_bytes(static_cast<double>(held.weights)).c_str(),
+              format_bytes(static_cast<double>(held.caches)).c_str(),
+              format_bytes(static_cast<double>(held.workspace)).c_str());
   if (backend == Backend::cuda)
     std::printf("gpu memory: %s in use at the peak (weights, cache pools, workspace and the CUDA context)\n",
                 format_bytes(static_cast<double>(stats.peak_device_bytes)).c_str());
