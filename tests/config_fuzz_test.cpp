@@ -180,7 +180,7 @@ TEST(ConfigFuzz, EveryInputParsesOrThrowsDsv4Error) {
   const char* seconds_env = std::getenv("DSV4_FUZZ_SECONDS");
   const char* seed_env = std::getenv("DSV4_FUZZ_SEED");
   const double seconds = seconds_env ? std::atof(seconds_env) : 0.0;
-  constexpr int64_t kDefaultIterations = 20000;
+  constexpr int64_t kDefaultIterations = 50000;
   const uint64_t seed = seed_env ? std::strtoull(seed_env, nullptr, 10) : 20261129;
   if (seconds > 0) std::cout << "config fuzz: seed " << seed << ", " << seconds << " s\n";
   else std::cout << "config fuzz: seed " << seed << ", " << kDefaultIterations << " mutants\n";
