@@ -1,5 +1,6 @@
 # Extra builds of tests/safetensors_fuzz_test.cpp (included by tests/CMakeLists.txt):
-#  * safetensors_fuzz_asan_test: the time-bounded mutation loop under AddressSanitizer + UBSan;
+#  * safetensors_fuzz_asan_test: the seeded mutation loop (a fixed number of mutants) under
+#    AddressSanitizer + UBSan;
 #  * safetensors_header_fuzzer: a libFuzzer target of parse_safetensors_header, built with clang++
 #    when it has libFuzzer, run by ctest for 15 s from a seed corpus the plain test writes.
 # Both compile only the reader's own sources, so that every line they exercise is instrumented.

@@ -16,7 +16,10 @@ namespace {
 
 using golden::GoldenSet;
 
-constexpr double kTolerance = 1e-4;  // per call and layer, relative L2
+// Per call and layer, relative L2. Measured 2.38e-7 (call 8, layer 0): fp32 against a float64
+// run, so only fp32 roundings differ. Bound 4x that (summation orders may shift by a few fp32 ulps
+// on other compilers / CPUs); anything structurally wrong (a scale, a mask, a position) is ≥ 1e-3.
+constexpr double kTolerance = 1e-6;
 
 // Entries of a row tied at the top-k cut: every entry (picked or not) whose score equals the
 // lowest pick's when some entry left out has that score; empty when the selection is unique.
@@ -113,7 +116,7 @@ TEST(GoldenV40, AttentionOutputsMatchEveryCallAndLayer) {
     }
   std::printf("v40a fp32 precision: worst relative L2 error %.3g (call %d, layer %d); %lld rows with tied picks left out\n",
               worst, worst_call, worst_layer, static_cast<long long>(tied_rows));
-  EXPECT_LE(tied_rows, 4);
+  EXPECT_LE(tied_rows, 4);  // measured 3
 }
 
 // transformers records the CSA indexer's picks as entry indices in score order, −1 for none;

@@ -16,7 +16,11 @@ namespace {
 
 using golden::GoldenSet;
 
-constexpr double kAcceptance = 2e-2;  // README.upstream.md: the acceptance bound on non-ambiguous rows
+// Per call and layer, relative L2 on non-ambiguous rows. README.upstream.md's acceptance bound is
+// 2e-2 (what `dsv4 compare` accepts); this test asserts what the reference achieves: measured
+// 1.86e-3 (call 10, layer 4), from bf16 roundings that land the other way after the official
+// code's GEMMs sum in another order. Bound about twice that: a bug that doubles the error fails.
+constexpr double kTolerance = 4e-3;
 
 // Non-ambiguous (batch row, token) pairs of a layer in a call: all rows when the layer has no flag.
 std::vector<uint8_t> usable_rows(const GoldenSet& g, int c, int l) {
@@ -128,7 +132,7 @@ TEST(GoldenV41, AttentionOutputsMatchOnNonAmbiguousRows) {
     for (int l = 0; l < g.config.num_layers; ++l) {
       const double err = masked_relative_l2(r.outputs[c].attn_out[l], g.floats(GoldenSet::layer_name(c, l, "attn_out")),
                                             usable_rows(g, c, l), g.config.hidden_size);
-      EXPECT_LE(err, kAcceptance) << "call " << c << " layer " << l;
+      EXPECT_LE(err, kTolerance) << "call " << c << " layer " << l;
       if (err > worst) worst = err, worst_call = c, worst_layer = l;
     }
   std::printf("v41a reference precision: worst relative L2 error %.3g (call %d, layer %d) over non-ambiguous rows\n",
@@ -233,15 +237,16 @@ TEST(GoldenV41, FinalCachesMatch) {
       EXPECT_LE(err, tolerance) << prefix << name;
       std::printf("v41a %s%s: relative L2 error %.3g\n", prefix.c_str(), name.c_str(), err);
     };
-    // Fake-quantized rows agree exactly unless a value lands on the other side of a rounding
-    // boundary (one FP4 flip in a layer's cache is ~1e-3); the compressor state is fp32.
-    check("window_kv", window, 2e-3);
+    // Fake-quantized rows: measured 0 on every layer (bit equality with the official code's
+    // caches), asserted so; a single flipped FP8 / FP4 code (~1e-3) is a change to look at. The
+    // compressor state is fp32: measured 6.1e-8, bound 2e-7 (3x, fp32 summation order).
+    check("window_kv", window, 0.0);
     if (!g.topology[l].owns_compressor) continue;
-    check("compress_kv", compressed, 2e-3);
-    check("index_k", keys, 2e-3);
+    check("compress_kv", compressed, 0.0);
+    check("index_k", keys, 0.0);
     if (g.topology[l].compress_ratio > 1) {
-      check("compressor_kv_state", kv_state, 1e-6);
-      check("compressor_score_state", score_state, 1e-6);
+      check("compressor_kv_state", kv_state, 2e-7);
+      check("compressor_score_state", score_state, 2e-7);
     }
   }
 }

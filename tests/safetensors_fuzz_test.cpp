@@ -2,8 +2,8 @@
 // consistent header or throw dsv4::Error — never crash, hang, read out of bounds or throw anything
 // else.
 //
-// Built three ways (tests/fuzz.cmake): the plain GoogleTest executable (a seeded, time-bounded
-// mutation loop over valid files), the same under AddressSanitizer + UBSan, and with
+// Built three ways (tests/fuzz.cmake): the plain GoogleTest executable (a seeded mutation loop over
+// valid files, a fixed number of mutants unless DSV4_FUZZ_SECONDS asks for a time budget), the same under AddressSanitizer + UBSan, and with
 // DSV4_LIBFUZZER as a libFuzzer target of parse_safetensors_header.
 #include <unistd.h>
 
@@ -228,10 +228,18 @@ void mutate(Bytes& file, const std::vector<Bytes>& seeds, Rng& rng) {
   }
 }
 
+// By default a fixed number of mutants from a fixed seed, so every run tests the same inputs;
+// DSV4_FUZZ_SEED picks another seed (a failure prints seed and iteration), DSV4_FUZZ_SECONDS=<s>
+// is the long local mode: as many mutants as fit.
 double fuzz_seconds() {
   const char* s = std::getenv("DSV4_FUZZ_SECONDS");
-  return s ? std::atof(s) : 10.0;
+  return s ? std::atof(s) : 0.0;
 }
+uint64_t fuzz_seed() {
+  const char* s = std::getenv("DSV4_FUZZ_SEED");
+  return s ? std::strtoull(s, nullptr, 10) : 20261129;
+}
+constexpr int64_t kDefaultFuzzIterations = 20000;
 
 TEST(SafetensorsFuzz, SeedCorpusIsValid) {
   // Also the seed corpus of the libFuzzer target: written where DSV4_FUZZ_CORPUS_DIR points.
@@ -247,10 +255,12 @@ TEST(SafetensorsFuzz, SeedCorpusIsValid) {
 TEST(SafetensorsFuzz, MutatedFilesParseOrFailWithDsv4Error) {
   const std::vector<Bytes> seeds = seed_files();
   const std::string path = temp_path("mutant.safetensors");
-  Rng rng(20261129);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(fuzz_seconds());
+  const uint64_t seed = fuzz_seed();
+  const double seconds = fuzz_seconds();
+  Rng rng(seed);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
   int64_t iterations = 0, parsed = 0, opened = 0;
-  while (std::chrono::steady_clock::now() < deadline) {
+  while (seconds > 0 ? std::chrono::steady_clock::now() < deadline : iterations < kDefaultFuzzIterations) {
     Bytes file = seeds[rng.below(seeds.size())];
     for (size_t m = 1 + rng.below(4); m > 0; --m) mutate(file, seeds, rng);
     ++iterations;
@@ -272,7 +282,7 @@ TEST(SafetensorsFuzz, MutatedFilesParseOrFailWithDsv4Error) {
       }
     } catch (const std::exception& e) {
       write_bytes(temp_path("failure.safetensors"), file);
-      FAIL() << "iteration " << iterations << " threw a non-dsv4 exception: " << e.what() << " (input saved to "
+      FAIL() << "seed " << seed << " iteration " << iterations << " threw a non-dsv4 exception: " << e.what() << " (input saved to "
              << temp_path("failure.safetensors") << ")";
     }
   }

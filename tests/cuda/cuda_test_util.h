@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <iostream>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -108,21 +111,36 @@ DeviceTensor device_array(const std::vector<T>& values, DType dtype, std::vector
 }
 
 // Every actual[i] must equal expected[i] (infinities included) or be finite and within
-// atol + rtol·|expected[i]|; reports the worst element.
+// atol + rtol·|expected[i]|; reports the worst element. Prints the measured error ("measured
+// <what>: ...": the largest |Δ|, the largest |Δ| / |expected| and the largest fraction of the
+// bound used) and records it as a test property, so that one GPU run gives the numbers the bounds
+// are set from (docs/testing.md).
 inline void expect_close(const std::vector<float>& actual, const std::vector<float>& expected, float atol, float rtol,
                          const std::string& what) {
   ASSERT_EQ(actual.size(), expected.size()) << what;
-  size_t worst = 0, failures = 0;
-  double worst_excess = -1.0;
+  size_t worst = 0, failures = 0, differing = 0;
+  double worst_excess = -1.0, max_abs = 0.0, max_rel = 0.0, max_used = 0.0;
   for (size_t i = 0; i < actual.size(); ++i) {
     if (actual[i] == expected[i]) continue;
     const double bound = atol + rtol * std::fabs(expected[i]);
     const double err = std::fabs(static_cast<double>(actual[i]) - expected[i]);
+    ++differing;
+    max_abs = std::max(max_abs, err);
+    if (expected[i] != 0.0f) max_rel = std::max(max_rel, err / std::fabs(expected[i]));
+    if (bound > 0.0) max_used = std::max(max_used, err / bound);
     const bool bad = !std::isfinite(actual[i]) || !(err <= bound);
     if (bad) ++failures;
     const double excess = bad ? (std::isfinite(err) ? err - bound + 1e-30 : 1e30) : err - bound;
     if (excess > worst_excess) worst_excess = excess, worst = i;
   }
+  char line[256];
+  std::snprintf(line, sizeof line, "max |d| %.3g, max |d|/|expected| %.3g, %.3g of the bound, %zu of %zu differ (atol %.3g, rtol %.3g)",
+                max_abs, max_rel, max_used, differing, actual.size(), static_cast<double>(atol), static_cast<double>(rtol));
+  std::cout << "measured " << what << ": " << line << "\n";
+  std::string key = "measured_" + what;
+  for (char& ch : key)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  ::testing::Test::RecordProperty(key, line);
   EXPECT_EQ(failures, 0u) << what << ": " << failures << " of " << actual.size() << " elements outside atol " << atol
                           << " + rtol " << rtol << "; worst at " << worst << ": got " << actual[worst] << ", expected "
                           << expected[worst];

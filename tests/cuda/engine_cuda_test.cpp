@@ -6,13 +6,13 @@
 //
 // What is compared and why:
 //  * attention outputs, relative L2 per layer over the whole workload <= 2e-2, and per step and
-//    layer <= 5e-2 (a decode step compares three rows, where a single FP8 / FP4 code that rounds
+//    layer <= 5e-2 (bounds and measurements at kTolerance below; a decode step compares three rows, where a single FP8 / FP4 code that rounds
 //    the other way after a last-bit difference upstream weighs a lot), over the rows whose picks
 //    agree: the GPU indexer scores in fp32, the reference in bf16, so near-ties at the top-k cut
 //    may select different entries, and a row that attends other entries has another output;
 //  * the picks: every GPU selection must be a valid top-k of the CPU's scores up to 2^-5 of the
 //    row's largest score (the bf16 rounding of the reference scores and an occasional FP4 key
-//    that rounds the other way), and most rows must agree exactly;
+//    that rounds the other way), and at least 97 % of the rows must agree exactly;
 //  * the cache bytes each sequence holds (both engines keep the same paged layout).
 // Plus a CUDA graph capture of a decode step's run_layer calls, replayed against eager runs.
 #include <gtest/gtest.h>
@@ -37,9 +37,13 @@ namespace {
 
 using cuda::testing::CudaTest;
 
-constexpr double kTolerance = 2e-2;         // relative L2 per layer over the workload
-constexpr double kStepTolerance = 5e-2;     // relative L2 per step and layer
-constexpr double kMinPickAgreement = 0.5;   // rows whose GPU picks equal the CPU's, of all index rows
+// Measured on an H200 (docs/cuda.md, 2026-11-29), worst over the cases: 0.0115 per layer, 0.020
+// per step and layer, picks equal on 671 of 676 rows (0.993; tiny-v4 fp32 337 of 338). The bounds
+// allow about twice the measured error and four times the measured pick disagreement (0.7 %),
+// since near-ties at the cut flip with any last-bit change upstream.
+constexpr double kTolerance = 2e-2;         // relative L2 per layer over the workload; measured 0.0115
+constexpr double kStepTolerance = 5e-2;     // relative L2 per step and layer; measured 0.020
+constexpr double kMinPickAgreement = 0.97;  // rows whose GPU picks equal the CPU's, of all index rows; measured 0.993
 
 struct Model {
   ModelConfig config;
@@ -279,6 +283,9 @@ TEST_P(EngineCudaWorkload, MatchesTheCpuEngine) {
               precision_name(wc.precision), worst, worst_layer, r.worst_step_error, r.worst_step, r.worst_step_layer,
               static_cast<long long>(r.rows_compared), static_cast<long long>(r.rows_excluded),
               static_cast<long long>(r.picks_equal), static_cast<long long>(r.pick_rows));
+  RecordProperty("measured_worst_rel_l2_per_layer", std::to_string(worst));
+  RecordProperty("measured_worst_rel_l2_per_step", std::to_string(r.worst_step_error));
+  RecordProperty("measured_pick_agreement", std::to_string(static_cast<double>(r.picks_equal) / std::max<int64_t>(r.pick_rows, 1)));
   EXPECT_GT(r.pick_rows, 0);
   EXPECT_EQ(r.picks_invalid, 0);
   EXPECT_GE(static_cast<double>(r.picks_equal), kMinPickAgreement * static_cast<double>(r.pick_rows));

@@ -25,8 +25,13 @@ namespace {
 using cuda::testing::CudaTest;
 using golden::GoldenSet;
 
-constexpr double kAcceptance = 2e-2;
-constexpr double kMinPickAgreement = 0.8;  // of the unambiguous rows of index-source layers
+// Measured on an H200 (docs/cuda.md, 2026-11-29): worst relative L2 per call and layer 0.0045
+// (v41a) and 0.0060 (v40a, fp32); picks equal on 400 of 400 (v41a) and 143 of 150 (v40a, 0.953)
+// unambiguous rows. Bounds: about 3x the measured error (GPU index scores are fp32 where the
+// reference's are bf16, so outputs move with any FP8 / FP4 code that rounds the other way) and
+// twice the measured pick disagreement.
+constexpr double kAcceptance = 2e-2;       // measured 0.0060
+constexpr double kMinPickAgreement = 0.9;  // of the unambiguous rows of index-source layers; measured 0.953
 
 // The valid picks of a row as a sorted set.
 std::vector<int32_t> pick_set(const float* values, int64_t n) {
@@ -155,6 +160,8 @@ TEST_P(GoldenCuda, OutputsMatchPerCallAndLayer) {
               gc.name.c_str(), precision_name(gc.precision), worst, worst_call, worst_layer,
               static_cast<long long>(rows_compared), static_cast<long long>(rows_other_picks),
               static_cast<long long>(picks_equal), static_cast<long long>(pick_rows));
+  RecordProperty("measured_worst_rel_l2", std::to_string(worst));
+  RecordProperty("measured_pick_agreement", std::to_string(static_cast<double>(picks_equal) / std::max<int64_t>(pick_rows, 1)));
   EXPECT_GT(pick_rows, 100);
   EXPECT_GE(static_cast<double>(picks_equal), kMinPickAgreement * static_cast<double>(pick_rows));
   EXPECT_GE(rows_compared, 4 * rows_other_picks);
