@@ -54,7 +54,7 @@ if(DSV4_LIBFUZZER_WORKS)
                    $<TARGET_FILE:safetensors_fuzz_test> --gtest_filter=SafetensorsFuzz.SeedCorpusIsValid)
   set_tests_properties(safetensors_fuzz_seed_corpus PROPERTIES FIXTURES_SETUP safetensors_fuzz_corpus)
   add_test(NAME safetensors_libfuzzer
-           COMMAND ${fuzzer} -max_total_time=15 -seed=1 -timeout=10 -rss_limit_mb=2048 -artifact_prefix=${artifacts}
+           COMMAND ${fuzzer} -runs=50000 -seed=1 -timeout=10 -rss_limit_mb=2048 -artifact_prefix=${artifacts}
                    ${corpus})
   set_tests_properties(safetensors_libfuzzer PROPERTIES FIXTURES_REQUIRED safetensors_fuzz_corpus TIMEOUT 120)
 else()
