@@ -126,6 +126,39 @@ DSV4_HD DSV4_CODEC_INLINE float decode_channel(const uint8_t* data, const uint8_
   return 0.0f;
 }
 
+// Channels of a row of format F that share their code and scale, from channel 0 on: a tile, or
+// the whole row when the format has one scale (or none) per row. fp8_ds_mla's 64 bf16 RoPE
+// channels are its eighth run.
+template <KvRowFormat F>
+DSV4_HD constexpr int run_channels(int dims) {
+  if constexpr (F == KvRowFormat::v41_fp8) return kV41Fp8Tile;
+  else if constexpr (F == KvRowFormat::v41_fp4) return kV41Fp4Tile;
+  else if constexpr (F == KvRowFormat::fp8_ds_mla) return kDsMlaTile;
+  else if constexpr (F == KvRowFormat::index_mxfp4) return kMxfp4Tile;
+  else return dims;
+}
+
+// Channels [c0, c0 + n) of a run (see run_channels) into out [n]: decode_channel's values, with
+// the scale read once.
+template <KvRowFormat F>
+DSV4_HD inline void decode_run(const uint8_t* data, const uint8_t* scales, int c0, int n, float tensor_scale, float* out) {
+  switch (channel_code<F>(c0)) {
+    case ChannelCode::bf16:
+      for (int i = 0; i < n; ++i) out[i] = bf16_bits_to_float(load_u16_le(data + channel_offset<F>(c0 + i)));
+      return;
+    case ChannelCode::e4m3: {
+      const float scale = channel_scale<F>(scales, c0, tensor_scale);
+      for (int i = 0; i < n; ++i) out[i] = e4m3_to_float(data[channel_offset<F>(c0 + i)]) * scale;
+      return;
+    }
+    case ChannelCode::e2m1: {
+      const float scale = channel_scale<F>(scales, c0, tensor_scale);
+      for (int i = 0; i < n; ++i) out[i] = e2m1_to_float(unpack_e2m1(data, c0 + i)) * scale;
+      return;
+    }
+  }
+}
+
 // Calls f(std::integral_constant<KvRowFormat, format>{}) so that loops inside f decode with a
 // compile-time format.
 #if defined(__CUDACC__)
@@ -144,11 +177,14 @@ DSV4_HD DSV4_CODEC_INLINE void visit_format(KvRowFormat format, Visitor&& f) {
   }
 }
 
-// Decodes a whole row of `dims` channels into out.
+// Decodes a whole row of `dims` channels into out, run by run.
 DSV4_HD inline void decode_row(KvRowFormat format, int dims, const uint8_t* data, const uint8_t* scales,
                                float tensor_scale, float* out) {
   visit_format(format, [&](auto f) {
-    for (int c = 0; c < dims; ++c) out[c] = decode_channel<decltype(f)::value>(data, scales, c, tensor_scale);
+    constexpr KvRowFormat F = decltype(f)::value;
+    const int run = run_channels<F>(dims);
+    for (int c0 = 0; c0 < dims; c0 += run)
+      decode_run<F>(data, scales, c0, run < dims - c0 ? run : dims - c0, tensor_scale, out + c0);
   });
 }
 
@@ -184,6 +220,8 @@ DSV4_HD constexpr int encode_tile_count(KvRowFormat format, int dims) {
   return 0;
 }
 
+DSV4_HD constexpr int plain_tile_end(int dims, int t) { return dims < (t + 1) * kPlainTile ? dims : (t + 1) * kPlainTile; }
+
 // Encodes tile t of the row x [dims] into the row's data and scale bytes. `tensor_scale` is
 // fp8_per_tensor's (stored value e4m3(x / tensor_scale)); `floor` applies to the FP8 power-of-two
 // scales of v41_fp8, fp8_ds_mla and index_fp8. Bytes the format leaves free (fp8_ds_mla's scale
@@ -192,14 +230,11 @@ DSV4_HD inline void encode_tile(KvRowFormat format, int dims, const float* x, in
                                 float tensor_scale, Fp8ScaleFloor floor) {
   switch (format) {
     case KvRowFormat::bf16:
-    case KvRowFormat::fp8_per_tensor: {
-      const int end = dims < (t + 1) * kPlainTile ? dims : (t + 1) * kPlainTile;
-      for (int c = t * kPlainTile; c < end; ++c) {
-        if (format == KvRowFormat::bf16) store_u16_le(data + 2 * c, float_to_bf16_bits(x[c]));
-        else data[c] = float_to_e4m3(divide_rn(x[c], tensor_scale));
-      }
+      for (int c = t * kPlainTile; c < plain_tile_end(dims, t); ++c) store_u16_le(data + 2 * c, float_to_bf16_bits(x[c]));
       return;
-    }
+    case KvRowFormat::fp8_per_tensor:
+      for (int c = t * kPlainTile; c < plain_tile_end(dims, t); ++c) data[c] = float_to_e4m3(divide_rn(x[c], tensor_scale));
+      return;
     case KvRowFormat::v41_fp8:
       scales[t] = encode_fp8_tile(x + t * kV41Fp8Tile, kV41Fp8Tile, data + t * kV41Fp8Tile, floor);
       return;
