@@ -115,15 +115,28 @@ DSV4_HD DSV4_CODEC_INLINE float channel_scale(const uint8_t* scales, int c, floa
   else return 1.0f;
 }
 
+// Channel c's code times `scale`, the scale of its tile (see channel_scale); bf16 channels have no
+// scale and ignore it.
+template <KvRowFormat F>
+DSV4_HD DSV4_CODEC_INLINE float scaled_channel(const uint8_t* data, int c, float scale) {
+  switch (channel_code<F>(c)) {
+    case ChannelCode::bf16: return bf16_bits_to_float(load_u16_le(data + channel_offset<F>(c)));
+    case ChannelCode::e4m3: return e4m3_to_float(data[channel_offset<F>(c)]) * scale;
+    case ChannelCode::e2m1: return e2m1_to_float(unpack_e2m1(data, c)) * scale;
+  }
+  return 0.0f;
+}
+
+// The scale of the tile of channel c, or 1 for a bf16 channel.
+template <KvRowFormat F>
+DSV4_HD DSV4_CODEC_INLINE float scale_of_channel(const uint8_t* scales, int c, float tensor_scale) {
+  return channel_code<F>(c) == ChannelCode::bf16 ? 1.0f : channel_scale<F>(scales, c, tensor_scale);
+}
+
 // The exact dequantized value of channel c (code x scale) of a row of format F.
 template <KvRowFormat F>
 DSV4_HD DSV4_CODEC_INLINE float decode_channel(const uint8_t* data, const uint8_t* scales, int c, float tensor_scale) {
-  switch (channel_code<F>(c)) {
-    case ChannelCode::bf16: return bf16_bits_to_float(load_u16_le(data + channel_offset<F>(c)));
-    case ChannelCode::e4m3: return e4m3_to_float(data[channel_offset<F>(c)]) * channel_scale<F>(scales, c, tensor_scale);
-    case ChannelCode::e2m1: return e2m1_to_float(unpack_e2m1(data, c)) * channel_scale<F>(scales, c, tensor_scale);
-  }
-  return 0.0f;
+  return scaled_channel<F>(data, c, scale_of_channel<F>(scales, c, tensor_scale));
 }
 
 // Channels of a row of format F that share their code and scale, from channel 0 on: a tile, or
@@ -142,21 +155,8 @@ DSV4_HD constexpr int run_channels(int dims) {
 // the scale read once.
 template <KvRowFormat F>
 DSV4_HD inline void decode_run(const uint8_t* data, const uint8_t* scales, int c0, int n, float tensor_scale, float* out) {
-  switch (channel_code<F>(c0)) {
-    case ChannelCode::bf16:
-      for (int i = 0; i < n; ++i) out[i] = bf16_bits_to_float(load_u16_le(data + channel_offset<F>(c0 + i)));
-      return;
-    case ChannelCode::e4m3: {
-      const float scale = channel_scale<F>(scales, c0, tensor_scale);
-      for (int i = 0; i < n; ++i) out[i] = e4m3_to_float(data[channel_offset<F>(c0 + i)]) * scale;
-      return;
-    }
-    case ChannelCode::e2m1: {
-      const float scale = channel_scale<F>(scales, c0, tensor_scale);
-      for (int i = 0; i < n; ++i) out[i] = e2m1_to_float(unpack_e2m1(data, c0 + i)) * scale;
-      return;
-    }
-  }
+  const float scale = scale_of_channel<F>(scales, c0, tensor_scale);
+  for (int i = 0; i < n; ++i) out[i] = scaled_channel<F>(data, c0 + i, scale);
 }
 
 // Calls f(std::integral_constant<KvRowFormat, format>{}) so that loops inside f decode with a
