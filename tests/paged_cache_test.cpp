@@ -555,14 +555,24 @@ TEST(KvCacheManager, OneCopyWhenEveryHolderOfASharedPageWritesInOneStep) {
 }
 
 TEST(KvCacheManager, BookkeepingWithoutHostStorage) {
-  // What a device backend uses: pages, tables, sharing and copies, but no host bytes.
+  // What a device backend uses: pages, tables, sharing and copies, but no host bytes (pages or
+  // compressor state).
   Tiny t;
   KvCacheOptions o;
   o.formats = kv_format_set("v4.1-native");
   o.capacity = {4, 16, 8, 8};
   o.host_storage = false;
+  o.compressor_state_floats.assign(t.topology.size(), 0);
+  o.compressor_state_floats[1] = 6;
   KvCacheManager m(t.config, t.topology, o);
   m.add_sequence(1);
+  EXPECT_EQ(m.sequence_bytes(1), 6 * 4);  // the state is accounted where it lives
+  EXPECT_EQ(m.compressor_state_floats(1), 6);
+  expect_error([&] { m.compressor_state(1, 1); },
+               "dsv4: kv_cache: compressor_state: the manager keeps no host compressor state (host_storage is off)");
+  expect_error([&] { m.compressor_state_slab(1); },
+               "dsv4: kv_cache: compressor_state_slab: the manager keeps no host compressor state (host_storage is "
+               "off)");
   m.reserve({{1, 40}});
   m.commit(1, 40);
   m.fork_sequence(1, 2);

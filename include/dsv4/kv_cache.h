@@ -140,8 +140,9 @@ struct KvCacheOptions {
   int64_t index_key_rows_per_page = 0;
   PagePlacement placement = PagePlacement::segregated;
   float fp8_tensor_scale = 1.0f;  // tensor scale of fp8_per_tensor pools
-  // false: the pools keep no host bytes (PoolSpec::host_storage), for a backend that holds the
-  // arenas on its device and mirrors reserve()'s page copies there.
+  // false: the pools keep no host bytes (PoolSpec::host_storage) and there is no host compressor
+  // state (compressor_state() throws), for a backend that holds both on its device and mirrors
+  // reserve()'s page copies there. The state is still accounted in sequence_bytes().
   bool host_storage = true;
   // Floats of compressor partial-group state per sequence, per layer id (total_layers() entries,
   // or empty for none). Only layers that own a compressor may have a nonzero count.
@@ -249,7 +250,8 @@ class KvCacheManager {
   void write_slots(CacheKind kind, int layer, const int64_t* slots, int64_t n, const float* x);
   void read_slots(CacheKind kind, int layer, const int64_t* slots, int64_t n, float* out) const;
 
-  // ----- compressor partial-group state (fp32, zeroed by add_sequence, copied by fork_sequence)
+  // ----- compressor partial-group state (fp32, zeroed by add_sequence, copied by fork_sequence;
+  //       without host storage only its size and the sequence slots remain)
   int64_t compressor_state_floats(int layer) const;
   std::span<float> compressor_state(SequenceId id, int layer);
   std::span<const float> compressor_state(SequenceId id, int layer) const;
@@ -284,6 +286,7 @@ class KvCacheManager {
   // The slot of a row of pool `pool` that has a page and has not left the window.
   int64_t checked_slot(size_t pool, SequenceId id, const Sequence& s, int64_t row) const;
   int64_t state_offset(SequenceId id, int layer) const;
+  void check_host_state(const char* operation) const;
   int64_t take_sequence_slot(const char* operation, SequenceId id);
   void release_pages(Sequence& s);
 

@@ -335,7 +335,7 @@ KvCacheManager::KvCacheManager(const ModelConfig& config, const ModelTopology& t
                "] is ", n, ", but layer ", plan.layer, " owns no compressor (expected 0)");
     DSV4_CHECK(n <= kInt64Max / cap.max_sequences, "kv_cache: compressor_state_floats[", plan.layer,
                "] = ", n, " x ", cap.max_sequences, " sequences overflows");
-    state_slabs_[plan.layer].assign(static_cast<size_t>(n * cap.max_sequences), 0.0f);
+    if (options_.host_storage) state_slabs_[plan.layer].assign(static_cast<size_t>(n * cap.max_sequences), 0.0f);
   }
   for (int64_t s = cap.max_sequences - 1; s >= 0; --s) free_slots_.push_back(s);
 }
@@ -465,10 +465,11 @@ void KvCacheManager::add_sequence(SequenceId id) {
   Sequence s;
   s.slot = take_sequence_slot("add_sequence", id);
   s.tables.resize(pools_.size());
-  for (size_t layer = 0; layer < state_slabs_.size(); ++layer) {
-    const int64_t n = options_.compressor_state_floats[layer];
-    std::fill_n(state_slabs_[layer].begin() + s.slot * n, n, 0.0f);
-  }
+  if (options_.host_storage)
+    for (size_t layer = 0; layer < state_slabs_.size(); ++layer) {
+      const int64_t n = options_.compressor_state_floats[layer];
+      std::fill_n(state_slabs_[layer].begin() + s.slot * n, n, 0.0f);
+    }
   sequences_.emplace(id, std::move(s));
 }
 
@@ -489,11 +490,12 @@ void KvCacheManager::fork_sequence(SequenceId parent, SequenceId child) {
       s.tables[i].pages.push_back(t.pages[k]);
     }
   }
-  for (size_t layer = 0; layer < state_slabs_.size(); ++layer) {
-    const int64_t n = options_.compressor_state_floats[layer];
-    std::copy_n(state_slabs_[layer].begin() + from.slot * n, n,
-                state_slabs_[layer].begin() + s.slot * n);
-  }
+  if (options_.host_storage)
+    for (size_t layer = 0; layer < state_slabs_.size(); ++layer) {
+      const int64_t n = options_.compressor_state_floats[layer];
+      std::copy_n(state_slabs_[layer].begin() + from.slot * n, n,
+                  state_slabs_[layer].begin() + s.slot * n);
+    }
   sequences_.emplace(child, std::move(s));
 }
 
@@ -749,9 +751,15 @@ int64_t KvCacheManager::compressor_state_floats(int layer) const {
   return options_.compressor_state_floats[layer];
 }
 
+void KvCacheManager::check_host_state(const char* operation) const {
+  DSV4_CHECK(options_.host_storage, "kv_cache: ", operation,
+             ": the manager keeps no host compressor state (host_storage is off)");
+}
+
 int64_t KvCacheManager::state_offset(SequenceId id, int layer) const {
   const int64_t n = compressor_state_floats(layer);
   DSV4_CHECK(n > 0, "kv_cache: compressor_state: layer ", layer, " keeps no compressor state");
+  check_host_state("compressor_state");
   return sequence("compressor_state", id).slot * n;
 }
 
@@ -769,6 +777,7 @@ int64_t KvCacheManager::sequence_slot(SequenceId id) const { return sequence("se
 
 std::span<const float> KvCacheManager::compressor_state_slab(int layer) const {
   compressor_state_floats(layer);  // range check
+  check_host_state("compressor_state_slab");
   return state_slabs_[layer];
 }
 

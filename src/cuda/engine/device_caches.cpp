@@ -11,7 +11,10 @@ constexpr std::array<CacheKind, 3> kKinds = {CacheKind::window, CacheKind::compr
 
 namespace {
 
-KvCacheOptions with_state_floats(KvCacheOptions options, const std::vector<std::vector<int64_t>>& ring_floats) {
+// The manager keeps the bookkeeping only: the pool bytes live in the arenas, the compressor state
+// in the rings.
+KvCacheOptions device_options(KvCacheOptions options, const std::vector<std::vector<int64_t>>& ring_floats) {
+  options.host_storage = false;
   options.compressor_state_floats.clear();
   for (const std::vector<int64_t>& rings : ring_floats) {
     int64_t sum = 0;
@@ -25,7 +28,7 @@ KvCacheOptions with_state_floats(KvCacheOptions options, const std::vector<std::
 
 DeviceCaches::DeviceCaches(const ModelConfig& config, const ModelTopology& topology, KvCacheOptions options,
                            const std::vector<std::vector<int64_t>>& ring_floats, cudaStream_t stream)
-    : manager_(config, topology, with_state_floats(std::move(options), ring_floats)), stream_(stream) {
+    : manager_(config, topology, device_options(std::move(options), ring_floats)), stream_(stream) {
   const int layers = topology.size();
   arena_of_layer_.assign(static_cast<size_t>(layers), {-1, -1, -1});
   for (int l = 0; l < layers; ++l)
@@ -103,40 +106,12 @@ void DeviceCaches::fork_sequence(SequenceId parent, SequenceId child) {
 void DeviceCaches::release_sequence(SequenceId id) { manager_.release_sequence(id); }
 
 void DeviceCaches::reserve(const std::vector<CacheStepEntry>& step) {
-  // The pages each entry writes into, from the page of its first new row on: where reserve puts a
-  // different page at the same place, it copied a shared page on write.
-  struct Written {
-    size_t arena;
-    size_t entry;
-    int64_t first_index;  // index in the block table of the first written page
-    std::vector<int64_t> pages;
-  };
-  std::vector<Written> before;
-  for (size_t a = 0; a < arenas_.size(); ++a) {
-    const Arena& arena = arenas_[a];
-    const int64_t rows_per_page = manager_.pool(arena.kind, arena.layer).rows_per_page();
-    for (size_t e = 0; e < step.size(); ++e) {
-      const SequenceId id = step[e].sequence;
-      if (!manager_.has_sequence(id)) continue;  // reserve reports it
-      const BlockTableView table = manager_.block_table(id, arena.kind, arena.layer);
-      const int64_t first_row = manager_.sequence_length(id) / manager_.tokens_per_row(arena.kind, arena.layer);
-      const int64_t first_index = first_row / rows_per_page - table.first_logical_page;
-      if (first_index < 0 || first_index >= static_cast<int64_t>(table.pages.size())) continue;
-      before.push_back({a, e, first_index, std::vector<int64_t>(table.pages.begin() + first_index, table.pages.end())});
-    }
-  }
-  manager_.reserve(step);
-  for (const Written& w : before) {
-    const Arena& arena = arenas_[w.arena];
-    const int64_t stride = manager_.pool(arena.kind, arena.layer).page_stride();
-    const BlockTableView table = manager_.block_table(step[w.entry].sequence, arena.kind, arena.layer);
-    auto* base = static_cast<std::byte*>(arena.bytes.data());
-    for (size_t k = 0; k < w.pages.size(); ++k) {
-      const int64_t now = table.pages[static_cast<size_t>(w.first_index) + k];
-      if (now == w.pages[k]) continue;
-      DSV4_CUDA_CHECK(cudaMemcpyAsync(base + now * stride, base + w.pages[k] * stride, static_cast<size_t>(stride),
-                                      cudaMemcpyDeviceToDevice, stream_));
-    }
+  for (const PageCopy& c : manager_.reserve(step)) {
+    const PagePool& pool = manager_.pool(c.kind, c.layer);
+    auto* base = static_cast<std::byte*>(arena(c.kind, c.layer).bytes.data());
+    const int64_t stride = pool.page_stride();
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(base + c.to * stride, base + c.from * stride, static_cast<size_t>(stride),
+                                    cudaMemcpyDeviceToDevice, stream_));
   }
 }
 

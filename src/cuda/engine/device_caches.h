@@ -5,7 +5,7 @@
 // bookkeeping implies (a page copied on write, a state zeroed or copied) is queued on the
 // engine's stream, so it is ordered with the kernels that read and write the pages.
 //
-// The manager's own host copy of the pool bytes is never read or written here.
+// The manager runs without host storage: it keeps no pool bytes and no compressor state.
 #pragma once
 
 #include <array>
