@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "cuda/cuda_test_util.h"
+#include "cuda/ops/attention/sparse_attention_implementations.h"
 #include "dsv4/cuda/attention.h"
 #include "reference/ops.h"
 
@@ -199,20 +200,27 @@ TEST_F(CudaTest, SparseAttentionWindowOnlyPerTensorFp8) {
   check_attention(c);
 }
 
-// Validation needs no device.
-TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
-  using testing::error_of;
+// Valid arguments of 3 tokens x 8 heads over a v41_fp8 window cache, on fake device views.
+SparseAttentionParams fake_params() {
   using testing::fake_device_view;
   const PageGeometry g = page_geometry(KvRowFormat::v41_fp8, kHeadDim, 32);
   const PagedCache window{.pages = fake_device_view(DType::u8, {4, g.page_stride}),
                           .block_table = fake_device_view(DType::i32, {2, 2}), .geometry = g};
-  const SparseAttentionParams p{.q = fake_device_view(DType::bf16, {3, 8, kHeadDim}),
-                                .token_sequence = fake_device_view(DType::i32, {3}),
-                                .token_position = fake_device_view(DType::i32, {3}),
-                                .window = window,
-                                .sink = fake_device_view(DType::f32, {8}),
-                                .scale = 0.04f,
-                                .out = fake_device_view(DType::f32, {3, 8, kHeadDim})};
+  return {.q = fake_device_view(DType::bf16, {3, 8, kHeadDim}),
+          .token_sequence = fake_device_view(DType::i32, {3}),
+          .token_position = fake_device_view(DType::i32, {3}),
+          .window = window,
+          .sink = fake_device_view(DType::f32, {8}),
+          .scale = 0.04f,
+          .out = fake_device_view(DType::f32, {3, 8, kHeadDim})};
+}
+
+// Validation needs no device.
+TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
+  using testing::error_of;
+  using testing::fake_device_view;
+  const SparseAttentionParams p = fake_params();
+  const PagedCache window = p.window;
   EXPECT_NO_THROW(validate_sparse_attention(p));
   auto message = [](SparseAttentionParams bad) { return error_of([&] { validate_sparse_attention(bad); }); };
 
@@ -252,6 +260,18 @@ TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
   bad = p;
   bad.window_size = 0;
   EXPECT_EQ(message(bad), "dsv4: sparse_attention: window_size is 0, expected >= 1");
+}
+
+// The dispatch seam (sparse_attention_implementations.h): today the SIMT kernel runs every call on
+// every device the library supports; the choice needs no device.
+TEST(SparseAttentionCudaDispatch, ChoosesSimtOnEveryDevice) {
+  for (const int compute_capability : {80, 86, 89, 90, 100, 120})
+    EXPECT_STREQ(choose_sparse_attention(fake_params(), DeviceInfo{compute_capability}).name, "simt")
+        << "compute capability " << compute_capability;
+}
+
+TEST_F(CudaTest, SparseAttentionChoosesSimtOnThisDevice) {
+  EXPECT_STREQ(sparse_attention_implementation(fake_params()), "simt");
 }
 
 // The engine sizes the row split's workspace ahead with sparse_attention_max_workspace_bytes: it

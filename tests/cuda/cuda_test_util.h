@@ -1,5 +1,6 @@
-// Shared helpers of the CUDA kernel tests: a fixture that skips without a device, random inputs,
-// host/device tensors in the kernels' dtypes, poisoned outputs and tolerance checks.
+// Shared helpers of the CUDA kernel tests: a fixture that skips without a device, tolerance checks,
+// graph capture, host-built paged caches; random inputs and device tensors come from
+// bench/device_inputs.h (shared with the benchmarks).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/device_inputs.h"
 #include "dsv4/cuda/runtime.h"
 #include "dsv4/kv_format.h"
 #include "dsv4/numeric.h"
@@ -34,80 +36,20 @@ class CudaTest : public ::testing::Test {
   }
 };
 
-inline std::vector<float> random_floats(int64_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+// Random values, host and device tensors, poisoned outputs, downloads: shared with the benchmarks.
+using inputs::device_array;
+using inputs::device_tensor;
+using inputs::DeviceTensor;
+using inputs::download_as;
+using inputs::download_floats;
+using inputs::host_tensor;
+using inputs::poisoned_tensor;
+using inputs::random_floats;
+using inputs::to_floats;
 
 inline std::vector<float> rounded_to_bf16(std::vector<float> v) {
   for (float& x : v) x = round_to_bf16(x);
   return v;
-}
-
-// A host tensor of dtype bf16 or f32 holding `values` (bf16: rounded to nearest even).
-inline HostTensor host_tensor(const std::vector<float>& values, DType dtype, std::vector<int64_t> shape) {
-  HostTensor t(dtype, std::move(shape));
-  EXPECT_EQ(t.numel(), static_cast<int64_t>(values.size()));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == DType::bf16) t.as<uint16_t>()[i] = float_to_bf16_bits(values[i]);
-    else t.as<float>()[i] = values[i];
-  }
-  return t;
-}
-
-// bf16 / f32 host tensor -> floats.
-inline std::vector<float> to_floats(const HostTensor& t) {
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  for (size_t i = 0; i < v.size(); ++i)
-    v[i] = t.dtype() == DType::bf16 ? bf16_bits_to_float(t.as<uint16_t>()[i]) : t.as<float>()[i];
-  return v;
-}
-
-// A device tensor: the buffer and its view.
-struct DeviceTensor {
-  DeviceBuffer buffer;
-  TensorView view;
-};
-
-inline DeviceTensor device_tensor(const HostTensor& host) {
-  DeviceTensor d{to_device(host), {}};
-  d.view = d.buffer.view(host.dtype(), host.shape());
-  return d;
-}
-
-inline DeviceTensor device_tensor(const std::vector<float>& values, DType dtype, std::vector<int64_t> shape) {
-  return device_tensor(host_tensor(values, dtype, std::move(shape)));
-}
-
-// An output tensor filled with 0xff bytes (NaN in bf16 / f32 / e4m3, -1 in integers), so that
-// elements a kernel forgets to write show up.
-inline DeviceTensor poisoned_tensor(DType dtype, std::vector<int64_t> shape) {
-  HostTensor host(dtype, shape);
-  DeviceTensor d{DeviceBuffer(host.nbytes()), {}};
-  d.buffer.fill_bytes(0xff);
-  d.view = d.buffer.view(dtype, shape);
-  return d;
-}
-
-inline std::vector<float> download_floats(const TensorView& v) { return to_floats(to_host(v)); }
-
-template <class T>
-std::vector<T> download_as(const TensorView& v) {
-  const HostTensor h = to_host(v);
-  std::vector<T> out(static_cast<size_t>(h.nbytes() / sizeof(T)));
-  std::memcpy(out.data(), h.data(), out.size() * sizeof(T));
-  return out;
-}
-
-template <class T>
-DeviceTensor device_array(const std::vector<T>& values, DType dtype, std::vector<int64_t> shape) {
-  HostTensor host(dtype, std::move(shape));
-  EXPECT_EQ(host.nbytes(), values.size() * sizeof(T));
-  std::memcpy(host.data(), values.data(), host.nbytes());
-  return device_tensor(host);
 }
 
 // Every actual[i] must equal expected[i] (infinities included) or be finite and within

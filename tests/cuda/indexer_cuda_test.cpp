@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "cuda/cuda_test_util.h"
+#include "cuda/ops/indexer/indexer_implementations.h"
 #include "dsv4/cuda/indexer.h"
 #include "reference/ops.h"
 
@@ -207,18 +208,30 @@ TEST_F(CudaTest, CandidateBlocksMatchReference) {
   }
 }
 
+// Valid arguments on fake device views: 3 tokens x 32 index heads over an MXFP4 key cache, and
+// the top 8 of 3 rows of 100 scores.
+IndexScoresParams fake_index_scores_params() {
+  using testing::fake_device_view;
+  const PageGeometry g = page_geometry(KvRowFormat::index_mxfp4, kIndexDim, 64);
+  return {.q = fake_device_view(DType::bf16, {3, 32, kIndexDim}),
+          .weights = fake_device_view(DType::f32, {3, 32}),
+          .keys = {.pages = fake_device_view(DType::u8, {2, g.page_stride}),
+                   .block_table = fake_device_view(DType::i32, {1, 2}), .geometry = g},
+          .token_sequence = fake_device_view(DType::i32, {3}),
+          .token_position = fake_device_view(DType::i32, {3}),
+          .compress_ratio = 2,
+          .scores = fake_device_view(DType::f32, {3, 100})};
+}
+
+TopkParams fake_topk_params() {
+  using testing::fake_device_view;
+  return {.scores = fake_device_view(DType::f32, {3, 100}), .picks = fake_device_view(DType::i32, {3, 8})};
+}
+
 TEST(IndexerCudaValidation, ReportsTheFirstBadArgument) {
   using testing::error_of;
   using testing::fake_device_view;
-  const PageGeometry g = page_geometry(KvRowFormat::index_mxfp4, kIndexDim, 64);
-  const IndexScoresParams p{.q = fake_device_view(DType::bf16, {3, 32, kIndexDim}),
-                            .weights = fake_device_view(DType::f32, {3, 32}),
-                            .keys = {.pages = fake_device_view(DType::u8, {2, g.page_stride}),
-                                     .block_table = fake_device_view(DType::i32, {1, 2}), .geometry = g},
-                            .token_sequence = fake_device_view(DType::i32, {3}),
-                            .token_position = fake_device_view(DType::i32, {3}),
-                            .compress_ratio = 2,
-                            .scores = fake_device_view(DType::f32, {3, 100})};
+  const IndexScoresParams p = fake_index_scores_params();
   EXPECT_NO_THROW(validate_index_scores(p));
   auto message = [](IndexScoresParams bad) { return error_of([&] { validate_index_scores(bad); }); };
   IndexScoresParams bad = p;
@@ -234,7 +247,7 @@ TEST(IndexerCudaValidation, ReportsTheFirstBadArgument) {
   bad.compress_ratio = 0;
   EXPECT_EQ(message(bad), "dsv4: index_scores: compress_ratio is 0, expected >= 1");
 
-  const TopkParams topk{.scores = fake_device_view(DType::f32, {3, 100}), .picks = fake_device_view(DType::i32, {3, 8})};
+  const TopkParams topk = fake_topk_params();
   EXPECT_NO_THROW(validate_topk(topk));
   TopkParams bad_topk = topk;
   bad_topk.picks = fake_device_view(DType::i32, {2, 8});
@@ -250,6 +263,32 @@ TEST(IndexerCudaValidation, ReportsTheFirstBadArgument) {
                                           .block_scores = fake_device_view(DType::f32, {3, 12})};
   EXPECT_EQ(error_of([&] { validate_candidate_block_scores(blocks); }),
             "dsv4: candidate_block_scores: argument 'block_scores' has shape [3, 12], expected [3, 13]");
+}
+
+// The dispatch seam (indexer_implementations.h): today the SIMT kernels run every call on every
+// device the library supports; the choice needs no device.
+TEST(IndexerCudaDispatch, ChoosesSimtOnEveryDevice) {
+  for (const int compute_capability : {80, 86, 89, 90, 100, 120}) {
+    const DeviceInfo device{compute_capability};
+    EXPECT_STREQ(choose_index_scores(fake_index_scores_params(), device).name, "simt") << compute_capability;
+    EXPECT_STREQ(choose_topk(fake_topk_params(), device).name, "simt") << compute_capability;
+  }
+}
+
+// Index heads beyond what the SIMT kernel keeps in shared memory: no implementation takes them.
+TEST(IndexerCudaDispatch, TooManyIndexHeadsNameTheLimit) {
+  using testing::fake_device_view;
+  IndexScoresParams p = fake_index_scores_params();
+  p.q = fake_device_view(DType::bf16, {3, 200, kIndexDim});
+  p.weights = fake_device_view(DType::f32, {3, 200});
+  validate_index_scores(p);
+  EXPECT_EQ(testing::error_of([&] { choose_index_scores(p, DeviceInfo{90}); }),
+            "dsv4: index_scores: no implementation supports this call: simt: 200 index heads, supports at most 128");
+}
+
+TEST_F(CudaTest, IndexerChoosesSimtOnThisDevice) {
+  EXPECT_STREQ(index_scores_implementation(fake_index_scores_params()), "simt");
+  EXPECT_STREQ(topk_implementation(fake_topk_params()), "simt");
 }
 
 }  // namespace

@@ -23,7 +23,7 @@ TEST_F(CudaTest, CopyToDeviceHasLandedWhenItReturns) {
   Stream stream;
   for (uint32_t round = 1; round <= 6; ++round) {
     for (size_t i = 0; i < kWords; ++i) host[i] = static_cast<uint32_t>(i) * 2654435761u + round;
-    copy_to_device(target.data(), host.data(), kWords * 4);
+    copy_to_device(target.data(), host.data(), kWords * 4, nullptr);
     DSV4_CUDA_CHECK(cudaMemcpyAsync(mirror.data(), target.data(), kWords * 4, cudaMemcpyDeviceToDevice, stream.get()));
     stream.synchronize("copy_to_device test");
     mirror.download(seen.data(), kWords * 4);

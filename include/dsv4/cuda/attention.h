@@ -35,6 +35,9 @@ struct SparseAttentionParams {
 };
 
 void validate_sparse_attention(const SparseAttentionParams& p);
+// The name of the implementation run_sparse_attention picks for this call on the current device
+// ("simt": the portable fp32 kernel); for tests and dsv4 bench.
+const char* sparse_attention_implementation(const SparseAttentionParams& p);
 // Small steps (few tokens × head groups, e.g. decode at batch 1) leave most of the GPU idle with
 // one block per (token, 16 heads); with this workspace each token's rows are split over up to 20
 // blocks (tiles of 32 rows) whose partial softmax sums are merged by a second kernel. 0 when the
@@ -42,7 +45,8 @@ void validate_sparse_attention(const SparseAttentionParams& p);
 size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p);
 // The largest workspace any step of at most max_tokens tokens of `heads` heads needs, each token
 // attending at most max_rows rows (window_size + picks per token): what a caller that sizes its
-// workspace ahead (the engine, a CUDA graph) allocates.
+// workspace ahead (the engine, a CUDA graph) allocates. Both sizes cover every implementation, so
+// they do not depend on the device.
 size_t sparse_attention_max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows);
 void run_sparse_attention(const SparseAttentionParams& p, void* workspace, cudaStream_t stream);
 // The same without a workspace: rows are never split.

@@ -27,6 +27,9 @@ struct IndexScoresParams {
 };
 
 void validate_index_scores(const IndexScoresParams& p);
+// The name of the implementation run_index_scores picks for this call on the current device
+// ("simt": the portable kernel); for tests and dsv4 bench.
+const char* index_scores_implementation(const IndexScoresParams& p);
 void run_index_scores(const IndexScoresParams& p, cudaStream_t stream);
 
 // Candidate block scores (SPEC §4.5): block b of token t scores the max over its visible,
@@ -57,6 +60,7 @@ struct TopkParams {
 };
 
 void validate_topk(const TopkParams& p);
+const char* topk_implementation(const TopkParams& p);  // as index_scores_implementation
 void run_topk(const TopkParams& p, cudaStream_t stream);
 
 }  // namespace dsv4::cuda

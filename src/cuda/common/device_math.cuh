@@ -26,6 +26,18 @@ __device__ __forceinline__ void store_float(void* data, DType dtype, int64_t i, 
   else static_cast<float*>(data)[i] = v;
 }
 
+// Stores 4 consecutive values into a bf16 (Out = uint16_t, one 8-byte store) or f32 (Out = float,
+// one 16-byte store) array; dst is aligned to the store's size.
+template <class Out>
+__device__ __forceinline__ void store4(Out* dst, const float (&v)[4]) {
+  if constexpr (sizeof(Out) == 2) {
+    *reinterpret_cast<uint2*>(dst) = uint2{float_to_bf16_bits(v[0]) | (uint32_t{float_to_bf16_bits(v[1])} << 16),
+                                           float_to_bf16_bits(v[2]) | (uint32_t{float_to_bf16_bits(v[3])} << 16)};
+  } else {
+    *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
   return v;

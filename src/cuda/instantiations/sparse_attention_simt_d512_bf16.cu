@@ -1,5 +1,5 @@
-// Sparse attention, head_dim 512, bf16 output.
-#include "cuda/sm90/attention/sparse_attention.cuh"
+// SIMT sparse attention, head_dim 512, bf16 output.
+#include "cuda/ops/attention/simt/sparse_attention_kernel.cuh"
 
 namespace dsv4::cuda {
 template void launch_sparse_attention<512, uint16_t>(const SparseAttentionLaunch&, cudaStream_t);

@@ -1,4 +1,5 @@
-// Sparse MQA attention kernel (see include/dsv4/cuda/attention.h).
+// The SIMT sparse MQA attention kernel (see include/dsv4/cuda/attention.h): fp32 on CUDA cores,
+// runs on every supported device (sm_90a code and compute_80 PTX).
 //
 // One block per (token, group of 16 heads); 8 warps, 2 heads per warp. The token's rows (window
 // rows, then picks) are processed in tiles of 32: the block decodes a tile into shared memory as
@@ -15,6 +16,7 @@
 
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.cuh"
+#include "cuda/ops/attention/split_kv.h"
 
 namespace dsv4::cuda {
 
@@ -33,13 +35,12 @@ struct SparseAttentionLaunch {
   void* out = nullptr;
   int64_t tokens = 0;
   int heads = 0;
-  // Row split: block z of a token covers tiles [z·tiles_per_split, (z+1)·tiles_per_split) of its
-  // rows. With splits > 1 each block writes its unnormalized P·V and (max, sum) to the workspace
-  // and a combine kernel produces out.
+  // Split-KV (split_kv.h): block z of a token covers tiles [z·tiles_per_split, (z+1)·tiles_per_split)
+  // of its rows. With splits > 1 each block writes its unnormalized P·V and (max, sum) to the
+  // partials and run_split_kv_combine produces out.
   int splits = 1;
   int64_t tiles_per_split = 0;
-  float* partial_out = nullptr;  // [splits, tokens, heads, head_dim]
-  float2* partial_stats = nullptr;  // [splits, tokens, heads]: (running max, running sum)
+  SplitKvPartials partials;
 };
 
 inline constexpr int kAttentionWarps = 8;
@@ -206,12 +207,12 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
     if (head[h] >= a.heads) continue;
     if (a.splits > 1) {
       const int64_t index = (int64_t{blockIdx.z} * a.tokens + t) * a.heads + head[h];
-      float* partial = a.partial_out + index * kHeadDim;
+      float* partial = a.partials.out + index * kHeadDim;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c)
         *reinterpret_cast<float4*>(partial + c * 128 + lane * 4) =
             make_float4(acc[h][c][0], acc[h][c][1], acc[h][c][2], acc[h][c][3]);
-      if (lane == 0) a.partial_stats[index] = make_float2(running_max[h], running_sum[h]);
+      if (lane == 0) a.partials.stats[index] = make_float2(running_max[h], running_sum[h]);
       continue;
     }
     const bool any = running_max[h] != -INFINITY;
@@ -220,50 +221,12 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const float v[4] = {acc[h][c][0] * inverse, acc[h][c][1] * inverse, acc[h][c][2] * inverse, acc[h][c][3] * inverse};
-      Out* dst = out + c * 128 + lane * 4;
-      if constexpr (sizeof(Out) == 2) {
-        *reinterpret_cast<uint2*>(dst) = uint2{float_to_bf16_bits(v[0]) | (uint32_t{float_to_bf16_bits(v[1])} << 16),
-                                               float_to_bf16_bits(v[2]) | (uint32_t{float_to_bf16_bits(v[3])} << 16)};
-      } else {
-        *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
-      }
+      store4(out + c * 128 + lane * 4, v);
     }
   }
 }
 
-// Merges the splits of one (token, head): with M = max_z m_z,
-// out = Σ_z acc_z·exp(m_z − M) / (Σ_z l_z·exp(m_z − M) + exp(sink − M)), zeros when no row was attended.
-template <int kHeadDim, class Out>
-__global__ void __launch_bounds__(kHeadDim / 4) combine_splits_kernel(SparseAttentionLaunch a) {
-  const int64_t t = blockIdx.x, h = blockIdx.y;
-  const int64_t stride = a.tokens * a.heads;
-  float m = -INFINITY;
-  for (int z = 0; z < a.splits; ++z) m = fmaxf(m, a.partial_stats[z * stride + t * a.heads + h].x);
-  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float denominator = 0.0f;
-  if (m != -INFINITY) {
-    for (int z = 0; z < a.splits; ++z) {
-      const int64_t index = z * stride + t * a.heads + h;
-      const float2 stats = a.partial_stats[index];
-      const float weight = expf(stats.x - m);  // 0 for a split that attended nothing
-      denominator += stats.y * weight;
-      const float4 v = reinterpret_cast<const float4*>(a.partial_out + index * kHeadDim)[threadIdx.x];
-      sum.x += v.x * weight, sum.y += v.y * weight, sum.z += v.z * weight, sum.w += v.w * weight;
-    }
-    denominator += expf(a.sink[h] - m);
-  }
-  const float inverse = m != -INFINITY ? 1.0f / denominator : 0.0f;
-  const float v[4] = {sum.x * inverse, sum.y * inverse, sum.z * inverse, sum.w * inverse};
-  Out* dst = static_cast<Out*>(a.out) + (t * a.heads + h) * kHeadDim + threadIdx.x * 4;
-  if constexpr (sizeof(Out) == 2) {
-    *reinterpret_cast<uint2*>(dst) = uint2{float_to_bf16_bits(v[0]) | (uint32_t{float_to_bf16_bits(v[1])} << 16),
-                                           float_to_bf16_bits(v[2]) | (uint32_t{float_to_bf16_bits(v[3])} << 16)};
-  } else {
-    *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
-  }
-}
-
-// Out: uint16_t (bf16 bits) or float.
+// Out: uint16_t (bf16 bits) or float. With splits > 1 the caller runs the combine afterwards.
 template <int kHeadDim, class Out>
 void launch_sparse_attention(const SparseAttentionLaunch& a, cudaStream_t stream) {
   constexpr size_t shared = sparse_attention_shared_bytes<kHeadDim>();
@@ -273,9 +236,6 @@ void launch_sparse_attention(const SparseAttentionLaunch& a, cudaStream_t stream
                   static_cast<unsigned>((a.heads + kAttentionHeadsPerBlock - 1) / kAttentionHeadsPerBlock),
                   static_cast<unsigned>(a.splits));
   sparse_attention_kernel<kHeadDim, Out><<<grid, kAttentionWarps * kWarpSize, shared, stream>>>(a);
-  if (a.splits > 1)
-    combine_splits_kernel<kHeadDim, Out>
-        <<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.heads)), kHeadDim / 4, 0, stream>>>(a);
 }
 
 }  // namespace dsv4::cuda

@@ -1,5 +1,5 @@
-// Index scores, index_dim 128.
-#include "cuda/sm90/indexer/index_scores.cuh"
+// SIMT index scores, index_dim 128.
+#include "cuda/ops/indexer/simt/index_scores_kernel.cuh"
 
 namespace dsv4::cuda {
 template void launch_index_scores<128>(const IndexScoresLaunch&, cudaStream_t);

@@ -1,0 +1,343 @@
+// The ops `dsv4 bench --op` times on their own (`--batch` sequences with `--context` tokens each):
+//   indexer            index scores of one decode token per sequence against its `context` keys
+//                      (ratio 1, MXFP4 key cache)
+//   topk               top-k (index_topk) of one score row of `context` entries per sequence
+//   attention-decode   sparse attention of one decode token per sequence: window rows (v41_fp8)
+//                      plus index_topk picked entries (v41_fp4) out of `context`
+//   attention-prefill  sparse attention of a `context`-token prefill chunk per sequence, each token
+//                      attending its window and min(index_topk, p + 1) picked entries
+//   compressor         the ratio-2 compressor of a `context`-token chunk per sequence: the fused
+//                      [wkv; wgate] projection and the pooling with its state ring
+//   linear             wq_b (q_lora_rank -> heads x head_dim) of a `context`-token chunk per
+//                      sequence, fp8 weight with ue8m0 block scales dequantized per call
+//   rope-heads         RoPE of q (heads x head_dim bf16) of a `context`-token chunk per sequence
+//   cache-insert       the window insert of a `context`-token chunk per sequence: RMSNorm, RoPE,
+//                      fp8 QAT and v41_fp8 encoding into a paged cache
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <span>
+
+#include "bench/bench.h"
+#include "bench/device_inputs.h"
+#include "dsv4/cuda/attention.h"
+#include "dsv4/cuda/compressor.h"
+#include "dsv4/cuda/indexer.h"
+#include "dsv4/cuda/projection.h"
+#include "dsv4/cuda/qkv.h"
+#include "dsv4/kv_format.h"
+
+namespace dsv4::bench {
+namespace {
+
+using cuda::DeviceBuffer;
+using cuda::inputs::device_array;
+using cuda::inputs::DeviceTensor;
+using cuda::inputs::poisoned_tensor;
+using cuda::inputs::random_device_tensor;
+
+// A paged cache of `sequences` x `rows` rows: every sequence owns its pages (in a shuffled order);
+// the pages hold random rows encoded on the host (a block of distinct pages, repeated).
+struct Cache {
+  DeviceTensor pages, block_table;
+  cuda::PagedCache view;
+};
+
+Cache random_cache(KvRowFormat format, int64_t dims, int64_t sequences, int64_t rows, uint32_t seed) {
+  const PageGeometry g = page_geometry(format, dims, default_rows_per_page(format));
+  const int64_t per_sequence = (rows + g.rows_per_page - 1) / g.rows_per_page;
+  const int64_t num_pages = sequences * per_sequence;
+  constexpr int64_t kDistinctPages = 16;
+  const int64_t distinct = std::min(num_pages, kDistinctPages);
+  std::vector<std::byte> block(static_cast<size_t>(distinct * g.page_stride));
+  std::vector<float> values(static_cast<size_t>(distinct * g.rows_per_page * dims));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (float& v : values) v = dist(rng);
+  std::vector<int64_t> slots(static_cast<size_t>(distinct * g.rows_per_page));
+  std::iota(slots.begin(), slots.end(), 0);
+  encode_rows(g, values.data(), static_cast<int64_t>(slots.size()), slots.data(), std::span<std::byte>(block));
+  Cache c;
+  c.pages = poisoned_tensor(DType::u8, {num_pages, g.page_stride});
+  for (int64_t p = 0; p < num_pages; p += distinct) {
+    const int64_t n = std::min(distinct, num_pages - p);
+    cuda::copy_to_device(static_cast<std::byte*>(c.pages.buffer.data()) + p * g.page_stride, block.data(),
+                         static_cast<size_t>(n * g.page_stride), nullptr);
+  }
+  std::vector<int32_t> table(static_cast<size_t>(num_pages));
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  c.block_table = device_array(table, DType::i32, {sequences, per_sequence});
+  c.view.pages = c.pages.view;
+  c.view.block_table = c.block_table.view;
+  c.view.geometry = g;
+  return c;
+}
+
+// Tokens of `sequences` sequences, `per_sequence` each, at positions start ... start + per_sequence - 1.
+struct Tokens {
+  DeviceTensor sequence, position;
+  int64_t count = 0;
+};
+
+Tokens make_tokens(int64_t sequences, int64_t per_sequence, int64_t start) {
+  std::vector<int32_t> seq, pos;
+  for (int64_t s = 0; s < sequences; ++s)
+    for (int64_t t = 0; t < per_sequence; ++t) {
+      seq.push_back(static_cast<int32_t>(s));
+      pos.push_back(static_cast<int32_t>(start + t));
+    }
+  const int64_t n = static_cast<int64_t>(seq.size());
+  return {device_array(seq, DType::i32, {n}), device_array(pos, DType::i32, {n}), n};
+}
+
+// Per token at position p: min(k, p + 1) distinct entries below p + 1, ascending, -1 padded.
+DeviceTensor random_picks(const std::vector<int64_t>& positions, int64_t k, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> picks;
+  std::vector<int32_t> pool;
+  for (int64_t p : positions) {
+    pool.resize(static_cast<size_t>(p + 1));
+    std::iota(pool.begin(), pool.end(), 0);
+    const int64_t take = std::min(k, p + 1);
+    for (int64_t i = 0; i < take; ++i) std::swap(pool[static_cast<size_t>(i)], pool[static_cast<size_t>(i + rng() % (p + 1 - i))]);
+    std::sort(pool.begin(), pool.begin() + take);
+    picks.insert(picks.end(), pool.begin(), pool.begin() + take);
+    picks.insert(picks.end(), static_cast<size_t>(k - take), -1);
+  }
+  return device_array(picks, DType::i32, {static_cast<int64_t>(positions.size()), k});
+}
+
+void bench_indexer(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
+  const int64_t B = o.batch, E = o.context, nI = c.index_n_heads, dI = c.index_head_dim;
+  Cache keys = random_cache(KvRowFormat::index_mxfp4, dI, B, E, 1);
+  Tokens tokens = make_tokens(B, 1, E - 1);  // ratio 1: the token sees all E entries
+  DeviceTensor q = random_device_tensor(DType::bf16, {B, nI, dI}, 2), weights = random_device_tensor(DType::f32, {B, nI}, 3);
+  DeviceTensor scores = poisoned_tensor(DType::f32, {B, E});
+  cuda::IndexScoresParams p;
+  p.q = q.view;
+  p.weights = weights.view;
+  p.keys = keys.view;
+  p.token_sequence = tokens.sequence.view;
+  p.token_position = tokens.position.view;
+  p.compress_ratio = 1;
+  p.scores = scores.view;
+  const std::vector<double> us = time_runs(o, stream.get(), [&] { run_index_scores(p, stream.get()); });
+  const double key_bytes = static_cast<double>(keys.view.geometry.row.row_bytes());
+  Workload w;
+  w.what = format_string("%" PRId64 " decode tokens x %" PRId64 " index_mxfp4 keys (%d B/row), fp32 scores", B, E,
+                         static_cast<int>(key_bytes));
+  w.bytes = static_cast<double>(B * E) * (key_bytes + 4) + static_cast<double>(B * nI) * (dI * 2 + 4);
+  w.bytes_note = "keys read once, scores written";
+  w.flops = 2.0 * static_cast<double>(B * E * nI * dI);
+  w.implementation = cuda::index_scores_implementation(p);
+  print_result(o, c, w, us);
+}
+
+void bench_topk(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
+  const int64_t B = o.batch, E = o.context, k = c.index_topk;
+  DeviceTensor scores = random_device_tensor(DType::f32, {B, E}, 4), picks = poisoned_tensor(DType::i32, {B, k});
+  cuda::TopkParams p;
+  p.scores = scores.view;
+  p.picks = picks.view;
+  const std::vector<double> us = time_runs(o, stream.get(), [&] { run_topk(p, stream.get()); });
+  Workload w;
+  w.what = format_string("%" PRId64 " rows of %" PRId64 " fp32 scores, top %" PRId64, B, E, k);
+  w.bytes = static_cast<double>(B * E) * 4 + static_cast<double>(B * k) * 4;
+  w.bytes_note = "scores read once, picks written";
+  w.flops = 0;
+  w.implementation = cuda::topk_implementation(p);
+  print_result(o, c, w, us);
+}
+
+void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream, bool prefill) {
+  const int64_t B = o.batch, L = o.context, H = c.num_heads, D = c.head_dim, W = c.sliding_window, k = c.index_topk;
+  // Decode: one token per sequence at position L - 1; prefill: a chunk of L tokens from position 0.
+  const int64_t per_sequence = prefill ? L : 1, start = prefill ? 0 : L - 1;
+  Tokens tokens = make_tokens(B, per_sequence, start);
+  std::vector<int64_t> positions;
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t t = 0; t < per_sequence; ++t) positions.push_back(start + t);
+  Cache window = random_cache(KvRowFormat::v41_fp8, D, B, L, 5);
+  Cache compressed = random_cache(KvRowFormat::v41_fp4, D, B, L, 6);
+  DeviceTensor picks = random_picks(positions, k, 7);
+  DeviceTensor q = random_device_tensor(DType::bf16, {tokens.count, H, D}, 8), sink = random_device_tensor(DType::f32, {H}, 9);
+  DeviceTensor out = poisoned_tensor(DType::bf16, {tokens.count, H, D});
+  cuda::SparseAttentionParams p;
+  p.q = q.view;
+  p.token_sequence = tokens.sequence.view;
+  p.token_position = tokens.position.view;
+  p.window = window.view;
+  p.window_size = W;
+  p.compressed = compressed.view;
+  p.picks = picks.view;
+  p.compress_ratio = 1;
+  p.sink = sink.view;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  p.out = out.view;
+  // Small steps split each token's rows over several blocks (the engine does the same).
+  const size_t workspace_bytes = cuda::sparse_attention_workspace_bytes(p);
+  DeviceBuffer workspace(workspace_bytes);
+  const std::vector<double> us =
+      time_runs(o, stream.get(), [&] { run_sparse_attention(p, workspace.data(), stream.get()); });
+  double rows = 0;
+  for (int64_t pos : positions) rows += static_cast<double>(std::min(W, pos + 1) + std::min(k, pos + 1));
+  // Distinct cache rows a sequence's tokens read: its window rows and its picked entries (a
+  // prefill chunk reads every row of both caches).
+  const double window_rows = static_cast<double>(prefill ? L : std::min(W, L));
+  const double picked_rows = static_cast<double>(prefill ? L : std::min(k, L));
+  const double cache_bytes = static_cast<double>(B) * (window_rows * static_cast<double>(window.view.geometry.row.row_bytes()) +
+                                                       picked_rows * static_cast<double>(compressed.view.geometry.row.row_bytes()));
+  Workload w;
+  w.what = format_string("%" PRId64 " tokens x %" PRId64 " heads, window %" PRId64 " (v41_fp8) + %" PRId64
+                         " picks (v41_fp4), bf16 q and out%s",
+                         tokens.count, H, W, k, workspace_bytes > 0 ? ", rows split over blocks" : "");
+  w.bytes = cache_bytes + static_cast<double>(tokens.count * H * D) * 4 +
+            static_cast<double>(tokens.count * k) * 4;
+  w.bytes_note = prefill ? "every cache row of the chunk once, q, out, picks" : "attended rows once, q, out, picks";
+  w.flops = 4.0 * static_cast<double>(H * D) * rows;  // q·row and p·row per head and row
+  w.implementation = cuda::sparse_attention_implementation(p);
+  print_result(o, c, w, us);
+}
+
+void bench_compressor(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
+  const int64_t B = o.batch, L = o.context, hidden = c.hidden_size, D = c.head_dim;
+  constexpr int kRatio = 2;
+  const int64_t width = 2 * D;  // [kv | gate]
+  Tokens tokens = make_tokens(B, L, 0);
+  const int64_t T = tokens.count;
+  std::vector<int32_t> slots(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) slots[static_cast<size_t>(t)] = static_cast<int32_t>(t / L);
+  DeviceTensor state_slot = device_array(slots, DType::i32, {T});
+  DeviceTensor x = random_device_tensor(DType::bf16, {T, hidden}, 10), weight = random_device_tensor(DType::bf16, {width, hidden}, 11);
+  DeviceTensor rows = poisoned_tensor(DType::f32, {T, width}), state = poisoned_tensor(DType::f32, {B, kRatio, width});
+  DeviceTensor norm = random_device_tensor(DType::f32, {D}, 12), latent = poisoned_tensor(DType::bf16, {T, D});
+  cuda::BlasLt blas;
+  cuda::LinearParams lp;
+  lp.x = x.view;
+  lp.weight = weight.view;
+  lp.y = rows.view;
+  lp.blas = &blas;
+  DeviceBuffer workspace(cuda::linear_workspace_bytes(lp));
+  cuda::CompressorPoolParams pp;
+  pp.rows = rows.view;
+  pp.token_position = tokens.position.view;
+  pp.state_slot = state_slot.view;
+  pp.state = state.view;
+  pp.norm_weight = norm.view;
+  pp.eps = static_cast<float>(c.rms_norm_eps);
+  pp.ratio = kRatio;
+  pp.latent = latent.view;
+  const std::vector<double> us = time_runs(o, stream.get(), [&] {
+    run_linear(lp, workspace.data(), stream.get());
+    run_compressor_pool(pp, stream.get());
+  });
+  Workload w;
+  w.what = format_string("%" PRId64 " tokens, ratio %d: [wkv; wgate] %" PRId64 " x %" PRId64
+                         " bf16 GEMM to fp32, softmax pooling, RMSNorm",
+                         T, kRatio, width, hidden);
+  w.bytes = static_cast<double>(T * hidden) * 2 + static_cast<double>(width * hidden) * 2 +
+            static_cast<double>(T * width) * 4 * 2 + static_cast<double>(T * D) * 2;
+  w.bytes_note = "x, weights, projected rows written and read, latents";
+  w.flops = 2.0 * static_cast<double>(T * width * hidden);
+  print_result(o, c, w, us);
+}
+
+// wq_b of the preset with its e4m3 weight and ue8m0 block scales (random codes in a finite range).
+void bench_linear(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
+  const int64_t T = o.batch * o.context, out = c.num_heads * c.head_dim, in = c.q_lora_rank;
+  const int block = c.weight_quantization ? c.weight_quantization->block_out : 128;
+  const int64_t scale_rows = (out + block - 1) / block, scale_cols = (in + block - 1) / block;
+  HostTensor codes(DType::e4m3, {out, in}), scales(DType::ue8m0, {scale_rows, scale_cols});
+  std::mt19937 rng(14);
+  for (int64_t i = 0; i < codes.numel(); ++i) codes.as<uint8_t>()[i] = static_cast<uint8_t>(rng() % 0x70);
+  for (int64_t i = 0; i < scales.numel(); ++i) scales.as<uint8_t>()[i] = static_cast<uint8_t>(110 + rng() % 8);
+  DeviceTensor weight = cuda::inputs::device_tensor(codes), weight_scale = cuda::inputs::device_tensor(scales);
+  DeviceTensor x = random_device_tensor(DType::bf16, {T, in}, 15), y = poisoned_tensor(DType::bf16, {T, out});
+  cuda::BlasLt blas;
+  const cuda::LinearParams p{.x = x.view, .weight = weight.view, .weight_scale = weight_scale.view, .block_out = block,
+                             .block_in = block, .y = y.view, .blas = &blas};
+  DeviceBuffer workspace(cuda::linear_workspace_bytes(p));
+  const std::vector<double> us = time_runs(o, stream.get(), [&] { run_linear(p, workspace.data(), stream.get()); });
+  Workload w;
+  w.what = format_string("%" PRId64 " tokens: wq_b %" PRId64 " x %" PRId64 " e4m3 weight (block %d) dequantized to bf16, "
+                         "bf16 GEMM, bf16 out", T, out, in, block);
+  w.bytes = static_cast<double>(out * in) * (1 + 2 * 2) + static_cast<double>(T * in) * 2 + static_cast<double>(T * out) * 2;
+  w.bytes_note = "e4m3 weight read, bf16 weight written and read, x, y";
+  w.flops = 2.0 * static_cast<double>(T * out * in);
+  print_result(o, c, w, us);
+}
+
+// A RoPE table of the preset's rotated dims for every position of the chunk.
+DeviceTensor rope_table_tensor(const ModelConfig& c, int64_t positions) {
+  std::vector<float> frequencies(static_cast<size_t>(c.rope_head_dim / 2));
+  for (size_t i = 0; i < frequencies.size(); ++i)
+    frequencies[i] = static_cast<float>(std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(c.rope_head_dim)));
+  return cuda::inputs::device_tensor(cuda::rope_table(frequencies, positions));
+}
+
+void bench_rope_heads(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
+  const int64_t L = o.context, H = c.num_heads, D = c.head_dim;
+  Tokens tokens = make_tokens(o.batch, L, 0);
+  const int64_t T = tokens.count;
+  DeviceTensor table = rope_table_tensor(c, L);
+  DeviceTensor q = random_device_tensor(DType::bf16, {T, H, D}, 16);
+  const cuda::RopeHeadsParams p{.x = q.view, .token_position = tokens.position.view, .rope_table = table.view,
+                                .out = q.view};
+  const std::vector<double> us = time_runs(o, stream.get(), [&] { run_rope_heads(p, stream.get()); });
+  Workload w;
+  w.what = format_string("%" PRId64 " tokens x %" PRId64 " heads x %" PRId64 " bf16 q, RoPE of the last %" PRId64
+                         " dims in place", T, H, D, c.rope_head_dim);
+  w.bytes = static_cast<double>(T * H * D) * 2 * 2;
+  w.bytes_note = "q read and written";
+  w.flops = 0;
+  print_result(o, c, w, us);
+}
+
+void bench_cache_insert(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
+  const int64_t B = o.batch, L = o.context, D = c.head_dim;
+  Tokens tokens = make_tokens(B, L, 0);
+  const int64_t T = tokens.count;
+  Cache window = random_cache(KvRowFormat::v41_fp8, D, B, L, 17);
+  // Token t of sequence s goes to row t of the sequence's pages (slot = page · rows_per_page + row).
+  const std::vector<int32_t> table = cuda::inputs::download_as<int32_t>(window.block_table.view);
+  const int64_t rows_per_page = window.view.geometry.rows_per_page, per_sequence = window.block_table.view.shape[1];
+  std::vector<int64_t> slots;
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t t = 0; t < L; ++t)
+      slots.push_back(table[static_cast<size_t>(s * per_sequence + t / rows_per_page)] * rows_per_page + t % rows_per_page);
+  DeviceTensor dslots = device_array(slots, DType::i64, {T});
+  DeviceTensor table_tensor = rope_table_tensor(c, L);
+  DeviceTensor rows = random_device_tensor(DType::bf16, {T, D}, 18), norm = random_device_tensor(DType::bf16, {D}, 19);
+  const cuda::CacheInsertParams p{.rows = rows.view, .norm_weight = norm.view, .eps = static_cast<float>(c.rms_norm_eps),
+                                  .token_position = tokens.position.view, .rope_table = table_tensor.view,
+                                  .quant = RowQuantizer::fp8_e4m3_32, .slots = dslots.view, .cache = window.view, .out = {}};
+  const std::vector<double> us = time_runs(o, stream.get(), [&] { run_cache_insert(p, stream.get()); });
+  Workload w;
+  w.what = format_string("%" PRId64 " bf16 rows of %" PRId64 ": RMSNorm, RoPE, fp8 QAT, v41_fp8 encode (%d B/row)", T, D,
+                         static_cast<int>(window.view.geometry.row.row_bytes()));
+  w.bytes = static_cast<double>(T * D) * 2 + static_cast<double>(T) * (8 + static_cast<double>(window.view.geometry.row.row_bytes()));
+  w.bytes_note = "rows and slots read, encoded rows written";
+  w.flops = 0;
+  print_result(o, c, w, us);
+}
+
+}  // namespace
+
+const std::vector<BenchOp>& bench_ops() {
+  static const std::vector<BenchOp> ops = {
+      {"indexer", true, &bench_indexer},
+      {"topk", true, &bench_topk},
+      {"attention-decode", true, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_attention(o, c, s, false); }},
+      {"attention-prefill", false, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_attention(o, c, s, true); }},
+      {"compressor", false, &bench_compressor},
+      {"linear", false, &bench_linear},
+      {"rope-heads", false, &bench_rope_heads},
+      {"cache-insert", false, &bench_cache_insert},
+  };
+  return ops;
+}
+
+}  // namespace dsv4::bench

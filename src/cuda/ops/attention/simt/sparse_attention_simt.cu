@@ -1,0 +1,79 @@
+// The SIMT implementation of run_sparse_attention: one block per (token, 16 heads), rows split
+// over blocks with split_kv when a workspace is given and the step is small. The kernels are
+// instantiated in src/cuda/instantiations/sparse_attention_simt_*.cu.
+#include "cuda/ops/attention/simt/sparse_attention_kernel.cuh"
+#include "cuda/ops/attention/sparse_attention_implementations.h"
+#include "cuda/ops/attention/split_kv.h"
+
+namespace dsv4::cuda {
+
+extern template void launch_sparse_attention<512, uint16_t>(const SparseAttentionLaunch&, cudaStream_t);
+extern template void launch_sparse_attention<512, float>(const SparseAttentionLaunch&, cudaStream_t);
+
+namespace {
+
+constexpr int64_t kHeadDim = 512;  // the head size the kernels are instantiated for
+
+// max_rows: the most rows a token can attend (window + picks per token).
+SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_allowed) {
+  const int64_t head_groups = (heads + kAttentionHeadsPerBlock - 1) / kAttentionHeadsPerBlock;
+  return plan_split_kv(tokens * head_groups, (max_rows + kAttentionTileRows - 1) / kAttentionTileRows, split_allowed);
+}
+
+SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
+  const int64_t max_rows = p.window_size + (is_present(p.compressed.pages) ? p.picks.shape[1] : 0);
+  return plan(p.q.shape[0], p.q.shape[1], max_rows, split_allowed);
+}
+
+std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
+  if (std::string why_not = needs_compute_capability_at_least(80, device); !why_not.empty()) return why_not;
+  return needs_value("head_dim", kHeadDim, p.q.shape[2]);  // every cache format, bf16 | f32 out, any head count
+}
+
+size_t workspace_bytes(const SparseAttentionParams& p) {
+  return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], kHeadDim, plan(p, true).splits);
+}
+
+size_t max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) {
+  return split_kv_max_workspace_bytes(max_tokens, heads, kHeadDim,
+                                      [&](int64_t tokens) { return plan(tokens, heads, max_rows, true).splits; });
+}
+
+void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
+  SparseAttentionLaunch a;
+  a.tokens = p.q.shape[0];
+  a.heads = static_cast<int>(p.q.shape[1]);
+  if (a.tokens == 0 || a.heads == 0) return;
+  const SplitKvPlan split = plan(p, workspace != nullptr);
+  a.q = p.q.ptr<const uint16_t>();
+  a.token_sequence = p.token_sequence.ptr<const int32_t>();
+  a.token_position = p.token_position.ptr<const int32_t>();
+  a.window = device_rows(p.window);
+  a.window_size = p.window_size;
+  if (is_present(p.compressed.pages)) {
+    a.compressed = device_rows(p.compressed);
+    a.picks = p.picks.ptr<const int32_t>();
+    a.num_picks = p.picks.shape[1];
+    a.compress_ratio = p.compress_ratio;
+  }
+  a.sink = p.sink.ptr<const float>();
+  a.scale = p.scale;
+  a.out = p.out.data;
+  a.splits = split.splits;
+  a.tiles_per_split = split.tiles_per_split;
+  a.partials = split_kv_partials(workspace, a.tokens, a.heads, kHeadDim, a.splits);
+  if (p.out.dtype == DType::bf16) launch_sparse_attention<kHeadDim, uint16_t>(a, stream);
+  else launch_sparse_attention<kHeadDim, float>(a, stream);
+  check_launch("sparse_attention");
+  if (a.splits > 1)
+    run_split_kv_combine({.partials = a.partials, .splits = a.splits, .tokens = a.tokens, .heads = a.heads,
+                          .head_dim = kHeadDim, .sink = a.sink, .out = a.out, .out_dtype = p.out.dtype},
+                         stream);
+}
+
+}  // namespace
+
+const SparseAttentionImplementation kSparseAttentionSimt = {"simt", &supports, &workspace_bytes, &max_workspace_bytes,
+                                                            &run};
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,98 @@
+// run_sparse_attention: validation, then the chooser picks an implementation
+// (sparse_attention_implementations.h).
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+
+#include "cuda/common/check_args.h"
+#include "cuda/common/paged_rows.h"
+#include "cuda/ops/attention/sparse_attention_implementations.h"
+#include "dsv4/cuda/attention.h"
+
+namespace dsv4::cuda {
+
+namespace {
+
+constexpr int64_t kHeadDim = 512;  // the head size of every V4 / V4.1 model
+
+// Implementations in order of preference (sparse_attention_implementations.h); the SIMT fallback last.
+constexpr const SparseAttentionImplementation* kImplementations[] = {&kSparseAttentionSimt};
+
+const std::vector<KvRowFormat> kAttentionFormats = {KvRowFormat::bf16, KvRowFormat::fp8_per_tensor,
+                                                    KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
+                                                    KvRowFormat::fp8_ds_mla};
+
+}  // namespace
+
+void validate_sparse_attention(const SparseAttentionParams& p) {
+  constexpr const char* op = "sparse_attention";
+  const bool has_compressed = is_present(p.compressed.pages);
+  const int64_t tokens = p.q.shape[0], heads = p.q.shape[1];
+  std::vector<TensorSpec> specs = {
+      {"q", &p.q, {kAnyDim, kAnyDim, kHeadDim}, {DType::bf16}},
+      {"token_sequence", &p.token_sequence, {tokens}, {DType::i32}},
+      {"token_position", &p.token_position, {tokens}, {DType::i32}},
+  };
+  for (TensorSpec& s : paged_cache_specs("window", p.window, true, kAnyDim)) specs.push_back(std::move(s));
+  if (has_compressed) {
+    for (TensorSpec& s : paged_cache_specs("compressed", p.compressed, true, kAnyDim)) specs.push_back(std::move(s));
+    specs.push_back({"picks", &p.picks, {tokens, kAnyDim}, {DType::i32}});
+  }
+  specs.push_back({"sink", &p.sink, {heads}, {DType::f32}});
+  specs.push_back({"out", &p.out, {tokens, heads, kHeadDim}, {DType::bf16, DType::f32}});
+  check_tensors(op, specs);
+
+  DSV4_CHECK(has_compressed || !is_present(p.picks), op,
+             ": argument 'picks' is given without a 'compressed' cache to read them from");
+  check_paged_cache(op, "window", p.window, kHeadDim, kAttentionFormats);
+  if (has_compressed) check_paged_cache(op, "compressed", p.compressed, kHeadDim, kAttentionFormats);
+  DSV4_CHECK(p.window_size >= 1, op, ": window_size is ", p.window_size, ", expected >= 1");
+  DSV4_CHECK(p.compress_ratio >= 0, op, ": compress_ratio is ", p.compress_ratio, ", expected >= 0");
+  DSV4_CHECK(std::isfinite(p.scale), op, ": scale is ", p.scale, ", expected a finite number");
+  for (const auto& [name, view] : {std::pair{"q", &p.q}, std::pair{"out", &p.out}})
+    DSV4_CHECK(reinterpret_cast<uintptr_t>(view->data) % 16 == 0, op, ": argument '", name,
+               "' is not 16-byte aligned");
+}
+
+std::span<const SparseAttentionImplementation* const> sparse_attention_implementations() { return kImplementations; }
+
+const SparseAttentionImplementation& choose_sparse_attention(const SparseAttentionParams& p, const DeviceInfo& device) {
+  return choose_implementation("sparse_attention", sparse_attention_implementations(), p, device);
+}
+
+const char* sparse_attention_implementation(const SparseAttentionParams& p) {
+  validate_sparse_attention(p);
+  return choose_sparse_attention(p, device_info()).name;
+}
+
+// The workspace covers whichever implementation the device picks, so its size needs no device.
+size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p) {
+  validate_sparse_attention(p);
+  size_t most = 0;
+  for (const SparseAttentionImplementation* implementation : sparse_attention_implementations())
+    most = std::max(most, implementation->workspace_bytes(p));
+  return most;
+}
+
+size_t sparse_attention_max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) {
+  DSV4_CHECK(max_tokens >= 0 && heads >= 0 && max_rows >= 0, "sparse_attention: max_workspace_bytes: max_tokens ",
+             max_tokens, ", heads ", heads, ", max_rows ", max_rows, ", expected >= 0 each");
+  size_t most = 0;
+  for (const SparseAttentionImplementation* implementation : sparse_attention_implementations())
+    most = std::max(most, implementation->max_workspace_bytes(max_tokens, heads, max_rows));
+  return most;
+}
+
+void run_sparse_attention(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
+  validate_sparse_attention(p);
+  const SparseAttentionImplementation& implementation = choose_sparse_attention(p, device_info());
+  if (implementation.workspace_bytes(p) > 0) check_workspace("sparse_attention", workspace);
+  implementation.run(p, workspace, stream);
+}
+
+void run_sparse_attention(const SparseAttentionParams& p, cudaStream_t stream) {
+  validate_sparse_attention(p);
+  choose_sparse_attention(p, device_info()).run(p, nullptr, stream);
+}
+
+}  // namespace dsv4::cuda

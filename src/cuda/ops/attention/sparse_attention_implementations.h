@@ -1,0 +1,36 @@
+// The implementations of run_sparse_attention and their chooser (the dispatch seam, dispatch.h).
+// Adding an implementation: a folder next to simt/ that defines a SparseAttentionImplementation,
+// declared below and listed in sparse_attention.cu ahead of the ones it should win over.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "cuda/common/dispatch.h"
+#include "dsv4/cuda/attention.h"
+
+namespace dsv4::cuda {
+
+struct SparseAttentionImplementation {
+  const char* name;
+  // "" when the implementation runs this (validated) call on `device`, else why not.
+  std::string (*supports)(const SparseAttentionParams& p, const DeviceInfo& device);
+  // Workspace the call may use (0: none); callable for any validated call, no device needed.
+  size_t (*workspace_bytes)(const SparseAttentionParams& p);
+  // The largest workspace_bytes of any call of at most max_tokens tokens of `heads` heads
+  // attending at most max_rows rows per token.
+  size_t (*max_workspace_bytes)(int64_t max_tokens, int64_t heads, int64_t max_rows);
+  // workspace: null (then nothing may be split) or at least workspace_bytes(p) bytes, 256-aligned.
+  void (*run)(const SparseAttentionParams& p, void* workspace, cudaStream_t stream);
+};
+
+// The portable fallback: fp32 SIMT, every device, every cache format (simt/).
+extern const SparseAttentionImplementation kSparseAttentionSimt;
+
+// In order of preference; the chooser takes the first that supports the call.
+std::span<const SparseAttentionImplementation* const> sparse_attention_implementations();
+const SparseAttentionImplementation& choose_sparse_attention(const SparseAttentionParams& p, const DeviceInfo& device);
+
+}  // namespace dsv4::cuda

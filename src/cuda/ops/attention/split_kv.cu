@@ -1,0 +1,69 @@
+#include "cuda/ops/attention/split_kv.h"
+
+#include "cuda/common/device_math.cuh"
+
+namespace dsv4::cuda {
+namespace {
+
+// One block per (token, head), one thread per 4 channels.
+template <class Out>
+__global__ void split_kv_combine_kernel(SplitKvCombine c) {
+  const int64_t t = blockIdx.x, h = blockIdx.y;
+  const int64_t stride = c.tokens * c.heads;
+  float m = -INFINITY;
+  for (int z = 0; z < c.splits; ++z) m = fmaxf(m, c.partials.stats[z * stride + t * c.heads + h].x);
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float denominator = 0.0f;
+  if (m != -INFINITY) {
+    for (int z = 0; z < c.splits; ++z) {
+      const int64_t index = z * stride + t * c.heads + h;
+      const float2 stats = c.partials.stats[index];
+      const float weight = expf(stats.x - m);  // 0 for a split that attended nothing
+      denominator += stats.y * weight;
+      const float4 v = reinterpret_cast<const float4*>(c.partials.out + index * c.head_dim)[threadIdx.x];
+      sum.x += v.x * weight, sum.y += v.y * weight, sum.z += v.z * weight, sum.w += v.w * weight;
+    }
+    denominator += expf(c.sink[h] - m);
+  }
+  const float inverse = m != -INFINITY ? 1.0f / denominator : 0.0f;
+  const float v[4] = {sum.x * inverse, sum.y * inverse, sum.z * inverse, sum.w * inverse};
+  store4(static_cast<Out*>(c.out) + (t * c.heads + h) * c.head_dim + threadIdx.x * 4, v);
+}
+
+size_t partial_out_bytes(int64_t tokens, int64_t heads, int64_t head_dim, int splits) {
+  return align_workspace(static_cast<size_t>(splits) * static_cast<size_t>(tokens * heads * head_dim) * sizeof(float));
+}
+
+}  // namespace
+
+SplitKvPlan plan_split_kv(int64_t blocks, int64_t tiles, bool split_allowed) {
+  tiles = std::max<int64_t>(1, tiles);
+  blocks = std::max<int64_t>(1, blocks);
+  const int64_t splits = split_allowed ? std::clamp<int64_t>((kSplitKvTargetBlocks + blocks - 1) / blocks, 1,
+                                                             std::min<int64_t>(tiles, 65535))
+                                       : 1;
+  return {static_cast<int>(splits), (tiles + splits - 1) / splits};
+}
+
+size_t split_kv_workspace_bytes(int64_t tokens, int64_t heads, int64_t head_dim, int splits) {
+  if (splits <= 1) return 0;
+  return partial_out_bytes(tokens, heads, head_dim, splits) +
+         align_workspace(static_cast<size_t>(splits * tokens * heads) * sizeof(float2));
+}
+
+SplitKvPartials split_kv_partials(void* workspace, int64_t tokens, int64_t heads, int64_t head_dim, int splits) {
+  if (splits <= 1) return {};
+  return {static_cast<float*>(workspace),
+          reinterpret_cast<float2*>(static_cast<std::byte*>(workspace) + partial_out_bytes(tokens, heads, head_dim, splits))};
+}
+
+void run_split_kv_combine(const SplitKvCombine& c, cudaStream_t stream) {
+  if (c.tokens == 0 || c.heads == 0) return;
+  const dim3 grid(static_cast<unsigned>(c.tokens), static_cast<unsigned>(c.heads));
+  const unsigned threads = static_cast<unsigned>(c.head_dim / 4);
+  if (c.out_dtype == DType::bf16) split_kv_combine_kernel<uint16_t><<<grid, threads, 0, stream>>>(c);
+  else split_kv_combine_kernel<float><<<grid, threads, 0, stream>>>(c);
+  check_launch("split_kv_combine");
+}
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,37 @@
+// The implementations of run_index_scores and run_topk and their choosers (the dispatch seam,
+// dispatch.h). Adding an implementation: a folder next to simt/ that defines an entry, declared
+// below and listed in indexer.cu ahead of the ones it should win over.
+#pragma once
+
+#include <span>
+#include <string>
+
+#include "cuda/common/dispatch.h"
+#include "dsv4/cuda/indexer.h"
+
+namespace dsv4::cuda {
+
+struct IndexScoresImplementation {
+  const char* name;
+  // "" when the implementation runs this (validated) call on `device`, else why not.
+  std::string (*supports)(const IndexScoresParams& p, const DeviceInfo& device);
+  void (*run)(const IndexScoresParams& p, cudaStream_t stream);
+};
+
+struct TopkImplementation {
+  const char* name;
+  std::string (*supports)(const TopkParams& p, const DeviceInfo& device);
+  void (*run)(const TopkParams& p, cudaStream_t stream);
+};
+
+// The portable fallbacks (simt/): one thread per entry for the scores, a radix select per row.
+extern const IndexScoresImplementation kIndexScoresSimt;
+extern const TopkImplementation kTopkSimt;
+
+// In order of preference; the choosers take the first that supports the call.
+std::span<const IndexScoresImplementation* const> index_scores_implementations();
+std::span<const TopkImplementation* const> topk_implementations();
+const IndexScoresImplementation& choose_index_scores(const IndexScoresParams& p, const DeviceInfo& device);
+const TopkImplementation& choose_topk(const TopkParams& p, const DeviceInfo& device);
+
+}  // namespace dsv4::cuda
