@@ -571,6 +571,10 @@ TEST(EngineCreate, OptionsAndWeightsAreChecked) {
   options.cache_storage = CacheStorage::float_rows;
   EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "float_rows is a cpu backend storage");
   options = {};
+  options.cache_storage = CacheStorage::float_rows;
+  options.kv_format = "bf16";
+  EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "kv_format 'bf16' is given with cache_storage float_rows");
+  options = {};
   options.indexer_sharding = IndexerSharding::split;
   EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "indexer_sharding is split but no communicator");
   options = {};

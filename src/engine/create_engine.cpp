@@ -20,8 +20,9 @@ std::unique_ptr<Engine> Engine::create(const ModelConfig& config, std::shared_pt
   DSV4_CHECK(options.max_tokens_per_step >= 1, "engine: create: max_tokens_per_step is ", options.max_tokens_per_step,
              ", expected >= 1");
   DSV4_CHECK(options.max_context >= 1, "engine: create: max_context is ", options.max_context, ", expected >= 1");
-  if (options.cache_storage == CacheStorage::paged && !options.kv_format.empty())
-    kv_format_set(options.kv_format);  // an unknown name fails here, naming the accepted ones
+  DSV4_CHECK(options.cache_storage == CacheStorage::paged || options.kv_format.empty(), "engine: create: kv_format '",
+             options.kv_format, "' is given with cache_storage float_rows, which has no byte format");
+  if (!options.kv_format.empty()) kv_format_set(options.kv_format);  // an unknown name fails, naming the known ones
   DSV4_CHECK(options.cache_storage == CacheStorage::paged || options.backend == Backend::cpu,
              "engine: create: cache_storage float_rows is a cpu backend storage; the ", backend_name(options.backend),
              " backend stores paged caches (CacheStorage::paged)");
