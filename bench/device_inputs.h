@@ -69,7 +69,9 @@ inline DeviceTensor device_tensor(const std::vector<float>& values, DType dtype,
 
 // A bf16 / f32 device tensor of random values in [-1, 1).
 inline DeviceTensor random_device_tensor(DType dtype, std::vector<int64_t> shape, uint32_t seed) {
-  return device_tensor(random_floats(element_count(shape), seed), dtype, std::move(shape));
+  // Counted before the shape is moved: the order in which arguments are evaluated is unspecified.
+  const int64_t n = element_count(shape);
+  return device_tensor(random_floats(n, seed), dtype, std::move(shape));
 }
 
 // An output tensor filled with 0xff bytes (NaN in bf16 / f32 / e4m3, -1 in integers), so that
