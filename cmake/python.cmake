@@ -52,10 +52,18 @@ endforeach()
 add_custom_target(dsv4_python_files ALL DEPENDS ${_dsv4_copied})
 add_dependencies(dsv4_python dsv4_python_files)
 
-execute_process(COMMAND ${Python3_EXECUTABLE} -c
-  "import sysconfig; print(sysconfig.get_path('platlib', vars={'base': '', 'platbase': ''}).lstrip('/'))"
+# The interpreter's own package directory when it lies under the install prefix (Debian's
+# /usr/local/lib/python3.X/dist-packages, a virtual environment's site-packages), else
+# lib/python3.X/site-packages under the prefix (then put that on PYTHONPATH).
+execute_process(COMMAND ${Python3_EXECUTABLE} -c "import sysconfig; print(sysconfig.get_path('platlib'))"
   OUTPUT_VARIABLE _dsv4_platlib OUTPUT_STRIP_TRAILING_WHITESPACE)
-set(DSV4_PYTHON_INSTALL_DIR ${_dsv4_platlib} CACHE PATH
+cmake_path(IS_PREFIX CMAKE_INSTALL_PREFIX "${_dsv4_platlib}" NORMALIZE _dsv4_under_prefix)
+if(_dsv4_under_prefix)
+  file(RELATIVE_PATH _dsv4_python_dir ${CMAKE_INSTALL_PREFIX} ${_dsv4_platlib})
+else()
+  set(_dsv4_python_dir lib/python${Python3_VERSION_MAJOR}.${Python3_VERSION_MINOR}/site-packages)
+endif()
+set(DSV4_PYTHON_INSTALL_DIR ${_dsv4_python_dir} CACHE PATH
   "Where `cmake --install` puts the package dsv4, relative to CMAKE_INSTALL_PREFIX")
 install(TARGETS dsv4_python LIBRARY DESTINATION ${DSV4_PYTHON_INSTALL_DIR}/dsv4)
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/python/dsv4/ DESTINATION ${DSV4_PYTHON_INSTALL_DIR}/dsv4
