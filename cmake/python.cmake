@@ -22,12 +22,21 @@ if(Python3_FOUND AND NOT DSV4_PYBIND11_INCLUDE_DIR)
   endif()
 endif()
 
-if(NOT Python3_FOUND OR NOT DSV4_PYBIND11_INCLUDE_DIR)
-  if(DSV4_PYTHON STREQUAL "ON")
-    message(FATAL_ERROR "dsv4: DSV4_PYTHON=ON needs Python 3 with its headers and pybind11 "
-                        "(Debian: python3-dev pybind11-dev)")
+set(_dsv4_numpy_found OFF)
+if(Python3_FOUND)
+  execute_process(COMMAND ${Python3_EXECUTABLE} -c "import numpy" RESULT_VARIABLE _dsv4_numpy_rc
+    OUTPUT_QUIET ERROR_QUIET)
+  if(_dsv4_numpy_rc EQUAL 0)
+    set(_dsv4_numpy_found ON)
   endif()
-  message(STATUS "dsv4: no Python 3 development files or pybind11: the Python package is not built")
+endif()
+if(NOT Python3_FOUND OR NOT DSV4_PYBIND11_INCLUDE_DIR OR NOT _dsv4_numpy_found)
+  if(DSV4_PYTHON STREQUAL "ON")
+    message(FATAL_ERROR "dsv4: DSV4_PYTHON=ON needs Python 3 with its headers, numpy and pybind11 "
+                        "(Debian: python3-dev python3-numpy pybind11-dev)")
+  endif()
+  message(STATUS "dsv4: no Python 3 headers, numpy or pybind11 for ${Python3_EXECUTABLE}: "
+                 "the Python package is not built")
   return()
 endif()
 set(DSV4_HAS_PYTHON ON)
