@@ -657,14 +657,15 @@ dsv4_status dsv4_sparse_attention(const DLTensor* q, const DLTensor* kv, const D
       reference::sparse_attention(qt, H, D, rows.data(), static_cast<int64_t>(rows.size()),
                                   sinks ? sinks : no_sink.data(), scale, bf16 != 0, ov.ptr<float>() + t * H * D);
       if (!lse_out) continue;
-      // FlashMLA's lse: log Σ_i exp(scale q·kv_i), the sink left out; −inf for no rows.
+      // FlashMLA's lse: log Σ_i exp(scale q·kv_i), the sink left out; −inf for no rows. The logits
+      // are the attention's (the dot rounded once to fp32, times the scale in fp32).
       for (int64_t h = 0; h < H; ++h) {
         std::vector<double> logits(rows.size());
         double m = -std::numeric_limits<double>::infinity();
         for (size_t i = 0; i < rows.size(); ++i) {
           double dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += double(qt[h * D + d]) * double(rows[i][d]);
-          logits[i] = double(scale) * double(static_cast<float>(dot));
+          logits[i] = static_cast<float>(dot) * scale;
           m = std::max(m, logits[i]);
         }
         double sum = 0;

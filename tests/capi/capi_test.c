@@ -2,6 +2,7 @@
  * (bad handle, bad shape, bad dtype, bad device, bad layout, pool exhausted, I/O, invalid
  * argument, unsupported) with its status and message. Exits 1 on the first failed check. */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -362,11 +363,31 @@ static void test_ops(void) {
   }
 }
 
+/* The message is per thread: another thread's failure leaves this thread's message alone. */
+static void* fail_in_thread(void* arg) {
+  dsv4_config* config = NULL;
+  (void)arg;
+  if (dsv4_config_from_preset("thread-preset", &config) != DSV4_ERROR_INVALID_ARGUMENT) return (void*)1;
+  return strstr(dsv4_last_error(), "thread-preset") ? NULL : (void*)1;
+}
+
+static void test_thread_messages(void) {
+  pthread_t thread;
+  void* result = (void*)1;
+  dsv4_config* config = NULL;
+  FAILS(dsv4_config_from_preset("main-preset", &config), DSV4_ERROR_INVALID_ARGUMENT, "main-preset");
+  CHECK(pthread_create(&thread, NULL, fail_in_thread, NULL) == 0);
+  CHECK(pthread_join(thread, &result) == 0);
+  CHECK(result == NULL);
+  CHECK(strstr(dsv4_last_error(), "main-preset") != NULL);
+}
+
 int main(void) {
   test_config();
   test_engine();
   test_kv_codecs();
   test_ops();
+  test_thread_messages();
   printf("capi_test: %d checks passed\n", checks);
   return 0;
 }
