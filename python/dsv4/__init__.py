@@ -20,7 +20,7 @@ try:  # torch.ops.dsv4.* when torch is installed
 except ImportError:
     _torch = None
 if _torch is not None:
-    from . import torch_ops
+    from . import torch_ops  # noqa: F401  (registers torch.ops.dsv4)
 
 __version__ = _version()
 has_cuda = _has_cuda()

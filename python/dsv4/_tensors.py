@@ -56,12 +56,6 @@ def empty_like(like, shape, dtype):
     return np.empty(tuple(shape), dtype=dtype)
 
 
-def full_like(like, shape, dtype, value):
-    out = empty_like(like, shape, dtype)
-    out[...] = value
-    return out
-
-
 def as_index(x, like, dtype):
     """x (an array, a tensor, a list or None) as a contiguous index array of `dtype` beside `like`."""
     if x is None:

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from . import _dsv4
-from ._tensors import capsule, empty_like, is_torch
+from ._tensors import capsule, empty_like
 
 _INT_FIELDS = ("hidden_size", "num_layers", "num_mtp_layers", "total_layers", "num_heads", "head_dim",
                "rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads",

@@ -1,6 +1,4 @@
 """dsv4.ops on numpy arrays and torch CPU tensors against numpy formulas of SPEC §3-§7."""
-import math
-
 import numpy as np
 import pytest
 

@@ -6,7 +6,7 @@ import pytest
 from conftest import cuda_or_skip, torch_or_skip
 
 torch = torch_or_skip()
-import dsv4  # noqa: E402
+import dsv4  # noqa: E402,F401  (registers torch.ops.dsv4)
 from dsv4 import ops  # noqa: E402
 
 NEW_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 4)

@@ -31,6 +31,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import torch_ops  # noqa: F401  (registers torch.ops.dsv4)
+from ..ops import kv_page_geometry
 
 _FORMAT_BY_ROW_BYTES = {584: "fp8_ds_mla", 528: "v41_fp8", 288: "v41_fp4"}
 _placement = "segregated"
@@ -69,7 +70,6 @@ def _cache_rows(k_cache, slots, name):
         raise ValueError(f"dsv4: flash_mla: {name} has {row} bytes per token of dtype {k_cache.dtype}, expected "
                          "584 (fp8_ds_mla), 528 (V4.1 fp8) or 288 (V4.1 fp4) bytes, or bf16 rows")
     fmt = _FORMAT_BY_ROW_BYTES[row]
-    from ..ops import kv_page_geometry
     geometry = kv_page_geometry(fmt, 512, block_size, _placement)
     stride = k_cache.stride(0)
     if stride != geometry["page_stride"]:
