@@ -3,7 +3,8 @@
 BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
-DEBIAN_PACKAGES := cmake g++ make libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev
+DEBIAN_PACKAGES := cmake g++ make libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev \
+  libdlpack-dev python3-dev pybind11-dev python3-numpy python3-pytest python3-torch
 CMAKE_FLAGS ?=
 
 .PHONY: all deps configure build run test clean
