@@ -4,7 +4,9 @@
 // The reference gets the rows the kernel must attend (window rows that have a page, valid picks),
 // decoded on the host by kv_format's decode_rows. Tolerance: both compute in fp32 (the reference
 // with bf16 = false: no rounding of e_i); they differ in summation order and exp implementation,
-// |Δ| <= 2e-5 + 1e-4·|out|. bf16 outputs may also land on the neighbouring bf16: rtol 2^-7.
+// |Δ| <= 4e-6 + 1e-4·|out| (measured on an H200: |Δ| <= 1.3e-6, at most 0.16 of the bound, over
+// every f32 case, split or not). bf16 outputs may also land on the neighbouring bf16: rtol 2^-7
+// (measured: one bf16 ulp, 0.995 of the bound).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -135,13 +137,13 @@ void check_attention(const AttentionCase& c) {
   run_sparse_attention(p, stream.get());
   stream.synchronize("sparse attention test");
   const float rtol = c.out_dtype == DType::bf16 ? 0x1p-7f : 1e-4f;
-  testing::expect_close(testing::download_floats(dout.view), expected, 2e-5f, rtol, "attention output");
+  testing::expect_close(testing::download_floats(dout.view), expected, 4e-6f, rtol, "attention output");
   // Every case but the one-tile prefill splits (few blocks, several tiles of rows).
   DeviceBuffer workspace(sparse_attention_workspace_bytes(p));
   dout.buffer.fill_bytes(0xff);
   run_sparse_attention(p, workspace.data(), stream.get());
   stream.synchronize("split sparse attention test");
-  testing::expect_close(testing::download_floats(dout.view), expected, 2e-5f, rtol, "attention output, split rows");
+  testing::expect_close(testing::download_floats(dout.view), expected, 4e-6f, rtol, "attention output, split rows");
   // The splits are merged in a fixed order: a second run gives the same bits.
   const HostTensor first = to_host(dout.view);
   dout.buffer.fill_bytes(0xff);

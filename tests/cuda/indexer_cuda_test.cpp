@@ -101,7 +101,9 @@ void check_index_scores(const ScoresCase& c) {
   Stream stream;
   run_index_scores(p, stream.get());
   stream.synchronize("index scores test");
-  testing::expect_close(testing::download_floats(dscores.view), expected, 1e-3f, 1e-5f, "index scores");
+  // fp32 on both sides, other summation orders: measured on an H200 |Δ| <= 1.9e-6, |Δ| / |score|
+  // <= 2.2e-7 (0.2 of this bound).
+  testing::expect_close(testing::download_floats(dscores.view), expected, 1e-5f, 1e-6f, "index scores");
 }
 
 TEST_F(CudaTest, IndexScoresMxfp4Ratio2) {

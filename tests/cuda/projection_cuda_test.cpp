@@ -2,8 +2,9 @@
 // grouped_linear on random inputs.
 //
 // Tolerances: f32 outputs differ from the reference only by the fp32 summation order:
-// |Δ| <= 1e-4 + 1e-5·|y| for sums of <= 256 products of magnitude <= 1. bf16 outputs may in
-// addition round to the neighbouring bf16 value: rtol 2^-7 (one bf16 ulp).
+// |Δ| <= 2e-6 + 1e-5·|y| for sums of <= 256 products of magnitude <= 1 (measured on an H200:
+// |Δ| <= 4.8e-7, at most 0.2 of the bound). bf16 outputs may in addition round to the
+// neighbouring bf16 value: rtol 2^-7 (one bf16 ulp; measured: equal).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -20,7 +21,7 @@ namespace {
 using testing::CudaTest;
 using testing::DeviceTensor;
 
-constexpr float kF32Atol = 1e-4f, kF32Rtol = 1e-5f;
+constexpr float kF32Atol = 2e-6f, kF32Rtol = 1e-5f;
 constexpr float kBf16Rtol = 0x1p-7f;
 
 // Random e4m3 codes (no NaN code) and the weight they stand for with the given block scales.
