@@ -103,8 +103,9 @@ ModelConfig v4_pro() {
   return v40("v4-pro", 7168, 128, 1536, 16, std::move(ratios), 1024);
 }
 
-// Small dims that run on a CPU; head 512 / rope 64 and the 128-wide indexer head are kept because
-// the cache formats and kernels assume them. Same dims as the golden sets (v41a, v40a).
+// Small dims that run on a CPU; head 512 / rope 64 are kept because the cache formats and the CUDA
+// attention assume them, the 128-wide indexer head as released. Same dims as the golden sets
+// (v41a, v40a).
 void set_tiny_dims(ModelConfig& c) {
   c.hidden_size = 256;
   c.num_heads = 4;

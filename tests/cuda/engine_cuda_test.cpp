@@ -8,8 +8,10 @@
 //  * attention outputs, relative L2 per layer over the whole workload <= 2e-2, and per step and
 //    layer <= 5e-2 (bounds and measurements at kTolerance below; a decode step compares three rows, where a single FP8 / FP4 code that rounds
 //    the other way after a last-bit difference upstream weighs a lot), over the rows whose picks
-//    agree: the GPU indexer scores in fp32, the reference in bf16, so near-ties at the top-k cut
-//    may select different entries, and a row that attends other entries has another output;
+//    agree: the GPU's index scores round as the reference's (Precision::reference: bf16), but
+//    their inputs (projections summed in another order) may differ in a last bit, so near-ties at
+//    the top-k cut may select different entries, and a row that attends other entries has another
+//    output;
 //  * the picks: every GPU selection must be a valid top-k of the CPU's scores up to 2^-5 of the
 //    row's largest score (the bf16 rounding of the reference scores and an occasional FP4 key
 //    that rounds the other way), and at least 97 % of the rows must agree exactly;
@@ -51,9 +53,12 @@ struct Model {
   std::shared_ptr<const ModelWeights> weights;
 };
 
-Model tiny_model(const std::string& preset) {
+// index_head_dim / index_n_heads > 0 replace the preset's.
+Model tiny_model(const std::string& preset, int64_t index_head_dim = 0, int index_n_heads = 0) {
   Model m;
   m.config = preset_config(preset);
+  if (index_head_dim > 0) m.config.index_head_dim = index_head_dim;
+  if (index_n_heads > 0) m.config.index_n_heads = index_n_heads;
   m.topology = resolve_topology(m.config);
   m.weights = std::make_shared<ModelWeights>(random_weights(m.config, m.topology, 11, true));
   return m;
@@ -242,11 +247,15 @@ struct WorkloadCase {
   std::string preset;
   std::string kv_format;
   Precision precision;
+  int64_t index_head_dim = 0;  // > 0: replaces the preset's (128)
+  int index_n_heads = 0;       // > 0: replaces the preset's (4)
 };
 
 std::string case_name(const ::testing::TestParamInfo<WorkloadCase>& info) {
   std::string name = info.param.preset + "_" + (info.param.kv_format.empty() ? "default" : info.param.kv_format) + "_" +
                      precision_name(info.param.precision);
+  if (info.param.index_head_dim > 0) name += "_index_dim_" + std::to_string(info.param.index_head_dim);
+  if (info.param.index_n_heads > 0) name += "_index_heads_" + std::to_string(info.param.index_n_heads);
   for (char& ch : name)
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   return name;
@@ -256,7 +265,7 @@ class EngineCudaWorkload : public CudaTest, public ::testing::WithParamInterface
 
 TEST_P(EngineCudaWorkload, MatchesTheCpuEngine) {
   const WorkloadCase& wc = GetParam();
-  const Model m = tiny_model(wc.preset);
+  const Model m = tiny_model(wc.preset, wc.index_head_dim, wc.index_n_heads);
   Lockstep run(m, wc.precision, wc.kv_format);
   const int a = run.add(), b = run.add(), c = run.add();
   run.step({{a, 37}, {b, 20}});            // two prefills
@@ -277,10 +286,10 @@ TEST_P(EngineCudaWorkload, MatchesTheCpuEngine) {
     EXPECT_LE(err, kTolerance) << "layer " << l;
     if (!(err <= worst)) worst = err, worst_layer = l;
   }
-  std::printf("%s %s %s: worst relative L2 %.3g per layer (layer %d), %.3g per step and layer (step %d, layer %d), "
+  std::printf("%s %s %s, index heads %d x %lld: worst relative L2 %.3g per layer (layer %d), %.3g per step and layer (step %d, layer %d), "
               "over %lld rows (%lld left out: other picks); picks equal on %lld of %lld index rows\n",
               wc.preset.c_str(), wc.kv_format.empty() ? "(default formats)" : wc.kv_format.c_str(),
-              precision_name(wc.precision), worst, worst_layer, r.worst_step_error, r.worst_step, r.worst_step_layer,
+              precision_name(wc.precision), m.config.index_n_heads, static_cast<long long>(m.config.index_head_dim), worst, worst_layer, r.worst_step_error, r.worst_step, r.worst_step_layer,
               static_cast<long long>(r.rows_compared), static_cast<long long>(r.rows_excluded),
               static_cast<long long>(r.picks_equal), static_cast<long long>(r.pick_rows));
   RecordProperty("measured_worst_rel_l2_per_layer", std::to_string(worst));
@@ -298,7 +307,11 @@ INSTANTIATE_TEST_SUITE_P(Presets, EngineCudaWorkload,
                                            WorkloadCase{"tiny-v4.1", "", Precision::reference},
                                            WorkloadCase{"tiny-v4", "v4.1-native", Precision::reference},
                                            WorkloadCase{"tiny-v4", "fp8_ds_mla", Precision::reference},
-                                           WorkloadCase{"tiny-v4", "", Precision::fp32}),
+                                           WorkloadCase{"tiny-v4", "", Precision::fp32},
+                                           // Index heads of 64 and 96 channels (96: the any-dim kernel), odd head counts.
+                                           WorkloadCase{"tiny-v4.1", "v4.1-native", Precision::reference, 64, 7},
+                                           WorkloadCase{"tiny-v4.1", "fp8_ds_mla", Precision::reference, 96, 3},
+                                           WorkloadCase{"tiny-v4", "", Precision::reference, 64, 1}),
                          case_name);
 
 // ---------------------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
-// Indexer kernels against the CPU reference: run_index_scores vs reference::index_scores (fp32, keys
-// decoded from MXFP4 / FP8 / bf16 caches), run_topk vs reference::select_topk and
-// run_candidate_block_scores + run_topk vs reference::select_candidate_blocks on identical
-// scores (exact: the selection rules are the same, ties included).
+// Indexer kernels against the CPU reference: run_index_scores vs reference::index_scores (keys
+// decoded from MXFP4 / FP8 / bf16 caches; fp32 within a tolerance, bf16_rounding bit for bit),
+// run_topk vs reference::select_topk and run_candidate_block_scores + run_topk vs
+// reference::select_candidate_blocks on identical scores (exact: the selection rules are the
+// same, ties included).
 //
-// Score tolerance: fp32 with a different summation order over 128 channels and the heads:
-// |Δ| <= 1e-3 + 1e-5·|score| for scores up to ~100. -inf entries must match exactly.
+// Score tolerance (fp32): a different summation order over the channels and the heads. -inf
+// entries must match exactly.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <limits>
 #include <tuple>
 
@@ -27,6 +29,9 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 struct ScoresCase {
   KvRowFormat key_format = KvRowFormat::index_mxfp4;
   int64_t heads = 32;
+  int64_t dim = kIndexDim;
+  bool bf16_rounding = false;                       // and then bit equality with the reference
+  bool partial = false;
   int ratio = 2;
   std::vector<std::pair<int32_t, int32_t>> tokens;  // (sequence, position)
   int64_t candidate_block_size = 0;                 // > 0: random candidate lists
@@ -42,20 +47,22 @@ void check_index_scores(const ScoresCase& c) {
     max_position = std::max<int64_t>(max_position, p);
     sequences = std::max<int64_t>(sequences, s + 1);
   }
-  const int64_t entries = (max_position + 1) / c.ratio + 3;
-  testing::HostPagedCache keys = testing::make_host_cache(c.key_format, kIndexDim, 64, PagePlacement::segregated,
+  const int64_t entries = (max_position + 1) / c.ratio + 3, dim = c.dim;
+  testing::HostPagedCache keys = testing::make_host_cache(c.key_format, dim, 64, PagePlacement::segregated,
                                                           std::vector<int32_t>(sequences, 0), entries / 64 + 1, 1, c.seed);
-  // keys[s] [entries, 128]: the decoded rows the reference scores against.
+  // keys[s] [entries, dim]: the decoded rows the reference scores against.
   std::vector<std::vector<float>> decoded(sequences);
   for (int64_t s = 0; s < sequences; ++s)
     for (int64_t j = 0; j < entries; ++j) {
-      const auto row = testing::random_floats(kIndexDim, c.seed * 7919 + static_cast<uint32_t>(s * entries + j), -2.0f, 2.0f);
+      const auto row = testing::random_floats(dim, c.seed * 7919 + static_cast<uint32_t>(s * entries + j), -2.0f, 2.0f);
       keys.write(s, j, row.data());
       const auto back = keys.read(s, j);
       decoded[s].insert(decoded[s].end(), back.begin(), back.end());
     }
-  const auto q = testing::rounded_to_bf16(testing::random_floats(tokens * c.heads * kIndexDim, c.seed + 1));
-  const auto weights = testing::random_floats(tokens * c.heads, c.seed + 2, 0.0f, 0.1f);
+  const auto q = testing::rounded_to_bf16(testing::random_floats(tokens * c.heads * dim, c.seed + 1));
+  // The engine's head weights are bf16 values of either sign in reference precision.
+  const auto weights = c.bf16_rounding ? testing::rounded_to_bf16(testing::random_floats(tokens * c.heads, c.seed + 2, -0.1f, 0.1f))
+                                       : testing::random_floats(tokens * c.heads, c.seed + 2, 0.0f, 0.1f);
 
   std::vector<int32_t> sequence(tokens), position(tokens), candidates;
   for (int64_t t = 0; t < tokens; ++t) std::tie(sequence[t], position[t]) = c.tokens[t];
@@ -74,8 +81,9 @@ void check_index_scores(const ScoresCase& c) {
   std::vector<float> expected(static_cast<size_t>(tokens * entries));
   for (int64_t t = 0; t < tokens; ++t) {
     float* row = expected.data() + t * entries;
-    reference::index_scores(q.data() + t * c.heads * kIndexDim, weights.data() + t * c.heads, c.heads, kIndexDim,
-                            decoded[sequence[t]].data(), entries, (position[t] + 1) / c.ratio, false, row);
+    reference::index_scores(q.data() + t * c.heads * dim, weights.data() + t * c.heads, c.heads, dim,
+                            decoded[sequence[t]].data(), entries, (position[t] + 1) / c.ratio, c.bf16_rounding, row,
+                            c.partial);
     if (c.candidate_block_size > 0)
       for (int64_t j = 0; j < entries; ++j) {
         const int32_t* list = candidates.data() + t * c.candidate_blocks;
@@ -84,14 +92,15 @@ void check_index_scores(const ScoresCase& c) {
       }
   }
 
-  DeviceTensor dq = testing::device_tensor(q, DType::bf16, {tokens, c.heads, kIndexDim});
+  DeviceTensor dq = testing::device_tensor(q, DType::bf16, {tokens, c.heads, dim});
   DeviceTensor dw = testing::device_tensor(weights, DType::f32, {tokens, c.heads});
   DeviceTensor dseq = testing::device_array(sequence, DType::i32, {tokens});
   DeviceTensor dpos = testing::device_array(position, DType::i32, {tokens});
   DeviceTensor dscores = testing::poisoned_tensor(DType::f32, {tokens, entries});
   testing::DevicePagedCache dkeys = testing::to_device_cache(keys);
   IndexScoresParams p{.q = dq.view, .weights = dw.view, .keys = dkeys.view, .token_sequence = dseq.view,
-                      .token_position = dpos.view, .compress_ratio = c.ratio, .scores = dscores.view};
+                      .token_position = dpos.view, .compress_ratio = c.ratio, .scores = dscores.view,
+                      .bf16_rounding = c.bf16_rounding, .partial = c.partial};
   DeviceTensor dcandidates;
   if (c.candidate_block_size > 0) {
     dcandidates = testing::device_array(candidates, DType::i32, {tokens, c.candidate_blocks});
@@ -101,9 +110,21 @@ void check_index_scores(const ScoresCase& c) {
   Stream stream;
   run_index_scores(p, stream.get());
   stream.synchronize("index scores test");
+  const std::vector<float> got = testing::download_floats(dscores.view);
+  if (c.bf16_rounding) {
+    // The reference's rounding sequence, bit for bit (the inputs are NaN-free).
+    int64_t differ = 0, first = -1;
+    for (size_t i = 0; i < got.size(); ++i)
+      if (float_bits(got[i]) != float_bits(expected[i]) && differ++ == 0) first = static_cast<int64_t>(i);
+    EXPECT_EQ(differ, 0) << differ << " of " << got.size() << " bf16 scores differ (dim " << dim << ", heads "
+                         << c.heads << ", partial " << c.partial << "); first: token " << first / entries << " entry "
+                         << first % entries << ": got " << (first < 0 ? 0.0f : got[first]) << ", expected "
+                         << (first < 0 ? 0.0f : expected[first]);
+    return;
+  }
   // fp32 on both sides, other summation orders: measured on an H200 |Δ| <= 1.9e-6, |Δ| / |score|
   // <= 2.2e-7 (0.2 of this bound).
-  testing::expect_close(testing::download_floats(dscores.view), expected, 1e-5f, 1e-6f, "index scores");
+  testing::expect_close(got, expected, 1e-5f, 1e-6f, "index scores");
 }
 
 TEST_F(CudaTest, IndexScoresMxfp4Ratio2) {
@@ -120,6 +141,35 @@ TEST_F(CudaTest, IndexScoresFp8Ratio1PrefillWithCandidates) {
 
 TEST_F(CudaTest, IndexScoresBf16KeysManyEntryBlocks) {
   check_index_scores({.key_format = KvRowFormat::bf16, .heads = 64, .ratio = 1, .tokens = {{0, 700}, {0, 3}}, .seed = 5});
+}
+
+// Other index_dims (64 and 128 keep the key row in registers, 96 and 512 take the any-dim kernel)
+// and more heads than shared memory holds at once (200 heads of 128, 40 of 512: staged).
+TEST_F(CudaTest, IndexScoresOtherDimsAndManyHeads) {
+  check_index_scores({.heads = 7, .dim = 64, .ratio = 4, .tokens = {{0, 517}, {1, 2}, {0, 300}}, .seed = 21});
+  check_index_scores({.key_format = KvRowFormat::index_fp8, .heads = 32, .dim = 96, .ratio = 1,
+                      .tokens = {{0, 140}, {0, 141}}, .candidate_block_size = 8, .candidate_blocks = 9, .seed = 22});
+  check_index_scores({.key_format = KvRowFormat::bf16, .heads = 200, .ratio = 2, .tokens = {{0, 333}}, .seed = 23});
+  check_index_scores({.heads = 40, .dim = 512, .ratio = 1, .tokens = {{0, 200}, {1, 77}}, .seed = 24});
+}
+
+// bf16_rounding: the reference's bf16 scores bit for bit, over the dims, head counts, key formats,
+// candidates and partial (tensor-parallel split) sums; odd entry counts (visible + 3).
+TEST_F(CudaTest, IndexScoresBf16RoundingEqualsReferenceBitForBit) {
+  for (const int64_t dim : {64, 96, 128})
+    for (const int64_t heads : {1, 7, 32}) {
+      const uint32_t seed = static_cast<uint32_t>(100 + dim + heads);
+      check_index_scores({.key_format = KvRowFormat::index_mxfp4, .heads = heads, .dim = dim, .bf16_rounding = true,
+                          .ratio = 4, .tokens = {{0, 0}, {0, 3}, {1, 418}, {0, 259}, {1, 419}}, .seed = seed});
+      check_index_scores({.key_format = KvRowFormat::index_fp8, .heads = heads, .dim = dim, .bf16_rounding = true,
+                          .ratio = 1, .tokens = {{0, 150}, {0, 151}, {0, 152}}, .candidate_block_size = 8,
+                          .candidate_blocks = 11, .seed = seed + 1});
+      check_index_scores({.key_format = KvRowFormat::bf16, .heads = heads, .dim = dim, .bf16_rounding = true,
+                          .partial = true, .ratio = 2, .tokens = {{0, 301}, {1, 20}}, .seed = seed + 2});
+    }
+  check_index_scores({.key_format = KvRowFormat::bf16, .heads = 200, .bf16_rounding = true, .ratio = 1,
+                      .tokens = {{0, 260}, {0, 1}}, .seed = 301});
+  check_index_scores({.heads = 40, .dim = 512, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 129}}, .seed = 302});
 }
 
 // Rows of scores with many ties (few distinct values), NaN and -inf, as in bf16 reference scores.
@@ -277,15 +327,23 @@ TEST(IndexerCudaDispatch, ChoosesSimtOnEveryDevice) {
   }
 }
 
-// Index heads beyond what the SIMT kernel keeps in shared memory: no implementation takes them.
-TEST(IndexerCudaDispatch, TooManyIndexHeadsNameTheLimit) {
+// Any number of index heads and any index_dim that is a multiple of 32 run; other dims name the
+// limit.
+TEST(IndexerCudaDispatch, IndexDimsNameTheLimit) {
   using testing::fake_device_view;
   IndexScoresParams p = fake_index_scores_params();
-  p.q = fake_device_view(DType::bf16, {3, 200, kIndexDim});
-  p.weights = fake_device_view(DType::f32, {3, 200});
+  p.q = fake_device_view(DType::bf16, {3, 1000, kIndexDim});
+  p.weights = fake_device_view(DType::f32, {3, 1000});
+  validate_index_scores(p);
+  EXPECT_STREQ(choose_index_scores(p, DeviceInfo{90}).name, "simt");
+  const PageGeometry g = page_geometry(KvRowFormat::bf16, 48, 64);
+  p.keys = {.pages = fake_device_view(DType::u8, {2, g.page_stride}),
+            .block_table = fake_device_view(DType::i32, {1, 2}), .geometry = g};
+  p.q = fake_device_view(DType::bf16, {3, 1000, 48});
   validate_index_scores(p);
   EXPECT_EQ(testing::error_of([&] { choose_index_scores(p, DeviceInfo{90}); }),
-            "dsv4: index_scores: no implementation supports this call: simt: 200 index heads, supports at most 128");
+            "dsv4: index_scores: no implementation supports this call: simt: index_dim 48, supports multiples of 32 up "
+            "to 16384");
 }
 
 TEST_F(CudaTest, IndexerChoosesSimtOnThisDevice) {

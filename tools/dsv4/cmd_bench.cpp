@@ -185,8 +185,7 @@ int run_bench(BenchCommandOptions o) {
              " is outside [1, 1048576]");
   DSV4_CHECK(o.iters >= 1 && o.warmup >= 0, "bench: --iters ", o.iters, " and --warmup ", o.warmup,
              " must be >= 1 and >= 0");
-  DSV4_CHECK(c.head_dim == 512 && c.index_head_dim == 128, "bench: the kernels need head_dim 512 and index_head_dim 128, '",
-             c.name, "' has ", c.head_dim, " and ", c.index_head_dim);
+  DSV4_CHECK(c.head_dim == 512, "bench: the kernels need head_dim 512, '", c.name, "' has ", c.head_dim);
   cuda::Stream stream;
   if (op == ops.end()) return bench_layer(o, c, stream, ranks) ? 0 : 1;
   op->run(o, c, stream);

@@ -14,8 +14,11 @@ namespace dsv4::cuda {
 // score[t, j] = Σ_h weights[t, h] · relu(q[t, h] · key_j) in fp32 for entries j < n_vis(p) =
 // (p + 1) / compress_ratio whose key row is addressable (and, with candidates, whose block
 // j / candidate_block_size is listed); every other j < entries gets -inf. relu keeps NaN.
+// bf16_rounding: the reference's bf16 scores (reference::index_scores with bf16, SPEC §4.3), bit
+// for bit: each dot rounded to bf16, each weighted term rounded to bf16, the fp32 sum over the
+// heads in head order rounded to bf16 (not with partial).
 struct IndexScoresParams {
-  TensorView q;                    // [tokens, index_heads, index_dim] bf16 (RoPE'd, fake-quantized); index_dim 128
+  TensorView q;                    // [tokens, index_heads, index_dim] bf16 (RoPE'd, fake-quantized)
   TensorView weights;              // [tokens, index_heads] f32 (weights_proj output times its scale)
   PagedCache keys;                 // reader: index_mxfp4 | index_fp8 | bf16 rows of index_dim channels; row = entry
   TensorView token_sequence;       // [tokens] i32
@@ -24,6 +27,9 @@ struct IndexScoresParams {
   TensorView candidates;           // optional: [tokens, candidate_blocks] i32 kept blocks, ascending, -1 padded
   int64_t candidate_block_size = 0;// entries per candidate block (> 0 with candidates)
   TensorView scores;               // [tokens, entries] f32
+  bool bf16_rounding = false;      // Precision::reference: the reference's bf16 rounding sequence
+  bool partial = false;            // with bf16_rounding: the heads are a tensor-parallel rank's share;
+                                   // the sum stays fp32, rounded once the ranks' sums are added
 };
 
 void validate_index_scores(const IndexScoresParams& p);

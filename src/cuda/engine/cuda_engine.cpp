@@ -1,7 +1,5 @@
 #include "cuda/engine/cuda_engine.h"
 
-#include <algorithm>
-
 #include "dsv4/cuda/qkv.h"
 #include "dsv4/parallel.h"
 
@@ -27,11 +25,6 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
   DSV4_CHECK(config.head_dim == 512, "engine: create: the cuda backend's attention needs head_dim 512, the config has ",
              config.head_dim);
   const ModelTopology& topo = topology();
-  const bool has_indexer =
-      std::any_of(topo.layers.begin(), topo.layers.end(), [](const LayerPlan& p) { return p.owns_indexer; });
-  DSV4_CHECK(!has_indexer || config.index_head_dim == 128,
-             "engine: create: the cuda backend's indexer needs index_head_dim 128, the config has ",
-             config.index_head_dim);
   if (options.cuda_stream) {
     stream_ = options.cuda_stream;
   } else {

@@ -305,9 +305,15 @@ void LayerPipeline::index(int layer) {
       scores.candidate_block_size = block_size;
     }
     scores.scores = view(ws.scores, DType::f32, {n, entries});
+    scores.bf16_rounding = r.round_bf16;
+    scores.partial = in_.split_indexer;
     run_index_scores(scores, stream);
-    // Split indexer: the partial sums over the rank's heads are summed over the ranks.
-    if (in_.split_indexer) in_.communicator->all_reduce_sum(ws.scores, n * entries, stream);
+    // Split indexer: the partial sums over the rank's heads are summed over the ranks, then
+    // rounded as the reference rounds the whole sum.
+    if (in_.split_indexer) {
+      in_.communicator->all_reduce_sum(ws.scores, n * entries, stream);
+      if (r.round_bf16) launch_scale_to_f32(ws.scores, DType::f32, 1.0f, true, ws.scores, n * entries, stream);
+    }
     TopkParams topk;
     topk.token_position = positions;
     topk.compress_ratio = ratio;

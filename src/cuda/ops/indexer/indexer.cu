@@ -11,7 +11,6 @@ namespace dsv4::cuda {
 
 namespace {
 
-constexpr int64_t kIndexDim = 128;  // the index head size of every V4 / V4.1 model
 constexpr int kBlockScoreThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 
@@ -52,9 +51,9 @@ const TopkImplementation& choose_topk(const TopkParams& p, const DeviceInfo& dev
 
 void validate_index_scores(const IndexScoresParams& p) {
   constexpr const char* op = "index_scores";
-  const int64_t tokens = p.q.shape[0], heads = p.q.shape[1];
+  const int64_t tokens = p.q.shape[0], heads = p.q.shape[1], dim = p.q.shape[2];
   std::vector<TensorSpec> specs = {
-      {"q", &p.q, {kAnyDim, kAnyDim, kIndexDim}, {DType::bf16}},
+      {"q", &p.q, {kAnyDim, kAnyDim, kAnyDim}, {DType::bf16}},
       {"weights", &p.weights, {tokens, heads}, {DType::f32}},
   };
   for (TensorSpec& s : paged_cache_specs("keys", p.keys, true, kAnyDim)) specs.push_back(std::move(s));
@@ -63,7 +62,7 @@ void validate_index_scores(const IndexScoresParams& p) {
   specs.push_back({"candidates", &p.candidates, {tokens, kAnyDim}, {DType::i32}, true});
   specs.push_back({"scores", &p.scores, {tokens, kAnyDim}, {DType::f32}});
   check_tensors(op, specs);
-  check_paged_cache(op, "keys", p.keys, kIndexDim,
+  check_paged_cache(op, "keys", p.keys, dim,
                     {KvRowFormat::index_mxfp4, KvRowFormat::index_fp8, KvRowFormat::bf16});
   DSV4_CHECK(p.compress_ratio >= 1, op, ": compress_ratio is ", p.compress_ratio, ", expected >= 1");
   DSV4_CHECK(!is_present(p.candidates) || p.candidate_block_size >= 1, op, ": candidate_block_size is ",

@@ -1,10 +1,13 @@
 // Index-score kernel (see include/dsv4/cuda/indexer.h). Block = (token, 128 entries), one thread
-// per entry: the thread decodes its key row into registers (index_dim values) and runs every
-// index head against it, reading the token's queries from shared memory as broadcasts.
+// per entry: the thread runs every index head against its key row, reading the token's queries
+// from shared memory as broadcasts, staged a group of heads at a time (kStagedQueryFloats).
+// kDim > 0: the thread decodes its whole key row into registers once; kDim = 0 (any index_dim
+// that is a multiple of 32): it decodes 32 channels at a time, again for every head.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/common/device_math.cuh"
@@ -13,7 +16,7 @@
 namespace dsv4::cuda {
 
 struct IndexScoresLaunch {
-  const uint16_t* q = nullptr;        // [tokens, heads, kDim] bf16
+  const uint16_t* q = nullptr;        // [tokens, heads, dim] bf16
   const float* weights = nullptr;     // [tokens, heads]
   DeviceRows keys;
   const int32_t* token_sequence = nullptr;
@@ -26,13 +29,23 @@ struct IndexScoresLaunch {
   int64_t entries = 0;
   int64_t tokens = 0;
   int heads = 0;
+  int dim = 0;                        // index_dim, a multiple of kIndexKeyChunk
+  int staged_heads = 0;               // heads whose queries shared memory holds at a time
+  bool bf16_rounding = false;         // IndexScoresParams::bf16_rounding
+  bool partial = false;               // IndexScoresParams::partial
 };
 
 inline constexpr int kIndexEntriesPerBlock = 128;
+inline constexpr int kIndexKeyChunk = 32;  // channels decoded at a time without a register row
+// Query floats in shared memory at a time: 128 heads of 128 channels (64 KiB, 3 blocks per SM).
+inline constexpr int64_t kStagedQueryFloats = 128 * 128;
 
-template <int kDim>
-size_t index_scores_shared_bytes(int heads) {
-  return static_cast<size_t>(heads) * (kDim + 1) * sizeof(float);
+inline int index_scores_staged_heads(int heads, int dim) {
+  return static_cast<int>(std::min<int64_t>(heads, std::max<int64_t>(1, kStagedQueryFloats / dim)));
+}
+
+inline size_t index_scores_shared_bytes(int staged_heads, int dim) {
+  return static_cast<size_t>(staged_heads) * (dim + 1) * sizeof(float);
 }
 
 // Whether `block` is in the ascending, -1-padded list (the padding sorts as +inf).
@@ -47,12 +60,77 @@ __device__ __forceinline__ bool contains_block(const int32_t* list, int64_t n, i
   return lo < n && list[lo] == block;
 }
 
-template <int kDim>
+// Channels c0 … c0 + kN − 1 of a key row.
+template <int kN>
+__device__ __forceinline__ void decode_key_channels(const DeviceRows& keys, const RowRef& row, int c0, float* out) {
+  visit_format(keys.format, [&](auto format) {
+#pragma unroll
+    for (int d = 0; d < kN; ++d) out[d] = decode_channel<decltype(format)::value>(keys, row, c0 + d);
+  });
+}
+
+// fp32 scores: a head's dot in 4-channel steps (contracted to FMAs), score += w · relu(dot).
+struct Fp32Scores {
+  struct Dot {
+    float sum = 0.0f;
+    // Channels c … c + kN − 1 (q float4-aligned in shared memory).
+    template <int kN>
+    __device__ __forceinline__ void add(const float* q, const float* key) {
+      const float4* q4 = reinterpret_cast<const float4*>(q);
+#pragma unroll
+      for (int d = 0; d < kN / 4; ++d) {
+        const float4 qv = q4[d];
+        sum += qv.x * key[4 * d] + qv.y * key[4 * d + 1] + qv.z * key[4 * d + 2] + qv.w * key[4 * d + 3];
+      }
+    }
+    __device__ __forceinline__ float value() const { return sum; }
+  };
+  __device__ __forceinline__ static float add_head(float score, float dot, float weight) {
+    const float relu = dot < 0.0f ? 0.0f : dot;  // keeps NaN, as the reference's max(dot, 0)
+    return score + weight * relu;
+  }
+  __device__ __forceinline__ static float finish(float score, bool) { return score; }
+};
+
+// The reference's bf16 scores (reference::index_scores with bf16), bit for bit: its dot — eight
+// running double sums over the channels d ≡ k (mod 8), added pairwise, rounded once to fp32 —
+// rounded to bf16, relu, the weighted term rounded to bf16, the fp32 sum over heads in head order
+// rounded to bf16 unless partial. A product of two floats is exact in double, so the fused
+// multiply-add rounds as the reference's multiply then add.
+struct Bf16RoundedScores {
+  struct Dot {
+    double sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    // Channels c … c + kN − 1, c a multiple of 8.
+    template <int kN>
+    __device__ __forceinline__ void add(const float* q, const float* key) {
+      static_assert(kN % 8 == 0);
+#pragma unroll
+      for (int d = 0; d < kN; ++d)
+        sum[d % 8] = __fma_rn(static_cast<double>(q[d]), static_cast<double>(key[d]), sum[d % 8]);
+    }
+    __device__ __forceinline__ float value() const {
+      const double low = __dadd_rn(__dadd_rn(sum[0], sum[1]), __dadd_rn(sum[2], sum[3]));
+      const double high = __dadd_rn(__dadd_rn(sum[4], sum[5]), __dadd_rn(sum[6], sum[7]));
+      return __double2float_rn(__dadd_rn(low, high));
+    }
+  };
+  __device__ __forceinline__ static float add_head(float score, float dot, float weight) {
+    const float rounded = round_to_bf16(dot);
+    const float relu = rounded < 0.0f ? 0.0f : rounded;  // keeps NaN, as std::max(dot, 0.0f)
+    return __fadd_rn(score, round_to_bf16(__fmul_rn(relu, weight)));
+  }
+  __device__ __forceinline__ static float finish(float score, bool partial) {
+    return partial ? score : round_to_bf16(score);
+  }
+};
+
+template <int kDim, class Scores>
 __global__ void __launch_bounds__(kIndexEntriesPerBlock) index_scores_kernel(IndexScoresLaunch a) {
-  static_assert(kDim % 4 == 0);
+  static_assert(kDim % kIndexKeyChunk == 0);
+  const int dim = kDim > 0 ? kDim : a.dim;
   extern __shared__ float4 shared4[];
-  float* q_shared = reinterpret_cast<float*>(shared4);  // [heads][kDim]
-  float* w_shared = q_shared + a.heads * kDim;          // [heads]
+  float* q_shared = reinterpret_cast<float*>(shared4);  // [staged_heads][dim]
+  float* w_shared = q_shared + a.staged_heads * dim;    // [staged_heads]
   const int64_t t = blockIdx.x;
   const int64_t first = int64_t{blockIdx.y} * kIndexEntriesPerBlock;
   const int64_t j = first + threadIdx.x;
@@ -63,48 +141,56 @@ __global__ void __launch_bounds__(kIndexEntriesPerBlock) index_scores_kernel(Ind
     if (j < a.entries) out[j] = -INFINITY;
     return;
   }
-  for (int i = threadIdx.x; i < a.heads * kDim; i += blockDim.x)
-    q_shared[i] = bf16_bits_to_float(a.q[t * a.heads * kDim + i]);
-  for (int i = threadIdx.x; i < a.heads; i += blockDim.x) w_shared[i] = a.weights[t * a.heads + i];
-  __syncthreads();
-  if (j >= a.entries) return;
 
-  RowRef row;
-  if (j < n_visible &&
+  RowRef row;  // stays invalid for j >= entries: such threads only help stage the queries
+  if (j < a.entries && j < n_visible &&
       (!a.candidates || contains_block(a.candidates + t * a.num_candidates, a.num_candidates, j / a.candidate_block_size)))
     row = row_of_sequence(a.keys, a.token_sequence[t], j);
-  if (!row.valid()) {
-    out[j] = -INFINITY;
-    return;
-  }
-  float key[kDim];
-  visit_format(a.keys.format, [&](auto format) {
-#pragma unroll
-    for (int d = 0; d < kDim; ++d) key[d] = decode_channel<decltype(format)::value>(a.keys, row, d);
-  });
+  float key[kDim > 0 ? kDim : 1];
+  if constexpr (kDim > 0)
+    if (row.valid()) decode_key_channels<kDim>(a.keys, row, 0, key);
+
   float score = 0.0f;
-  for (int h = 0; h < a.heads; ++h) {
-    const float4* qh = reinterpret_cast<const float4*>(q_shared + h * kDim);
-    float dot = 0.0f;
-#pragma unroll
-    for (int d = 0; d < kDim / 4; ++d) {
-      const float4 qv = qh[d];
-      dot += qv.x * key[4 * d] + qv.y * key[4 * d + 1] + qv.z * key[4 * d + 2] + qv.w * key[4 * d + 3];
+  for (int h0 = 0; h0 < a.heads; h0 += a.staged_heads) {
+    const int staged = min(a.staged_heads, a.heads - h0);
+    if (h0 > 0) __syncthreads();  // every thread is done with the previous heads' queries
+    const uint16_t* q = a.q + (t * a.heads + h0) * dim;
+    for (int i = threadIdx.x; i < staged * dim; i += blockDim.x) q_shared[i] = bf16_bits_to_float(q[i]);
+    for (int i = threadIdx.x; i < staged; i += blockDim.x) w_shared[i] = a.weights[t * a.heads + h0 + i];
+    __syncthreads();
+    if (!row.valid()) continue;
+    for (int h = 0; h < staged; ++h) {
+      const float* qh = q_shared + h * dim;
+      typename Scores::Dot dot;
+      if constexpr (kDim > 0) {
+        dot.template add<kDim>(qh, key);
+      } else {
+        for (int c = 0; c < dim; c += kIndexKeyChunk) {
+          float chunk[kIndexKeyChunk];
+          decode_key_channels<kIndexKeyChunk>(a.keys, row, c, chunk);
+          dot.template add<kIndexKeyChunk>(qh + c, chunk);
+        }
+      }
+      score = Scores::add_head(score, dot.value(), w_shared[h]);
     }
-    const float relu = dot < 0.0f ? 0.0f : dot;  // keeps NaN, as the reference's max(dot, 0)
-    score += w_shared[h] * relu;
   }
-  out[j] = score;
+  if (j < a.entries) out[j] = row.valid() ? Scores::finish(score, a.partial) : -INFINITY;
 }
 
-template <int kDim>
-void launch_index_scores(const IndexScoresLaunch& a, cudaStream_t stream) {
-  const size_t shared = index_scores_shared_bytes<kDim>(a.heads);
-  DSV4_CUDA_CHECK(cudaFuncSetAttribute(index_scores_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(shared)));
+template <class Kernel>
+void launch_index_scores_kernel(Kernel kernel, const IndexScoresLaunch& a, cudaStream_t stream) {
+  const size_t shared = index_scores_shared_bytes(a.staged_heads, a.dim);
+  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   const dim3 grid(static_cast<unsigned>(a.tokens),
                   static_cast<unsigned>((a.entries + kIndexEntriesPerBlock - 1) / kIndexEntriesPerBlock));
-  index_scores_kernel<kDim><<<grid, kIndexEntriesPerBlock, shared, stream>>>(a);
+  kernel<<<grid, kIndexEntriesPerBlock, shared, stream>>>(a);
+}
+
+// kDim: a.dim, or 0 for any a.dim.
+template <int kDim>
+void launch_index_scores(const IndexScoresLaunch& a, cudaStream_t stream) {
+  if (a.bf16_rounding) launch_index_scores_kernel(index_scores_kernel<kDim, Bf16RoundedScores>, a, stream);
+  else launch_index_scores_kernel(index_scores_kernel<kDim, Fp32Scores>, a, stream);
 }
 
 }  // namespace dsv4::cuda

@@ -1,33 +1,38 @@
 // The SIMT implementation of run_index_scores; the kernel is instantiated in
-// src/cuda/instantiations/index_scores_simt_*.cu.
+// src/cuda/instantiations/index_scores_simt_*.cu: with the key row in registers for the index_dims
+// of the released models (64, 128), and for any other multiple of 32.
 #include "cuda/ops/indexer/indexer_implementations.h"
 #include "cuda/ops/indexer/simt/index_scores_kernel.cuh"
 
 namespace dsv4::cuda {
 
+extern template void launch_index_scores<64>(const IndexScoresLaunch&, cudaStream_t);
 extern template void launch_index_scores<128>(const IndexScoresLaunch&, cudaStream_t);
+extern template void launch_index_scores<0>(const IndexScoresLaunch&, cudaStream_t);
 
 namespace {
 
-constexpr int64_t kIndexDim = 128;   // the index head size the kernel is instantiated for
-constexpr int kMaxIndexHeads = 128;  // keeps the queries of a token in shared memory
 constexpr int64_t kMaxGridY = 65535;
 
 std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
   if (std::string why_not = needs_compute_capability_at_least(80, device); !why_not.empty()) return why_not;
-  if (std::string why_not = needs_value("index_dim", kIndexDim, p.q.shape[2]); !why_not.empty()) return why_not;
-  if (p.q.shape[1] > kMaxIndexHeads)
-    return std::to_string(p.q.shape[1]) + " index heads, supports at most " + std::to_string(kMaxIndexHeads);
+  const int64_t dim = p.q.shape[2];
+  if (dim % kIndexKeyChunk != 0 || dim > kStagedQueryFloats)
+    return "index_dim " + std::to_string(dim) + ", supports multiples of " + std::to_string(kIndexKeyChunk) +
+           " up to " + std::to_string(kStagedQueryFloats);
+  if (p.q.shape[1] > INT32_MAX)
+    return std::to_string(p.q.shape[1]) + " index heads, supports at most " + std::to_string(INT32_MAX);
   if (p.scores.shape[1] > kMaxGridY * kIndexEntriesPerBlock)
     return std::to_string(p.scores.shape[1]) + " entries per row, supports at most " +
            std::to_string(kMaxGridY * kIndexEntriesPerBlock);
-  return "";  // every key format, candidates or not
+  return "";  // every key format, candidates or not, any number of index heads (staged)
 }
 
 void run(const IndexScoresParams& p, cudaStream_t stream) {
   IndexScoresLaunch a;
   a.tokens = p.q.shape[0];
   a.heads = static_cast<int>(p.q.shape[1]);
+  a.dim = static_cast<int>(p.q.shape[2]);
   a.entries = p.scores.shape[1];
   if (a.tokens == 0 || a.entries == 0) return;
   a.q = p.q.ptr<const uint16_t>();
@@ -42,7 +47,12 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
     a.candidate_block_size = p.candidate_block_size;
   }
   a.scores = p.scores.ptr<float>();
-  launch_index_scores<kIndexDim>(a, stream);
+  a.staged_heads = index_scores_staged_heads(a.heads, a.dim);
+  a.bf16_rounding = p.bf16_rounding;
+  a.partial = p.partial;
+  if (a.dim == 128) launch_index_scores<128>(a, stream);
+  else if (a.dim == 64) launch_index_scores<64>(a, stream);
+  else launch_index_scores<0>(a, stream);
   check_launch("index_scores");
 }
 

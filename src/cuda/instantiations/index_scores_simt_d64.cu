@@ -1,0 +1,6 @@
+// SIMT index scores, index_dim 64.
+#include "cuda/ops/indexer/simt/index_scores_kernel.cuh"
+
+namespace dsv4::cuda {
+template void launch_index_scores<64>(const IndexScoresLaunch&, cudaStream_t);
+}  // namespace dsv4::cuda
