@@ -47,6 +47,11 @@ target_include_directories(dsv4_python PRIVATE ${DSV4_PYBIND11_INCLUDE_DIR})
 target_link_libraries(dsv4_python PRIVATE dsv4_capi_objects dsv4 OpenMP::OpenMP_CXX)
 set_target_properties(dsv4_python PROPERTIES OUTPUT_NAME _dsv4 LIBRARY_OUTPUT_DIRECTORY ${DSV4_PYTHON_BUILD_DIR}
   CXX_VISIBILITY_PRESET hidden)
+# A toolchain that links libstdc++ statically (the H200 machines' /opt/gcc does) would otherwise
+# export the module's copy of libstdc++, and the process's own libstdc++ (loaded by torch) would
+# interpose half of it: the first number formatted into an error message crashed in a locale
+# facet. Symbols of the static archives stay inside the module.
+target_link_options(dsv4_python PRIVATE -Wl,--exclude-libs,ALL)
 
 # The pure Python files, copied into the build tree whenever they change.
 file(GLOB_RECURSE DSV4_PYTHON_FILES CONFIGURE_DEPENDS RELATIVE ${PROJECT_SOURCE_DIR}/python/dsv4

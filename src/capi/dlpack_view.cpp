@@ -68,7 +68,8 @@ TensorView checked_view(const char* op, const char* arg, const DLTensor* t, DTyp
                    prefix(op, arg) + " has dtype " + dl_dtype_name(t->dtype) + ", expected " + code->name);
   int64_t numel = 1;
   for (int d = 0; d < t->ndim; ++d) numel *= t->shape[d];
-  if (t->strides) {
+  // An empty tensor has no layout to check (numpy 2 gives its size-0 dimensions stride 0).
+  if (t->strides && numel > 0) {
     int64_t expected = 1;
     for (int d = t->ndim - 1; d >= 0; --d) {
       if (t->shape[d] != 1 && t->strides[d] != expected)

@@ -188,9 +188,10 @@ def test_cuda_tensors_round_trip(gen):
     meta = flash_mla.get_mla_metadata()[0]
     cpu = flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, indices=idx, is_fp8_kvcache=True)
     dev = torch_cuda.device("cuda")
-    gpu = flash_mla.flash_mla_with_kvcache(q.to(dev), k_cache.to(dev).as_strided(k_cache.shape, k_cache.stride()),
-                                           None, None, 512, flash_mla.get_mla_metadata()[0], indices=idx.to(dev),
-                                           is_fp8_kvcache=True)
+    # The same page view, of the pages copied to the device.
+    k_cache_gpu = torch.as_strided(pages.to(dev), k_cache.shape, k_cache.stride())
+    gpu = flash_mla.flash_mla_with_kvcache(q.to(dev), k_cache_gpu, None, None, 512, flash_mla.get_mla_metadata()[0],
+                                           indices=idx.to(dev), is_fp8_kvcache=True)
     assert gpu[0].device.type == "cuda"
     torch.testing.assert_close(gpu[0].cpu(), cpu[0])
 
