@@ -58,6 +58,19 @@ def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
     return FlashMLASchedMeta(), None
 
 
+def _host_view(t):
+    """A host copy of a strided view that keeps its strides (a page view's blocks stay page_stride
+    bytes apart): the span of storage it covers is copied, and viewed the same way."""
+    if t.device.type == "cpu":
+        return t
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    # Whole pages where the storage has them (the decoder reads num_blocks x page_stride bytes).
+    available = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    extent = min(max(extent, t.shape[0] * t.stride(0)), available)
+    span = torch.as_strided(t, (extent,), (1,)).cpu()
+    return torch.as_strided(span, t.shape, t.stride(), 0)
+
+
 def _cache_rows(k_cache, slots, name):
     """The float32 rows [len(slots), 512] of the pages at `slots` (int64, all valid)."""
     if k_cache.dim() != 4 or k_cache.shape[2] != 1:
@@ -138,10 +151,10 @@ def flash_mla_with_kvcache(
     cpu = torch.device("cpu")
     per_token = lambda x: None if x is None else x.to(cpu).repeat_interleave(s_q)  # [b] -> [b * s_q]
     ind = _masked(indices.to(cpu).reshape(b * s_q, -1), per_token(topk_length))
-    rows, local = _gather(k_cache.to(cpu), ind, "k_cache")
+    rows, local = _gather(_host_view(k_cache), ind, "k_cache")
     if extra_k_cache is not None:
         extra = _masked(extra_indices_in_kvcache.to(cpu).reshape(b * s_q, -1), per_token(extra_topk_length))
-        extra_rows, extra_local = _gather(extra_k_cache.to(cpu), extra, "extra_k_cache")
+        extra_rows, extra_local = _gather(_host_view(extra_k_cache), extra, "extra_k_cache")
         local = torch.cat([local, torch.where(extra_local >= 0, extra_local + rows.shape[0], extra_local)], dim=1)
         rows = torch.cat([rows, extra_rows])
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
