@@ -6,7 +6,6 @@
 
 #include "dsv4/error.h"
 #include "dsv4/parallel.h"
-#include "model/layer_recipe.h"
 
 namespace dsv4 {
 namespace {
@@ -47,12 +46,9 @@ CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeigh
     : StepEngine(config, std::move(weights), options) {
   DSV4_CHECK(options.num_threads >= 0, "engine: create: num_threads is ", options.num_threads,
              ", expected >= 0 (0: all cores)");
-  const int64_t counted = options.communicator
-                              ? index_heads_counted(config, options.indexer_sharding, options.communicator->size())
-                              : 0;
   std::vector<reference::LayerCacheShape> shapes;
   for (int l = 0; l < topology().size(); ++l) {
-    const LayerRecipe recipe = layer_recipe(config, topology()[l], options.precision, counted);
+    const LayerRecipe& recipe = recipes()[static_cast<size_t>(l)];
     if (layer_present(l)) {
       layers_.push_back(reference::prepare_layer(config, recipe, this->weights().layers[static_cast<size_t>(l)]));
       shapes.push_back(reference::layer_cache_shape(config, layers_.back()));
@@ -61,16 +57,12 @@ CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeigh
       shapes.emplace_back();
     }
   }
-  if (options.cache_storage == CacheStorage::float_rows) {
-    caches_ = reference::make_float_cache_store(std::move(shapes));
-  } else {
-    const KvFormatSet formats =
-        options.kv_format.empty() ? default_kv_formats(config, options.precision) : kv_format_set(options.kv_format);
-    caches_ = reference::make_paged_cache_store(
-        config, topology(), std::move(shapes), formats,
-        {.max_sequences = options.max_sequences, .max_context = options.max_context,
-         .max_step_tokens = options.max_tokens_per_step});
-  }
+  caches_ = options.cache_storage == CacheStorage::float_rows
+                ? reference::make_float_cache_store(std::move(shapes))
+                : reference::make_paged_cache_store(config, topology(), std::move(shapes), kv_formats(),
+                                                    {.max_sequences = options.max_sequences,
+                                                     .max_context = options.max_context,
+                                                     .max_step_tokens = options.max_tokens_per_step});
   published_.resize(layers_.size());
 }
 

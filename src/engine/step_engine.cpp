@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "dsv4/error.h"
+#include "dsv4/parallel.h"
 #include "engine/layer_order.h"
 
 namespace dsv4 {
@@ -20,11 +21,17 @@ StepEngine::StepEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
       topology_(resolve_topology(config)),
       weights_(std::move(weights)),
       options_(options),
+      kv_formats_(options.kv_format.empty() ? default_kv_formats(config, options.precision)
+                                            : kv_format_set(options.kv_format)),
       sequences_(static_cast<size_t>(config.total_layers()), options.max_sequences) {
+  // A tensor-parallel shard with a split indexer scales its index weights by the whole model's heads.
+  const int ranks = options.communicator ? options.communicator->size() : 1;
+  const int64_t counted = index_heads_counted(config, options.indexer_sharding, ranks);
   for (int l = 0; l < topology_.size(); ++l) {
     // transformers checkpoints leave the MTP layers out; such a layer cannot run.
     const bool present = !topology_[l].is_mtp || has_any_weight(weights_->layers[static_cast<size_t>(l)]);
     present_.push_back(present ? 1 : 0);
+    recipes_.push_back(layer_recipe(config, topology_[l], options.precision, counted));
   }
   ran_.assign(present_.size(), 0);
 }

@@ -12,6 +12,7 @@
 #include "common/step_layout.h"
 #include "dsv4/engine.h"
 #include "engine/sequence_registry.h"
+#include "model/layer_recipe.h"
 
 namespace dsv4 {
 
@@ -61,6 +62,10 @@ class StepEngine : public Engine {
   const EngineOptions& options() const { return options_; }
   // False for an MTP layer the checkpoint leaves out (transformers checkpoints): it cannot run.
   bool layer_present(int layer) const { return present_[static_cast<size_t>(layer)] != 0; }
+  // How each layer computes (one per layer, also for absent ones), and the formats of paged
+  // caches (options().kv_format, or default_kv_formats): decided once for every backend.
+  const std::vector<LayerRecipe>& recipes() const { return recipes_; }
+  const KvFormatSet& kv_formats() const { return kv_formats_; }
   // The running step (kept after end_step until the next begin_step).
   const StepLayout& step() const { return step_; }
   bool layer_ran(int layer) const { return ran_[static_cast<size_t>(layer)] != 0; }
@@ -75,6 +80,8 @@ class StepEngine : public Engine {
   std::shared_ptr<const ModelWeights> weights_;
   EngineOptions options_;
   std::vector<uint8_t> present_;  // per layer
+  std::vector<LayerRecipe> recipes_;
+  KvFormatSet kv_formats_;
   SequenceRegistry sequences_;
 
   bool in_step_ = false;

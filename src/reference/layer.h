@@ -34,7 +34,7 @@ struct CompressorParameters {
   std::vector<float> position_bias;   // [ratio, coff·dim]; empty: none (V4.1)
   // Its ring of projected token rows (slot = position % span) in the sequence's compressor state.
   int64_t state_offset = 0;
-  int64_t state_floats() const { return geometry.span() * geometry.row_width(); }
+  int64_t state_floats() const { return geometry.ring_floats(); }
 };
 
 // Everything one layer needs, resolved once when the engine is created: its recipe and its

@@ -33,19 +33,16 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
   }
 
   const int L = topo.size();
-  const int64_t counted =
-      options.communicator ? index_heads_counted(config, options.indexer_sharding, options.communicator->size()) : 0;
   for (int l = 0; l < L; ++l) {
-    recipes_.push_back(layer_recipe(config, topo[l], options.precision, counted));
     if (layer_present(l))
-      layers_.emplace_back(std::in_place, config, recipes_.back(), this->weights().layers[static_cast<size_t>(l)],
-                           stream_);
+      layers_.emplace_back(std::in_place, config, recipes()[static_cast<size_t>(l)],
+                           this->weights().layers[static_cast<size_t>(l)], stream_);
     else
       layers_.emplace_back();
   }
 
   // RoPE tables: positions stay below max_context; each table comes from the recipes that use it.
-  for (const LayerRecipe& r : recipes_) {
+  for (const LayerRecipe& r : recipes()) {
     DeviceBuffer& table = r.plan.uses_compress_rope ? compress_rope_ : main_rope_;
     if (table.data()) continue;
     const HostTensor t = rope_table(r.rope_frequencies, options.max_context);
@@ -55,13 +52,12 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
 
   // Caches: the pools in the formats asked for, and per kv source its compressor rings.
   KvCacheOptions cache_options;
-  cache_options.formats =
-      options.kv_format.empty() ? default_kv_formats(config, options.precision) : kv_format_set(options.kv_format);
+  cache_options.formats = kv_formats();
   cache_options.capacity = plan_kv_cache_capacity(config, topo, cache_options, options.max_sequences,
                                                   options.max_context, options.max_tokens_per_step);
   std::vector<std::vector<int64_t>> rings(static_cast<size_t>(L));
   for (int l = 0; l < L; ++l) {
-    const LayerRecipe& r = recipes_[static_cast<size_t>(l)];
+    const LayerRecipe& r = recipes()[static_cast<size_t>(l)];
     if (r.compressor) rings[static_cast<size_t>(l)].push_back(r.compressor->ring_floats());
     if (r.index_compressor) rings[static_cast<size_t>(l)].push_back(r.index_compressor->ring_floats());
   }
@@ -69,10 +65,10 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
   step_metadata_ = std::make_unique<StepMetadata>(topo, *caches_, options.max_tokens_per_step, options.max_sequences,
                                                   options.max_context);
 
-  workspace_ = make_workspace(config, recipes_, options);
+  workspace_ = make_workspace(config, recipes(), options);
   pipeline_ = std::make_unique<LayerPipeline>(LayerPipelineInputs{
       .config = &this->config(),
-      .recipes = &recipes_,
+      .recipes = &recipes(),
       .weights = &layers_,
       .main_rope = &main_rope_,
       .compress_rope = &compress_rope_,

@@ -64,7 +64,6 @@ class CudaEngine final : public StepEngine {
   std::optional<Stream> own_stream_;  // when the caller gave none
   cudaStream_t stream_ = nullptr;
   BlasLt blas_;
-  std::vector<LayerRecipe> recipes_;
   std::vector<std::optional<DeviceLayerWeights>> layers_;  // nullopt: MTP layer absent from the checkpoint
   DeviceBuffer main_rope_, compress_rope_;                  // [max_context, rope_head_dim] f32
   std::unique_ptr<DeviceCaches> caches_;

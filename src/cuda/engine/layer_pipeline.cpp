@@ -83,11 +83,8 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
   const auto rows_view = [&](int64_t cols) { return view(any, ws.rows, {T, cols}); };
   const auto bf16_view = [&](int64_t cols) { return view(any, DType::bf16, {T, cols}); };
   size_t scratch = 0;
-  int64_t max_rows = config().index_topk;
   for (size_t l = 0; l < in_.recipes->size(); ++l) {
     const LayerRecipe& r = (*in_.recipes)[l];
-    if (r.plan.kind == AttentionKind::hca && r.compressor)
-      max_rows = std::max(max_rows, in_.max_context / r.compressor->ratio);
     if (!(*in_.weights)[l]) continue;
     const DeviceLayerWeights& w = *(*in_.weights)[l];
     const auto measure = [&](const TensorView& x, const TensorView& weight, int activation_block, const TensorView& y) {
@@ -119,7 +116,10 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
       measure_role(bf16_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
     }
   }
-  return std::max(scratch, sparse_attention_max_workspace_bytes(T, H, config().sliding_window + max_rows));
+  // A token attends its window plus index_topk picks, or on V4.0 HCA layers every entry (the
+  // workspace's entry_picks_capacity).
+  const int64_t max_picks = std::max<int64_t>(config().index_topk, ws.entry_picks_capacity);
+  return std::max(scratch, sparse_attention_max_workspace_bytes(T, H, config().sliding_window + max_picks));
 }
 
 void LayerPipeline::run(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
