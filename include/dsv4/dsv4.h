@@ -171,8 +171,13 @@ dsv4_status dsv4_engine_cuda_stream(const dsv4_engine* engine, void** stream);
 dsv4_status dsv4_engine_config(const dsv4_engine* engine, dsv4_config** out);
 
 /* ------------------------------------------------------------------------------------------ */
-/* Operations on tensors: the CPU reference (docs/python.md lists shapes). All tensors on the CPU,
- * compact row-major; float tensors float32. */
+/* Operations on tensors (docs/python.md lists shapes). Each runs where its tensors are: all on the
+ * CPU (the reference), or all on one CUDA device (the CUDA ops of include/dsv4/cuda), queued on
+ * `cuda_stream` (a cudaStream_t; NULL: the legacy default stream, ignored on the CPU) without
+ * allocating or synchronizing, so that the calls can be captured in a CUDA graph. Tensors are
+ * compact row-major. On the GPU, slots and indices are not checked against the pages (that would
+ * need a synchronization): a row out of range is skipped (attention, scores, encode) or reads as
+ * zeros (decode). */
 
 /* Page geometry of a KV row format ("bf16", "fp8_per_tensor", "v41_fp8", "v41_fp4", "fp8_ds_mla",
  * "index_mxfp4", "index_fp8") with `dims` channels, `rows_per_page` rows a page (0: the
@@ -193,32 +198,51 @@ dsv4_status dsv4_kv_page_geometry(const char* format, int64_t dims, int64_t rows
  * "ratio" (vLLM's V4.1 insert and FlashMLA's quantizers). tensor_scale: fp8_per_tensor only. */
 dsv4_status dsv4_kv_encode(const char* format, int64_t rows_per_page, const char* placement, const DLTensor* x,
                            const DLTensor* slots, const DLTensor* pages, float tensor_scale,
-                           const char* fp8_scale_floor);
+                           const char* fp8_scale_floor, void* cuda_stream);
 /* Decodes out [n, dims] f32 from pages at slots [n] i64 (slot < 0: a row of zeros). */
 dsv4_status dsv4_kv_decode(const char* format, int64_t rows_per_page, const char* placement, const DLTensor* pages,
-                           const DLTensor* slots, const DLTensor* out, float tensor_scale);
+                           const DLTensor* slots, const DLTensor* out, float tensor_scale, void* cuda_stream);
 
 /* Sparse MQA attention with a per-head sink (SPEC §5.2): for every query token t and head h,
  *   out[t,h] = Σ_i e_i kv[idx[t,i]] / (Σ_i e_i + exp(sink[h] − m)),  e_i = exp(scale q[t,h]·kv[idx] − m),
- * over the indices of t that are >= 0 and below topk_length[t] positions of the list.
- * q [T, H, D], kv [N, D], indices [T, K] i32, topk_length [T] i32 or NULL (all K), sink [H] or NULL
- * (no sink), out [T, H, D]; lse [T, H] or NULL: log Σ_i exp(scale q·kv_i) without the sink
- * (-inf when no index is valid). bf16: the reference kernel's roundings (SPEC §5.2). */
+ * over the indices of t that are >= 0 and among the first topk_length[t] of its list.
+ * q [T, H, D] and kv [N, D]: bf16, or f32 on the CPU (the GPU kernels take bf16, D = 512);
+ * indices [T, K] i32, topk_length [T] i32 or NULL (all K), sink [H] f32 or NULL (no sink),
+ * out [T, H, D] f32; lse [T, H] f32 or NULL: log Σ_i exp(scale q·kv_i) without the sink (−inf when
+ * no index is valid). bf16: the reference kernel's roundings (SPEC §5.2: exp-scores rounded to
+ * bf16 before P·V); the GPU kernels need bf16 = 1 for their tensor-core path and run fp32 SIMT
+ * otherwise. */
 dsv4_status dsv4_sparse_attention(const DLTensor* q, const DLTensor* kv, const DLTensor* indices,
                                   const DLTensor* topk_length, const DLTensor* sink, float scale, int bf16,
-                                  const DLTensor* out, const DLTensor* lse);
+                                  const DLTensor* out, const DLTensor* lse, void* cuda_stream);
 
-/* Index scores (SPEC §4): q [T, H, D], weights [T, H], keys [N, D], n_visible [T] i64 (keys
- * j >= n_visible[t] score −inf), scores [T, N]: Σ_h weights[t,h] · relu(q[t,h]·keys[j]). */
+/* The same over the rows of paged caches, read in their byte format: pages [num_pages,
+ * page_stride] u8 of `format` (attention formats: bf16, fp8_per_tensor, v41_fp8, v41_fp4,
+ * fp8_ds_mla; D = 512), rows_per_page and placement as for dsv4_kv_page_geometry; indices [T, K]
+ * i32 are flat slots page * rows_per_page + row (FlashMLA's indices), −1 invalid. */
+dsv4_status dsv4_paged_sparse_attention(const DLTensor* q, const char* format, int64_t rows_per_page,
+                                        const char* placement, const DLTensor* pages, float tensor_scale,
+                                        const DLTensor* indices, const DLTensor* topk_length, const DLTensor* sink,
+                                        float scale, int bf16, const DLTensor* out, const DLTensor* lse,
+                                        void* cuda_stream);
+
+/* Index scores (SPEC §4): q [T, H, D] bf16 (or f32 on the CPU), weights [T, H] f32, keys [N, D]
+ * bf16 (or f32 on the CPU), token_position [T] i32, scores [T, N] f32:
+ *   scores[t, j] = Σ_h weights[t,h] · relu(q[t,h]·keys[j]) for j < n_visible(t), −inf beyond,
+ * n_visible(t) = (token_position[t] + 1) / compress_ratio (compress_ratio >= 1; 0 for a negative
+ * position). bf16: the reference's bf16 rounding sequence (SPEC §4.3). */
 dsv4_status dsv4_index_scores(const DLTensor* q, const DLTensor* weights, const DLTensor* keys,
-                              const DLTensor* n_visible, int bf16, const DLTensor* scores);
+                              const DLTensor* token_position, int32_t compress_ratio, int bf16,
+                              const DLTensor* scores, void* cuda_stream);
 
-/* Top-k (SPEC §4.6): scores [T, N], n_visible [T] i64, picks [T, k] i32: the k best visible
- * entries, ascending, padded with −1 (ties: lower index first). */
-dsv4_status dsv4_topk(const DLTensor* scores, const DLTensor* n_visible, const DLTensor* picks);
+/* Top-k (SPEC §4.6): scores [T, N] f32, picks [T, k] i32: the k best entries j < n_visible(t)
+ * (as for dsv4_index_scores; token_position NULL: the whole row) whose score is not −inf,
+ * ascending, padded with −1; NaN ranks below every number, ties: lower index first. */
+dsv4_status dsv4_topk(const DLTensor* scores, const DLTensor* token_position, int32_t compress_ratio,
+                      const DLTensor* picks, void* cuda_stream);
 
-/* Compressor pooling (SPEC §3): kv, score [E, S, D], bias [S, D] or NULL, pooled [E, D]:
- *   pooled[e,c] = Σ_s softmax_s(score[e,s,c] + bias[s,c]) · kv[e,s,c]. */
+/* Compressor pooling (SPEC §3), CPU only: kv, score [E, S, D] f32, bias [S, D] or NULL, pooled
+ * [E, D]: pooled[e,c] = Σ_s softmax_s(score[e,s,c] + bias[s,c]) · kv[e,s,c]. */
 dsv4_status dsv4_compressor_pool(const DLTensor* kv, const DLTensor* score, const DLTensor* bias,
                                  const DLTensor* pooled);
 

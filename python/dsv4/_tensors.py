@@ -25,6 +25,19 @@ def capsule(x):
     raise TypeError(f"dsv4: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
+def stream_of(x):
+    """The stream a call on x is queued on: torch's current stream of x's CUDA device (as an
+    integer cudaStream_t), 0 for everything on the CPU."""
+    if is_torch(x) and x.device.type == "cuda":
+        import torch
+        return torch.cuda.current_stream(x.device).cuda_stream
+    return 0
+
+
+def on_cuda(x):
+    return is_torch(x) and x.device.type == "cuda"
+
+
 def contiguous(x):
     """x as a compact row-major array or tensor (no copy when it already is one); lists become
     numpy arrays."""

@@ -1,25 +1,33 @@
 """dsv4's operations as PyTorch operators: torch.ops.dsv4.<op>, with schemas, CPU kernels (the
-reference, through the C API) and shape-only (Meta / fake) kernels for torch.compile and
+reference), CUDA kernels (dsv4's CUDA ops, on torch's current stream, without synchronizing, so
+they can be captured in CUDA graphs) and shape-only (Meta / fake) kernels for torch.compile and
 FakeTensor. Registered when ``import dsv4`` finds torch; works eagerly on torch 1.13 and with
-torch.library.opcheck on torch >= 2.4. There are no CUDA kernels yet: CUDA tensors raise
-NotImplementedError from the dispatcher (run the engine for the GPU path).
+torch.library.opcheck on torch >= 2.4.
 
     torch.ops.dsv4.sparse_attention(q, kv, indices, topk_length, sink, scale, bf16) -> (out, lse)
+    torch.ops.dsv4.paged_sparse_attention(q, pages, format, rows_per_page, placement, tensor_scale, indices,
+                                          topk_length, sink, scale, bf16) -> (out, lse)
     torch.ops.dsv4.index_scores(q, weights, keys, n_visible, bf16) -> scores
     torch.ops.dsv4.topk(scores, n_visible, k) -> picks
     torch.ops.dsv4.compressor_pool(kv, score, bias) -> pooled
     torch.ops.dsv4.kv_encode(format, x, slots, pages!, rows_per_page, placement, tensor_scale, fp8_scale_floor) -> ()
     torch.ops.dsv4.kv_decode(format, pages, slots, dims, rows_per_page, placement, tensor_scale) -> rows
+
+On CUDA, attention and index scores read q, kv and keys as bfloat16 (the kernels' input dtype;
+float32 inputs are rounded to it) and attention needs head dim 512; compressor_pool runs as torch
+operations (softmax, product and sum in float32).
 """
 
 import torch
 
-from . import _dsv4
-from ._tensors import capsule
+from . import ops
 
 SCHEMAS = {
     "sparse_attention": "sparse_attention(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? sink, "
                         "float scale, bool bf16) -> (Tensor, Tensor)",
+    "paged_sparse_attention": "paged_sparse_attention(Tensor q, Tensor pages, str format, int rows_per_page, "
+                              "str placement, float tensor_scale, Tensor indices, Tensor? topk_length, Tensor? sink, "
+                              "float scale, bool bf16) -> (Tensor, Tensor)",
     "index_scores": "index_scores(Tensor q, Tensor weights, Tensor keys, Tensor n_visible, bool bf16) -> Tensor",
     "topk": "topk(Tensor scores, Tensor n_visible, int k) -> Tensor",
     "compressor_pool": "compressor_pool(Tensor kv, Tensor score, Tensor? bias) -> Tensor",
@@ -30,54 +38,58 @@ SCHEMAS = {
 }
 
 
-def _c(x):
-    return None if x is None else capsule(x.contiguous())
+# ---- Kernels: the C API, which runs where the tensors are (the reference on the CPU, the CUDA ops
+# on the GPU, queued on torch's current stream) --------------------------------------------------
+
+def _sparse_attention(q, kv, indices, topk_length, sink, scale, bf16):
+    return ops.sparse_attention(q, kv, indices, sink=sink, scale=scale, topk_length=topk_length, bf16=bf16,
+                                return_lse=True)
 
 
-# ---- CPU kernels: the C API's reference ------------------------------------------------------
-
-def _sparse_attention_cpu(q, kv, indices, topk_length, sink, scale, bf16):
-    out = torch.empty(q.shape, dtype=torch.float32)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32)
-    _dsv4.sparse_attention(_c(q), _c(kv), _c(indices), _c(topk_length), _c(sink), scale, bf16, capsule(out),
-                           capsule(lse))
-    return out, lse
+def _paged_sparse_attention(q, pages, format, rows_per_page, placement, tensor_scale, indices, topk_length, sink,
+                            scale, bf16):
+    return ops.paged_sparse_attention(q, pages, format, indices, rows_per_page=rows_per_page, placement=placement,
+                                      sink=sink, scale=scale, topk_length=topk_length, bf16=bf16,
+                                      tensor_scale=tensor_scale, return_lse=True)
 
 
-def _index_scores_cpu(q, weights, keys, n_visible, bf16):
-    scores = torch.empty((q.shape[0], keys.shape[0]), dtype=torch.float32)
-    _dsv4.index_scores(_c(q), _c(weights), _c(keys), _c(n_visible), bf16, capsule(scores))
-    return scores
+def _index_scores(q, weights, keys, n_visible, bf16):
+    return ops.index_scores(q, weights, keys, n_visible=n_visible, bf16=bf16)
 
 
-def _topk_cpu(scores, n_visible, k):
-    picks = torch.empty((scores.shape[0], k), dtype=torch.int32)
-    _dsv4.topk(_c(scores), _c(n_visible), capsule(picks))
-    return picks
+def _topk(scores, n_visible, k):
+    return ops.topk(scores, k, n_visible=n_visible)
 
 
 def _compressor_pool_cpu(kv, score, bias):
-    pooled = torch.empty((kv.shape[0], kv.shape[2]), dtype=torch.float32)
-    _dsv4.compressor_pool(_c(kv), _c(score), _c(bias), capsule(pooled))
-    return pooled
+    return ops.compressor_pool(kv, score, bias)
 
 
-def _kv_encode_cpu(format, x, slots, pages, rows_per_page, placement, tensor_scale, fp8_scale_floor):
+def _compressor_pool_cuda(kv, score, bias):
+    logits = score.float() if bias is None else score.float() + bias.float()
+    return (torch.softmax(logits, dim=1) * kv.float()).sum(dim=1)
+
+
+def _kv_encode(format, x, slots, pages, rows_per_page, placement, tensor_scale, fp8_scale_floor):
     if not pages.is_contiguous():
         raise ValueError("dsv4: kv_encode: pages must be contiguous (they are written in place)")
-    _dsv4.kv_encode(format, rows_per_page, placement, _c(x), _c(slots), capsule(pages), tensor_scale,
-                    fp8_scale_floor)
+    ops.kv_encode(format, x, slots, pages, rows_per_page=rows_per_page, placement=placement,
+                  tensor_scale=tensor_scale, fp8_scale_floor=fp8_scale_floor)
 
 
-def _kv_decode_cpu(format, pages, slots, dims, rows_per_page, placement, tensor_scale):
-    out = torch.empty((slots.shape[0], dims), dtype=torch.float32)
-    _dsv4.kv_decode(format, rows_per_page, placement, _c(pages), _c(slots), capsule(out), tensor_scale)
-    return out
+def _kv_decode(format, pages, slots, dims, rows_per_page, placement, tensor_scale):
+    return ops.kv_decode(format, pages, slots, dims=dims, rows_per_page=rows_per_page, placement=placement,
+                         tensor_scale=tensor_scale)
 
 
 # ---- Shape-only kernels (Meta tensors, FakeTensor / torch.compile) ------------------------------
 
 def _sparse_attention_fake(q, kv, indices, topk_length, sink, scale, bf16):
+    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def _paged_sparse_attention_fake(q, pages, format, rows_per_page, placement, tensor_scale, indices, topk_length,
+                                 sink, scale, bf16):
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
@@ -101,13 +113,15 @@ def _kv_decode_fake(format, pages, slots, dims, rows_per_page, placement, tensor
     return pages.new_empty((slots.shape[0], dims), dtype=torch.float32)
 
 
+# name: (CPU kernel, CUDA kernel, fake kernel)
 _KERNELS = {
-    "sparse_attention": (_sparse_attention_cpu, _sparse_attention_fake),
-    "index_scores": (_index_scores_cpu, _index_scores_fake),
-    "topk": (_topk_cpu, _topk_fake),
-    "compressor_pool": (_compressor_pool_cpu, _compressor_pool_fake),
-    "kv_encode": (_kv_encode_cpu, _kv_encode_fake),
-    "kv_decode": (_kv_decode_cpu, _kv_decode_fake),
+    "sparse_attention": (_sparse_attention, _sparse_attention, _sparse_attention_fake),
+    "paged_sparse_attention": (_paged_sparse_attention, _paged_sparse_attention, _paged_sparse_attention_fake),
+    "index_scores": (_index_scores, _index_scores, _index_scores_fake),
+    "topk": (_topk, _topk, _topk_fake),
+    "compressor_pool": (_compressor_pool_cpu, _compressor_pool_cuda, _compressor_pool_fake),
+    "kv_encode": (_kv_encode, _kv_encode, _kv_encode_fake),
+    "kv_decode": (_kv_decode, _kv_decode, _kv_decode_fake),
 }
 
 _libraries = []  # the torch.library.Library objects must outlive the registrations
@@ -120,8 +134,9 @@ def register():
     lib = torch.library.Library("dsv4", "DEF")
     for name, schema in SCHEMAS.items():
         lib.define(schema)
-        cpu, fake = _KERNELS[name]
+        cpu, cuda, fake = _KERNELS[name]
         lib.impl(name, cpu, "CPU")
+        lib.impl(name, cuda, "CUDA")
         if hasattr(torch.library, "register_fake"):
             torch.library.register_fake(f"dsv4::{name}", fake, lib=lib)
         else:  # torch < 2.4: Meta kernels; 1.13 has no autograd fallthrough for Meta, so both keys

@@ -28,6 +28,13 @@ void check(dsv4_status status) {
   if (status != DSV4_OK) raise(status);
 }
 
+// Runs a C API call without the GIL (the error message stays on this thread: dsv4_last_error).
+template <class Call>
+dsv4_status released(Call&& call) {
+  py::gil_scoped_release release;
+  return call();
+}
+
 // A borrowed DLTensor of a "dltensor" capsule (None: NULL). The capsule keeps its producer's
 // memory alive for the call; its destructor returns it afterwards (the capsule is not consumed).
 const DLTensor* dl(const py::object& capsule) {
@@ -248,35 +255,59 @@ PYBIND11_MODULE(_dsv4, m) {
     d["scale_bytes"] = g.scale_bytes;
     return d;
   });
+  // The operations take the stream their CUDA work is queued on (a cudaStream_t as an integer,
+  // torch.cuda.current_stream().cuda_stream; ignored on the CPU) and release the GIL while they run.
   m.def("kv_encode", [](const std::string& format, int64_t rows_per_page, const std::string& placement,
                         const py::object& x, const py::object& slots, const py::object& pages, float tensor_scale,
-                        const std::string& fp8_scale_floor) {
-    check(dsv4_kv_encode(format.c_str(), rows_per_page, placement.c_str(), dl(x), dl(slots), dl(pages), tensor_scale,
-                         fp8_scale_floor.c_str()));
+                        const std::string& fp8_scale_floor, uintptr_t stream) {
+    const DLTensor *a = dl(x), *b = dl(slots), *c = dl(pages);
+    check(released([&] {
+      return dsv4_kv_encode(format.c_str(), rows_per_page, placement.c_str(), a, b, c, tensor_scale,
+                            fp8_scale_floor.c_str(), reinterpret_cast<void*>(stream));
+    }));
   });
   m.def("kv_decode", [](const std::string& format, int64_t rows_per_page, const std::string& placement,
-                        const py::object& pages, const py::object& slots, const py::object& out, float tensor_scale) {
-    check(dsv4_kv_decode(format.c_str(), rows_per_page, placement.c_str(), dl(pages), dl(slots), dl(out),
-                         tensor_scale));
+                        const py::object& pages, const py::object& slots, const py::object& out, float tensor_scale,
+                        uintptr_t stream) {
+    const DLTensor *a = dl(pages), *b = dl(slots), *c = dl(out);
+    check(released([&] {
+      return dsv4_kv_decode(format.c_str(), rows_per_page, placement.c_str(), a, b, c, tensor_scale,
+                            reinterpret_cast<void*>(stream));
+    }));
   });
   m.def("sparse_attention", [](const py::object& q, const py::object& kv, const py::object& indices,
                                const py::object& topk_length, const py::object& sink, float scale, bool bf16,
-                               const py::object& out, const py::object& lse) {
+                               const py::object& out, const py::object& lse, uintptr_t stream) {
     const DLTensor *a = dl(q), *b = dl(kv), *c = dl(indices), *d = dl(topk_length), *e = dl(sink), *f = dl(out),
                    *g = dl(lse);
-    dsv4_status st;
-    {
-      py::gil_scoped_release release;
-      st = dsv4_sparse_attention(a, b, c, d, e, scale, bf16 ? 1 : 0, f, g);
-    }
-    check(st);
+    check(released([&] {
+      return dsv4_sparse_attention(a, b, c, d, e, scale, bf16 ? 1 : 0, f, g, reinterpret_cast<void*>(stream));
+    }));
+  });
+  m.def("paged_sparse_attention", [](const py::object& q, const std::string& format, int64_t rows_per_page,
+                                     const std::string& placement, const py::object& pages, float tensor_scale,
+                                     const py::object& indices, const py::object& topk_length, const py::object& sink,
+                                     float scale, bool bf16, const py::object& out, const py::object& lse,
+                                     uintptr_t stream) {
+    const DLTensor *a = dl(q), *b = dl(pages), *c = dl(indices), *d = dl(topk_length), *e = dl(sink), *f = dl(out),
+                   *g = dl(lse);
+    check(released([&] {
+      return dsv4_paged_sparse_attention(a, format.c_str(), rows_per_page, placement.c_str(), b, tensor_scale, c, d, e,
+                                         scale, bf16 ? 1 : 0, f, g, reinterpret_cast<void*>(stream));
+    }));
   });
   m.def("index_scores", [](const py::object& q, const py::object& weights, const py::object& keys,
-                           const py::object& n_visible, bool bf16, const py::object& scores) {
-    check(dsv4_index_scores(dl(q), dl(weights), dl(keys), dl(n_visible), bf16 ? 1 : 0, dl(scores)));
+                           const py::object& token_position, int32_t compress_ratio, bool bf16,
+                           const py::object& scores, uintptr_t stream) {
+    const DLTensor *a = dl(q), *b = dl(weights), *c = dl(keys), *d = dl(token_position), *e = dl(scores);
+    check(released([&] {
+      return dsv4_index_scores(a, b, c, d, compress_ratio, bf16 ? 1 : 0, e, reinterpret_cast<void*>(stream));
+    }));
   });
-  m.def("topk", [](const py::object& scores, const py::object& n_visible, const py::object& picks) {
-    check(dsv4_topk(dl(scores), dl(n_visible), dl(picks)));
+  m.def("topk", [](const py::object& scores, const py::object& token_position, int32_t compress_ratio,
+                   const py::object& picks, uintptr_t stream) {
+    const DLTensor *a = dl(scores), *b = dl(token_position), *c = dl(picks);
+    check(released([&] { return dsv4_topk(a, b, compress_ratio, c, reinterpret_cast<void*>(stream)); }));
   });
   m.def("compressor_pool", [](const py::object& kv, const py::object& score, const py::object& bias,
                               const py::object& pooled) {

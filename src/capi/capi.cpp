@@ -10,16 +10,19 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "capi/device_ops.h"
 #include "capi/dlpack_view.h"
 #include "dsv4/config.h"
 #include "dsv4/engine.h"
 #include "dsv4/error.h"
 #include "dsv4/kv_cache.h"
 #include "dsv4/kv_format.h"
+#include "dsv4/numeric.h"
 #include "dsv4/weights.h"
 #include "model/layer_recipe.h"
 #include "reference/ops.h"
@@ -550,134 +553,232 @@ dsv4_status dsv4_kv_page_geometry(const char* format, int64_t dims, int64_t rows
   });
 }
 
+}  // extern "C"
+
 namespace {
-// Checks slots [n] i64 against pages [num_pages, page_stride] u8 for a codec call.
+// The pages of a codec or attention call, [num_pages, page_stride] u8 (either device).
+void check_pages_shape(const char* op, const PageGeometry& g, const DLTensor* pages) {
+  check_dltensor(op, "pages", pages);
+  if (pages->ndim != 2 || pages->shape[1] != g.page_stride)
+    throw_shape(op, "pages", pages, "[num_pages, " + std::to_string(g.page_stride) + "]");
+}
+
+// Host pages and slots [n] i64 of a codec call, the slots checked against the pages.
 struct CodecArgs {
-  PageGeometry geometry;
   int64_t n = 0;
   const int64_t* slots = nullptr;
-  std::byte* pages = nullptr;
-  int64_t pages_bytes = 0;
+  std::span<std::byte> pages;
 };
-CodecArgs codec_args(const char* op, const char* format, int64_t rows_per_page, const char* placement,
-                     const DLTensor* rows, const char* rows_name, const DLTensor* slots, const DLTensor* pages) {
-  check_dltensor(op, rows_name, rows);
-  if (rows->ndim != 2) throw_shape(op, rows_name, rows, "[n, dims]");
+CodecArgs host_codec_args(const char* op, const PageGeometry& g, int64_t n, const DLTensor* slots,
+                          const DLTensor* pages) {
   CodecArgs a;
-  a.geometry = geometry_of(op, format, rows->shape[1], rows_per_page, placement);
-  a.n = rows->shape[0];
-  const TensorView s = checked_view(op, "slots", slots, DType::i64, {a.n}, kDLCPU);
-  check_dltensor(op, "pages", pages);
-  if (pages->ndim != 2 || pages->shape[1] != a.geometry.page_stride)
-    throw_shape(op, "pages", pages, "[num_pages, " + std::to_string(a.geometry.page_stride) + "]");
-  const TensorView p = checked_view(op, "pages", pages, DType::u8, {pages->shape[0], a.geometry.page_stride}, kDLCPU);
-  a.slots = s.ptr<const int64_t>();
-  a.pages = p.ptr<std::byte>();
-  a.pages_bytes = pages->shape[0] * a.geometry.page_stride;
-  const int64_t capacity = pages->shape[0] * a.geometry.rows_per_page;
-  for (int64_t i = 0; i < a.n; ++i)
+  a.n = n;
+  a.slots = checked_view(op, "slots", slots, DType::i64, {n}, kDLCPU).ptr<const int64_t>();
+  const TensorView p = checked_view(op, "pages", pages, DType::u8, {pages->shape[0], g.page_stride}, kDLCPU);
+  a.pages = std::span<std::byte>(p.ptr<std::byte>(), static_cast<size_t>(pages->shape[0] * g.page_stride));
+  const int64_t capacity = pages->shape[0] * g.rows_per_page;
+  for (int64_t i = 0; i < n; ++i)
     if (a.slots[i] >= capacity)
       throw ApiError(DSV4_ERROR_INVALID_ARGUMENT, std::string("dsv4: ") + op + ": slots[" + std::to_string(i) +
                                                       "] = " + std::to_string(a.slots[i]) + ", expected < " +
                                                       std::to_string(capacity) + " (pages x rows_per_page)");
   return a;
 }
+
+void check_tensor_scale(const char* op, float tensor_scale) {
+  if (!(tensor_scale > 0.0f) || !std::isfinite(tensor_scale))
+    throw ApiError(DSV4_ERROR_INVALID_ARGUMENT, std::string("dsv4: ") + op + ": tensor_scale must be finite and > 0");
+}
+
+// A float copy of a host tensor of `shape` given as f32 or bf16 (the CPU reference takes floats).
+std::vector<float> host_floats(const char* op, const char* arg, const DLTensor* t,
+                               std::initializer_list<int64_t> shape) {
+  check_dltensor(op, arg, t);
+  const bool bf16 = t->dtype.code == kDLBfloat && t->dtype.bits == 16;
+  const TensorView v = checked_view(op, arg, t, bf16 ? DType::bf16 : DType::f32, shape, kDLCPU);
+  const int64_t n = v.numel();
+  std::vector<float> out(static_cast<size_t>(n));
+  if (bf16)
+    for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits_to_float(v.ptr<const uint16_t>()[i]);
+  else
+    std::copy_n(v.ptr<const float>(), n, out.data());
+  return out;
+}
+
+// The CPU attention of one call: token t attends row(t, i) for its valid indices i.
+template <class RowOf>
+void host_sparse_attention(const char* op, const DLTensor* q, int64_t D, const DLTensor* indices,
+                           const DLTensor* topk_length, const DLTensor* sink, float scale, bool bf16,
+                           const DLTensor* out, const DLTensor* lse, RowOf&& row) {
+  const int64_t T = q->shape[0], H = q->shape[1], K = indices->shape[1];
+  const std::vector<float> qf = host_floats(op, "q", q, {T, H, D});
+  const int32_t* idx = checked_view(op, "indices", indices, DType::i32, {T, K}, kDLCPU).ptr<const int32_t>();
+  const TensorView ov = checked_view(op, "out", out, DType::f32, {T, H, D}, kDLCPU);
+  const int32_t* lengths =
+      topk_length ? checked_view(op, "topk_length", topk_length, DType::i32, {T}, kDLCPU).ptr<const int32_t>()
+                  : nullptr;
+  const float* sinks = sink ? checked_view(op, "sink", sink, DType::f32, {H}, kDLCPU).ptr<const float>() : nullptr;
+  float* lse_out = lse ? checked_view(op, "lse", lse, DType::f32, {T, H}, kDLCPU).ptr<float>() : nullptr;
+  // A sink of −inf adds nothing to the denominator: the same as no sink.
+  const std::vector<float> no_sink(static_cast<size_t>(H), -std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t len = lengths ? std::clamp<int64_t>(lengths[t], 0, K) : K;
+    std::vector<const float*> rows;
+    for (int64_t i = 0; i < len; ++i)
+      if (idx[t * K + i] >= 0) rows.push_back(row(t, i, idx[t * K + i]));
+    const float* qt = qf.data() + t * H * D;
+    reference::sparse_attention(qt, H, D, rows.data(), static_cast<int64_t>(rows.size()),
+                                sinks ? sinks : no_sink.data(), scale, bf16, ov.ptr<float>() + t * H * D);
+    if (!lse_out) continue;
+    // FlashMLA's lse: log Σ_i exp(scale q·kv_i), the sink left out; −inf for no rows. The logits
+    // are the attention's (the dot rounded once to fp32, times the scale in fp32).
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<double> logits(rows.size());
+      double m = -std::numeric_limits<double>::infinity();
+      for (size_t i = 0; i < rows.size(); ++i) {
+        double dot = 0;
+        for (int64_t d = 0; d < D; ++d) dot += double(qt[h * D + d]) * double(rows[i][d]);
+        logits[i] = static_cast<float>(dot) * scale;
+        m = std::max(m, logits[i]);
+      }
+      double sum = 0;
+      for (double l : logits) sum += std::exp(l - m);
+      lse_out[t * H + h] = rows.empty() ? -std::numeric_limits<float>::infinity() : float(m + std::log(sum));
+    }
+  }
+}
+
+// q [T, H, D] and indices [T, K]: the ranks both devices check first.
+void check_attention_ranks(const char* op, const DLTensor* q, const DLTensor* indices) {
+  check_dltensor(op, "q", q);
+  if (q->ndim != 3) throw_shape(op, "q", q, "[tokens, heads, dim]");
+  check_dltensor(op, "indices", indices);
+  if (indices->ndim != 2) throw_shape(op, "indices", indices, "[" + std::to_string(q->shape[0]) + ", topk]");
+}
+
+// n_visible(t) of dsv4_index_scores / dsv4_topk, at most n.
+int64_t host_visible(const int32_t* position, int32_t ratio, int64_t t, int64_t n) {
+  if (!position) return n;
+  return std::min<int64_t>(position[t] >= 0 ? (int64_t{position[t]} + 1) / ratio : 0, n);
+}
+
+void check_compress_ratio(const char* op, int32_t ratio) {
+  if (ratio < 1)
+    throw ApiError(DSV4_ERROR_INVALID_ARGUMENT,
+                   std::string("dsv4: ") + op + ": compress_ratio is " + std::to_string(ratio) + ", expected >= 1");
+}
 }  // namespace
+
+extern "C" {
 
 dsv4_status dsv4_kv_encode(const char* format, int64_t rows_per_page, const char* placement, const DLTensor* x,
                            const DLTensor* slots, const DLTensor* pages, float tensor_scale,
-                           const char* fp8_scale_floor) {
+                           const char* fp8_scale_floor, void* cuda_stream) {
   return guarded(DSV4_ERROR_INVALID_ARGUMENT, [&] {
     const char* op = "kv_encode";
-    const CodecArgs a = codec_args(op, format, rows_per_page, placement, x, "x", slots, pages);
-    const TensorView xv = checked_view(op, "x", x, DType::f32, {a.n, a.geometry.row.dims}, kDLCPU);
+    check_dltensor(op, "x", x);
+    if (x->ndim != 2) throw_shape(op, "x", x, "[n, dims]");
+    const PageGeometry g = geometry_of(op, format, x->shape[1], rows_per_page, placement);
+    check_pages_shape(op, g, pages);
     EncodeOptions options;
     const std::string floor = fp8_scale_floor ? fp8_scale_floor : "amax";
     if (floor == "ratio") options.fp8_scale_floor = Fp8ScaleFloor::ratio;
     else if (floor != "amax")
       throw ApiError(DSV4_ERROR_INVALID_ARGUMENT,
                      "dsv4: kv_encode: fp8_scale_floor '" + floor + "': expected 'amax' or 'ratio'");
-    if (!(tensor_scale > 0.0f) || !std::isfinite(tensor_scale))
-      throw ApiError(DSV4_ERROR_INVALID_ARGUMENT, "dsv4: kv_encode: tensor_scale must be finite and > 0");
-    encode_rows(a.geometry, xv.ptr<const float>(), a.n, a.slots,
-                std::span<std::byte>(a.pages, static_cast<size_t>(a.pages_bytes)), tensor_scale, options);
+    check_tensor_scale(op, tensor_scale);
+    if (on_cuda(x)) return cuda_kv_encode(g, x, slots, pages, tensor_scale, options.fp8_scale_floor, cuda_stream);
+    const int64_t n = x->shape[0];
+    const TensorView xv = checked_view(op, "x", x, DType::f32, {n, g.row.dims}, kDLCPU);
+    const CodecArgs a = host_codec_args(op, g, n, slots, pages);
+    encode_rows(g, xv.ptr<const float>(), n, a.slots, a.pages, tensor_scale, options);
   });
 }
 
 dsv4_status dsv4_kv_decode(const char* format, int64_t rows_per_page, const char* placement, const DLTensor* pages,
-                           const DLTensor* slots, const DLTensor* out, float tensor_scale) {
+                           const DLTensor* slots, const DLTensor* out, float tensor_scale, void* cuda_stream) {
   return guarded(DSV4_ERROR_INVALID_ARGUMENT, [&] {
     const char* op = "kv_decode";
-    const CodecArgs a = codec_args(op, format, rows_per_page, placement, out, "out", slots, pages);
-    const TensorView ov = checked_view(op, "out", out, DType::f32, {a.n, a.geometry.row.dims}, kDLCPU);
-    if (!(tensor_scale > 0.0f) || !std::isfinite(tensor_scale))
-      throw ApiError(DSV4_ERROR_INVALID_ARGUMENT, "dsv4: kv_decode: tensor_scale must be finite and > 0");
-    decode_rows(a.geometry, std::span<const std::byte>(a.pages, static_cast<size_t>(a.pages_bytes)), a.slots, a.n,
-                ov.ptr<float>(), tensor_scale);
+    check_dltensor(op, "out", out);
+    if (out->ndim != 2) throw_shape(op, "out", out, "[n, dims]");
+    const PageGeometry g = geometry_of(op, format, out->shape[1], rows_per_page, placement);
+    check_pages_shape(op, g, pages);
+    check_tensor_scale(op, tensor_scale);
+    if (on_cuda(out)) return cuda_kv_decode(g, pages, slots, out, tensor_scale, cuda_stream);
+    const int64_t n = out->shape[0];
+    const TensorView ov = checked_view(op, "out", out, DType::f32, {n, g.row.dims}, kDLCPU);
+    const CodecArgs a = host_codec_args(op, g, n, slots, pages);
+    decode_rows(g, std::span<const std::byte>(a.pages), a.slots, n, ov.ptr<float>(), tensor_scale);
   });
 }
 
 dsv4_status dsv4_sparse_attention(const DLTensor* q, const DLTensor* kv, const DLTensor* indices,
                                   const DLTensor* topk_length, const DLTensor* sink, float scale, int bf16,
-                                  const DLTensor* out, const DLTensor* lse) {
+                                  const DLTensor* out, const DLTensor* lse, void* cuda_stream) {
   return guarded(DSV4_ERROR_INVALID_ARGUMENT, [&] {
     const char* op = "sparse_attention";
-    check_dltensor(op, "q", q);
-    if (q->ndim != 3) throw_shape(op, "q", q, "[tokens, heads, dim]");
-    const int64_t T = q->shape[0], H = q->shape[1], D = q->shape[2];
+    check_attention_ranks(op, q, indices);
+    const int64_t D = q->shape[2];
     check_dltensor(op, "kv", kv);
     if (kv->ndim != 2) throw_shape(op, "kv", kv, "[n, " + std::to_string(D) + "]");
-    check_dltensor(op, "indices", indices);
-    if (indices->ndim != 2) throw_shape(op, "indices", indices, "[" + std::to_string(T) + ", topk]");
-    const int64_t N = kv->shape[0], K = indices->shape[1];
-    const TensorView qv = checked_view(op, "q", q, DType::f32, {T, H, D}, kDLCPU);
-    const TensorView kvv = checked_view(op, "kv", kv, DType::f32, {N, D}, kDLCPU);
-    const TensorView iv = checked_view(op, "indices", indices, DType::i32, {T, K}, kDLCPU);
-    const TensorView ov = checked_view(op, "out", out, DType::f32, {T, H, D}, kDLCPU);
-    const int32_t* lengths =
-        topk_length ? checked_view(op, "topk_length", topk_length, DType::i32, {T}, kDLCPU).ptr<const int32_t>()
-                    : nullptr;
-    const float* sinks = sink ? checked_view(op, "sink", sink, DType::f32, {H}, kDLCPU).ptr<const float>() : nullptr;
-    float* lse_out = lse ? checked_view(op, "lse", lse, DType::f32, {T, H}, kDLCPU).ptr<float>() : nullptr;
-    const int32_t* idx = iv.ptr<const int32_t>();
-    for (int64_t i = 0; i < T * K; ++i)
+    const int64_t N = kv->shape[0];
+    if (on_cuda(q)) {
+      const AttentionRows rows{.geometry = page_geometry(KvRowFormat::bf16, D, 1), .pages = kv, .rows_as_pages = true};
+      return cuda_sparse_attention(op, q, rows, indices, topk_length, sink, scale, bf16 != 0, out, lse, cuda_stream);
+    }
+    const std::vector<float> kv_rows = host_floats(op, "kv", kv, {N, D});
+    const int64_t K = indices->shape[1];
+    const int32_t* idx = checked_view(op, "indices", indices, DType::i32, {q->shape[0], K}, kDLCPU).ptr<const int32_t>();
+    for (int64_t i = 0; i < q->shape[0] * K; ++i)
       if (idx[i] >= N)
         throw ApiError(DSV4_ERROR_INVALID_ARGUMENT, "dsv4: sparse_attention: indices[" + std::to_string(i / K) + ", " +
                                                         std::to_string(i % K) + "] = " + std::to_string(idx[i]) +
                                                         ", expected < " + std::to_string(N) + " (kv rows) or -1");
-    // A sink of −inf adds nothing to the denominator: the same as no sink.
-    const std::vector<float> no_sink(static_cast<size_t>(H), -std::numeric_limits<float>::infinity());
-    const float* kv_rows = kvv.ptr<const float>();
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t len = lengths ? std::clamp<int64_t>(lengths[t], 0, K) : K;
-      std::vector<const float*> rows;
-      for (int64_t i = 0; i < len; ++i)
-        if (idx[t * K + i] >= 0) rows.push_back(kv_rows + idx[t * K + i] * D);
-      const float* qt = qv.ptr<const float>() + t * H * D;
-      reference::sparse_attention(qt, H, D, rows.data(), static_cast<int64_t>(rows.size()),
-                                  sinks ? sinks : no_sink.data(), scale, bf16 != 0, ov.ptr<float>() + t * H * D);
-      if (!lse_out) continue;
-      // FlashMLA's lse: log Σ_i exp(scale q·kv_i), the sink left out; −inf for no rows. The logits
-      // are the attention's (the dot rounded once to fp32, times the scale in fp32).
-      for (int64_t h = 0; h < H; ++h) {
-        std::vector<double> logits(rows.size());
-        double m = -std::numeric_limits<double>::infinity();
-        for (size_t i = 0; i < rows.size(); ++i) {
-          double dot = 0;
-          for (int64_t d = 0; d < D; ++d) dot += double(qt[h * D + d]) * double(rows[i][d]);
-          logits[i] = static_cast<float>(dot) * scale;
-          m = std::max(m, logits[i]);
-        }
-        double sum = 0;
-        for (double l : logits) sum += std::exp(l - m);
-        lse_out[t * H + h] = rows.empty() ? -std::numeric_limits<float>::infinity() : float(m + std::log(sum));
-      }
+    host_sparse_attention(op, q, D, indices, topk_length, sink, scale, bf16 != 0, out, lse,
+                          [&](int64_t, int64_t, int32_t index) { return kv_rows.data() + index * D; });
+  });
+}
+
+dsv4_status dsv4_paged_sparse_attention(const DLTensor* q, const char* format, int64_t rows_per_page,
+                                        const char* placement, const DLTensor* pages, float tensor_scale,
+                                        const DLTensor* indices, const DLTensor* topk_length, const DLTensor* sink,
+                                        float scale, int bf16, const DLTensor* out, const DLTensor* lse,
+                                        void* cuda_stream) {
+  return guarded(DSV4_ERROR_INVALID_ARGUMENT, [&] {
+    const char* op = "paged_sparse_attention";
+    check_attention_ranks(op, q, indices);
+    const int64_t T = q->shape[0], D = q->shape[2], K = indices->shape[1];
+    const PageGeometry g = geometry_of(op, format, D, rows_per_page, placement);
+    check_pages_shape(op, g, pages);
+    check_tensor_scale(op, tensor_scale);
+    if (on_cuda(q)) {
+      const AttentionRows rows{.geometry = g, .pages = pages, .tensor_scale = tensor_scale};
+      return cuda_sparse_attention(op, q, rows, indices, topk_length, sink, scale, bf16 != 0, out, lse, cuda_stream);
     }
+    // Every listed slot's row, decoded once per (token, position in the list).
+    const TensorView iv = checked_view(op, "indices", indices, DType::i32, {T, K}, kDLCPU);
+    const TensorView pv = checked_view(op, "pages", pages, DType::u8, {pages->shape[0], g.page_stride}, kDLCPU);
+    const int64_t capacity = pages->shape[0] * g.rows_per_page;
+    std::vector<int64_t> slots(static_cast<size_t>(T * K));
+    for (int64_t i = 0; i < T * K; ++i) {
+      slots[i] = iv.ptr<const int32_t>()[i];
+      if (slots[i] >= capacity)
+        throw ApiError(DSV4_ERROR_INVALID_ARGUMENT, "dsv4: paged_sparse_attention: indices[" + std::to_string(i / K) +
+                                                        ", " + std::to_string(i % K) + "] = " +
+                                                        std::to_string(slots[i]) + ", expected < " +
+                                                        std::to_string(capacity) + " (pages x rows_per_page) or -1");
+    }
+    std::vector<float> rows(static_cast<size_t>(T * K * D));
+    decode_rows(g, std::span<const std::byte>(pv.ptr<const std::byte>(), static_cast<size_t>(pv.numel())),
+                slots.data(), T * K, rows.data(), tensor_scale);
+    host_sparse_attention(op, q, D, indices, topk_length, sink, scale, bf16 != 0, out, lse,
+                          [&](int64_t t, int64_t i, int32_t) { return rows.data() + (t * K + i) * D; });
   });
 }
 
 dsv4_status dsv4_index_scores(const DLTensor* q, const DLTensor* weights, const DLTensor* keys,
-                              const DLTensor* n_visible, int bf16, const DLTensor* scores) {
+                              const DLTensor* token_position, int32_t compress_ratio, int bf16,
+                              const DLTensor* scores, void* cuda_stream) {
   return guarded(DSV4_ERROR_INVALID_ARGUMENT, [&] {
     const char* op = "index_scores";
     check_dltensor(op, "q", q);
@@ -686,20 +787,22 @@ dsv4_status dsv4_index_scores(const DLTensor* q, const DLTensor* weights, const 
     check_dltensor(op, "keys", keys);
     if (keys->ndim != 2) throw_shape(op, "keys", keys, "[n, " + std::to_string(D) + "]");
     const int64_t N = keys->shape[0];
-    const TensorView qv = checked_view(op, "q", q, DType::f32, {T, H, D}, kDLCPU);
+    check_compress_ratio(op, compress_ratio);
+    if (on_cuda(q))
+      return cuda_index_scores(q, weights, keys, token_position, compress_ratio, bf16 != 0, scores, cuda_stream);
+    const std::vector<float> qf = host_floats(op, "q", q, {T, H, D});
     const TensorView wv = checked_view(op, "weights", weights, DType::f32, {T, H}, kDLCPU);
-    const TensorView kv = checked_view(op, "keys", keys, DType::f32, {N, D}, kDLCPU);
-    const TensorView nv = checked_view(op, "n_visible", n_visible, DType::i64, {T}, kDLCPU);
+    const std::vector<float> kf = host_floats(op, "keys", keys, {N, D});
+    const int32_t* pv = checked_view(op, "token_position", token_position, DType::i32, {T}, kDLCPU).ptr<const int32_t>();
     const TensorView sv = checked_view(op, "scores", scores, DType::f32, {T, N}, kDLCPU);
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t visible = std::clamp<int64_t>(nv.ptr<const int64_t>()[t], 0, N);
-      reference::index_scores(qv.ptr<const float>() + t * H * D, wv.ptr<const float>() + t * H, H, D,
-                              kv.ptr<const float>(), N, visible, bf16 != 0, sv.ptr<float>() + t * N);
-    }
+    for (int64_t t = 0; t < T; ++t)
+      reference::index_scores(qf.data() + t * H * D, wv.ptr<const float>() + t * H, H, D, kf.data(), N,
+                              host_visible(pv, compress_ratio, t, N), bf16 != 0, sv.ptr<float>() + t * N);
   });
 }
 
-dsv4_status dsv4_topk(const DLTensor* scores, const DLTensor* n_visible, const DLTensor* picks) {
+dsv4_status dsv4_topk(const DLTensor* scores, const DLTensor* token_position, int32_t compress_ratio,
+                      const DLTensor* picks, void* cuda_stream) {
   return guarded(DSV4_ERROR_INVALID_ARGUMENT, [&] {
     const char* op = "topk";
     check_dltensor(op, "scores", scores);
@@ -708,12 +811,17 @@ dsv4_status dsv4_topk(const DLTensor* scores, const DLTensor* n_visible, const D
     check_dltensor(op, "picks", picks);
     if (picks->ndim != 2) throw_shape(op, "picks", picks, "[" + std::to_string(T) + ", k]");
     const int64_t K = picks->shape[1];
+    if (token_position) check_compress_ratio(op, compress_ratio);
+    if (on_cuda(scores)) return cuda_topk(scores, token_position, compress_ratio, picks, cuda_stream);
     const TensorView sv = checked_view(op, "scores", scores, DType::f32, {T, N}, kDLCPU);
-    const TensorView nv = checked_view(op, "n_visible", n_visible, DType::i64, {T}, kDLCPU);
-    const TensorView pv = checked_view(op, "picks", picks, DType::i32, {T, K}, kDLCPU);
+    const int32_t* pv =
+        token_position
+            ? checked_view(op, "token_position", token_position, DType::i32, {T}, kDLCPU).ptr<const int32_t>()
+            : nullptr;
+    const TensorView kv = checked_view(op, "picks", picks, DType::i32, {T, K}, kDLCPU);
     for (int64_t t = 0; t < T; ++t)
-      reference::select_topk(sv.ptr<const float>() + t * N, N, std::clamp<int64_t>(nv.ptr<const int64_t>()[t], 0, N),
-                             K, pv.ptr<int32_t>() + t * K);
+      reference::select_topk(sv.ptr<const float>() + t * N, N, host_visible(pv, compress_ratio, t, N), K,
+                             kv.ptr<int32_t>() + t * K);
   });
 }
 

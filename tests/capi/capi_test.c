@@ -269,20 +269,20 @@ static void test_kv_codecs(void) {
         Tensor tp = U8(pages, 2, num_pages, g.page_stride, 0);
         Tensor tp_bad = U8(pages, 2, num_pages, g.page_stride - 1, 0);
         Tensor ts_bad = I32(slots, 1, n, 0, 0);
-        OK(dsv4_kv_encode(formats[f], 4, placements[p], dl(&tx), dl(&ts), dl(&tp), 1.0f, NULL));
-        OK(dsv4_kv_decode(formats[f], 4, placements[p], dl(&tp), dl(&ts), dl(&ty), 1.0f));
+        OK(dsv4_kv_encode(formats[f], 4, placements[p], dl(&tx), dl(&ts), dl(&tp), 1.0f, NULL, NULL));
+        OK(dsv4_kv_decode(formats[f], 4, placements[p], dl(&tp), dl(&ts), dl(&ty), 1.0f, NULL));
         for (int64_t r = 0; r < n; ++r)
           for (int64_t d = 0; d < dims; ++d) {
             const float want = x[r * dims + d], got = y[r * dims + d];
             if (slots[r] < 0) CHECK(got == 0.0f);
             else CHECK(fabsf(got - want) <= 0.5f * fabsf(want) + 0.08f); /* fp4: coarse */
           }
-        FAILS(dsv4_kv_encode(formats[f], 4, placements[p], dl(&tx), dl(&ts), dl(&tp_bad), 1.0f, NULL), DSV4_ERROR_BAD_SHAPE,
+        FAILS(dsv4_kv_encode(formats[f], 4, placements[p], dl(&tx), dl(&ts), dl(&tp_bad), 1.0f, NULL, NULL), DSV4_ERROR_BAD_SHAPE,
               "kv_encode: pages has shape");
-        FAILS(dsv4_kv_encode(formats[f], 4, placements[p], dl(&tx), dl(&ts_bad), dl(&tp), 1.0f, NULL), DSV4_ERROR_BAD_DTYPE,
+        FAILS(dsv4_kv_encode(formats[f], 4, placements[p], dl(&tx), dl(&ts_bad), dl(&tp), 1.0f, NULL, NULL), DSV4_ERROR_BAD_DTYPE,
               "slots has dtype int32, expected int64");
         slots[0] = 8;
-        FAILS(dsv4_kv_decode(formats[f], 4, placements[p], dl(&tp), dl(&ts), dl(&ty), 1.0f), DSV4_ERROR_INVALID_ARGUMENT,
+        FAILS(dsv4_kv_decode(formats[f], 4, placements[p], dl(&tp), dl(&ts), dl(&ty), 1.0f, NULL), DSV4_ERROR_INVALID_ARGUMENT,
               "slots[0] = 8, expected < 8");
       }
       free(pages);
@@ -309,7 +309,7 @@ static void test_ops(void) {
     Tensor tq = F32(q, 3, T, H, D), tkv = F32(kv, 2, N, D, 0), ti = I32(idx, 2, T, K, 0), tl = I32(lengths, 1, T, 0, 0);
     Tensor ts = F32(sink, 1, H, 0, 0), to = F32(out, 3, T, H, D), tlse = F32(lse, 2, T, H, 0);
     Tensor tkv_bad = F32(kv, 2, N, D - 1, 0);
-    OK(dsv4_sparse_attention(dl(&tq), dl(&tkv), dl(&ti), dl(&tl), dl(&ts), 0.35f, 0, dl(&to), dl(&tlse)));
+    OK(dsv4_sparse_attention(dl(&tq), dl(&tkv), dl(&ti), dl(&tl), dl(&ts), 0.35f, 0, dl(&to), dl(&tlse), NULL));
     /* Token 0, head 0 by hand. */
     {
       double m = -INFINITY, s = 0, o0 = 0, l[3];
@@ -328,25 +328,63 @@ static void test_ops(void) {
       CHECK(fabs(out[0] - o0 / (s + exp(sink[0] - m))) < 1e-5);
       CHECK(fabs(lse[0] - (m + log(s))) < 1e-5);
     }
-    FAILS(dsv4_sparse_attention(dl(&tq), dl(&tkv_bad), dl(&ti), NULL, NULL, 1.0f, 0, dl(&to), NULL), DSV4_ERROR_BAD_SHAPE,
+    FAILS(dsv4_sparse_attention(dl(&tq), dl(&tkv_bad), dl(&ti), NULL, NULL, 1.0f, 0, dl(&to), NULL, NULL), DSV4_ERROR_BAD_SHAPE,
           "kv has shape [6, 7], expected [6, 8]");
     idx[0] = 6;
-    FAILS(dsv4_sparse_attention(dl(&tq), dl(&tkv), dl(&ti), NULL, NULL, 1.0f, 0, dl(&to), NULL), DSV4_ERROR_INVALID_ARGUMENT,
+    FAILS(dsv4_sparse_attention(dl(&tq), dl(&tkv), dl(&ti), NULL, NULL, 1.0f, 0, dl(&to), NULL, NULL), DSV4_ERROR_INVALID_ARGUMENT,
           "indices[0, 0] = 6");
     idx[0] = 0;
   }
   {
+    /* The same attention over pages: bf16 rows of 4 a page, read through flat slots, equals the
+     * flat call on the bf16-rounded rows; bad device and out-of-range slots are named. */
+    enum { RPP = 4, PAGES = 2 };
+    dsv4_page_geometry g;
+    float rounded[N * D], flat[T * H * D], paged[T * H * D], flat_lse[T * H], paged_lse[T * H];
+    int64_t slots[N] = {0, 1, 2, 3, 4, 5};
+    uint8_t* pages;
+    OK(dsv4_kv_page_geometry("bf16", D, RPP, NULL, &g));
+    pages = calloc((size_t)(PAGES * g.page_stride), 1);
+    {
+      Tensor tq = F32(q, 3, T, H, D), tkv = F32(kv, 2, N, D, 0), tr = F32(rounded, 2, N, D, 0);
+      Tensor tslots = I64(slots, 1, N, 0, 0), tp = U8(pages, 2, PAGES, g.page_stride, 0);
+      Tensor ti = I32(idx, 2, T, K, 0), tl = I32(lengths, 1, T, 0, 0), ts = F32(sink, 1, H, 0, 0);
+      Tensor tf = F32(flat, 3, T, H, D), tpo = F32(paged, 3, T, H, D);
+      Tensor tfl = F32(flat_lse, 2, T, H, 0), tpl = F32(paged_lse, 2, T, H, 0), tp_gpu = tp;
+      OK(dsv4_kv_encode("bf16", RPP, NULL, dl(&tkv), dl(&tslots), dl(&tp), 1.0f, NULL, NULL));
+      OK(dsv4_kv_decode("bf16", RPP, NULL, dl(&tp), dl(&tslots), dl(&tr), 1.0f, NULL));
+      OK(dsv4_sparse_attention(dl(&tq), dl(&tr), dl(&ti), dl(&tl), dl(&ts), 0.35f, 1, dl(&tf), dl(&tfl), NULL));
+      OK(dsv4_paged_sparse_attention(dl(&tq), "bf16", RPP, NULL, dl(&tp), 1.0f, dl(&ti), dl(&tl), dl(&ts), 0.35f, 1,
+                                     dl(&tpo), dl(&tpl), NULL));
+      CHECK(memcmp(flat, paged, sizeof flat) == 0 && memcmp(flat_lse, paged_lse, sizeof flat_lse) == 0);
+      tp_gpu.t.device.device_type = kDLCUDA;
+      FAILS(dsv4_paged_sparse_attention(dl(&tq), "bf16", RPP, NULL, dl(&tp_gpu), 1.0f, dl(&ti), NULL, NULL, 1.0f, 0,
+                                        dl(&tpo), NULL, NULL),
+            DSV4_ERROR_BAD_DEVICE, "pages is on device type 2, expected the CPU");
+      idx[1] = PAGES * RPP;
+      FAILS(dsv4_paged_sparse_attention(dl(&tq), "bf16", RPP, NULL, dl(&tp), 1.0f, dl(&ti), NULL, NULL, 1.0f, 0,
+                                        dl(&tpo), NULL, NULL),
+            DSV4_ERROR_INVALID_ARGUMENT, "indices[0, 1] = 8, expected < 8");
+      idx[1] = 2;
+    }
+    free(pages);
+  }
+  {
     float w[T * H], scores[T * N];
-    int64_t visible[T] = {6, 3};
+    /* n_visible = (position + 1) / ratio: 6 and 3 entries with ratio 2. */
+    int32_t positions[T] = {12, 6};
     int32_t picks[T * 2];
-    Tensor tq = F32(q, 3, T, H, D), tw = F32(w, 2, T, H, 0), tk = F32(kv, 2, N, D, 0), tv = I64(visible, 1, T, 0, 0);
-    Tensor ts = F32(scores, 2, T, N, 0), tp = I32(picks, 2, T, 2, 0), tv_bad = I32(visible, 1, T, 0, 0);
+    Tensor tq = F32(q, 3, T, H, D), tw = F32(w, 2, T, H, 0), tk = F32(kv, 2, N, D, 0), tv = I32(positions, 1, T, 0, 0);
+    Tensor ts = F32(scores, 2, T, N, 0), tp = I32(picks, 2, T, 2, 0), tv_bad = I32(positions, 1, T / 2, 0, 0);
     for (i = 0; i < T * H; ++i) w[i] = 1.0f;
-    OK(dsv4_index_scores(dl(&tq), dl(&tw), dl(&tk), dl(&tv), 0, dl(&ts)));
-    CHECK(isinf(scores[N + 3]) && scores[N + 3] < 0);
-    OK(dsv4_topk(dl(&ts), dl(&tv), dl(&tp)));
+    OK(dsv4_index_scores(dl(&tq), dl(&tw), dl(&tk), dl(&tv), 2, 0, dl(&ts), NULL));
+    CHECK(isinf(scores[N + 3]) && scores[N + 3] < 0 && !isinf(scores[N + 2]) && !isinf(scores[N - 1]));
+    OK(dsv4_topk(dl(&ts), dl(&tv), 2, dl(&tp), NULL));
     CHECK(picks[0] < picks[1] && picks[2] < picks[3] && picks[3] < 3);
-    FAILS(dsv4_topk(dl(&ts), dl(&tv_bad), dl(&tp)), DSV4_ERROR_BAD_DTYPE, "n_visible has dtype int32, expected int64");
+    FAILS(dsv4_topk(dl(&ts), dl(&tv_bad), 2, dl(&tp), NULL), DSV4_ERROR_BAD_SHAPE,
+          "token_position has shape [1], expected [2]");
+    FAILS(dsv4_index_scores(dl(&tq), dl(&tw), dl(&tk), dl(&tv), 0, 0, dl(&ts), NULL), DSV4_ERROR_INVALID_ARGUMENT,
+          "compress_ratio is 0, expected >= 1");
   }
   {
     enum { E = 2, S = 4, C = 3 };

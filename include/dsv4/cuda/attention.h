@@ -24,8 +24,8 @@ struct SparseAttentionParams {
   TensorView q;                // [tokens, heads, head_dim] bf16 (after RoPE); head_dim 512
   TensorView token_sequence;   // [tokens] i32: the token's sequence = row of the block tables
   TensorView token_position;   // [tokens] i32: the token's absolute position p (>= 0)
-  PagedCache window;           // reader; rows = positions, head_dim channels
-  int64_t window_size = 128;   // W >= 1
+  PagedCache window;           // reader; rows = positions, head_dim channels (optional with window_size 0)
+  int64_t window_size = 128;   // W >= 0 (0: the picks alone)
   PagedCache compressed;       // reader, optional (pages absent: window only); rows = entries
   TensorView picks;            // [tokens, k] i32 entry indices, -1 = none; required with `compressed`
   int compress_ratio = 0;      // >= 0; 0: picks are not bounded by the position

@@ -21,7 +21,7 @@ struct IndexScoresParams {
   TensorView q;                    // [tokens, index_heads, index_dim] bf16 (RoPE'd, fake-quantized)
   TensorView weights;              // [tokens, index_heads] f32 (weights_proj output times its scale)
   PagedCache keys;                 // reader: index_mxfp4 | index_fp8 | bf16 rows of index_dim channels; row = entry
-  TensorView token_sequence;       // [tokens] i32
+  TensorView token_sequence;       // [tokens] i32 (optional when keys has no block table: flat slots)
   TensorView token_position;       // [tokens] i32
   int compress_ratio = 1;          // >= 1
   TensorView candidates;           // optional: [tokens, candidate_blocks] i32 kept blocks, ascending, -1 padded

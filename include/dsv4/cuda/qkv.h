@@ -59,9 +59,9 @@ struct CacheInsertParams {
   TensorView rows;            // [tokens, dim] bf16 | f32 (projection output, or the latent)
   TensorView norm_weight;     // optional: [dim] bf16 | f32
   float eps = 1e-6f;          // with norm_weight
-  TensorView token_position;  // [tokens] i32
+  TensorView token_position;  // [tokens] i32 (optional without rope_table)
   int64_t position_offset = 0;
-  TensorView rope_table;      // [max_positions, rope_dim] f32
+  TensorView rope_table;      // optional: [max_positions, rope_dim] f32 (absent: no RoPE)
   RowQuantizer quant = RowQuantizer::none;
   bool bf16_rounding = true;  // round after the norm and after RoPE, as the reference
   TensorView slots;           // [tokens] i64, -1: not stored

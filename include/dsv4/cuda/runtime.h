@@ -115,12 +115,14 @@ class BlasLt {
 //  * writers take a slot per row: page = slot / rows_per_page, row in page = slot % rows_per_page
 //    (KvCacheManager::step_slots); a negative slot is skipped;
 //  * readers look rows up per sequence: row i of sequence s is in page
-//    block_table[s][i / rows_per_page - first_logical_page[s]] (KvCacheManager::block_table).
+//    block_table[s][i / rows_per_page - first_logical_page[s]] (KvCacheManager::block_table);
+//    a reader without a block table is flat: row i of every sequence is slot i (FlashMLA's flat
+//    indices into its pages).
 // Kernels skip rows whose page lies outside the table or outside `pages` (never read or write out
 // of bounds); such rows do not take part in attention or scoring.
 struct PagedCache {
   TensorView pages;               // [num_pages, geometry.page_stride] u8
-  TensorView block_table;         // readers: [num_sequences, blocks_per_sequence] i32 page ids
+  TensorView block_table;         // readers, optional: [num_sequences, blocks_per_sequence] i32 page ids
   TensorView first_logical_page;  // readers, optional: [num_sequences] i32 (absent: all 0)
   PageGeometry geometry;          // format, placement, row layout, rows per page, page stride
   float tensor_scale = 1.0f;      // fp8_per_tensor only: stored value = e4m3(x / tensor_scale)

@@ -21,8 +21,12 @@ Semantics (FlashMLA's documented ones, SPEC §5 and §7):
   (``+inf`` and a zero output for a query with no valid index).
 * ``out`` is bfloat16 ``[b, s_q, h_q, head_dim_v]``.
 
-The computation is the CPU reference (torch.ops.dsv4.sparse_attention over decoded rows); CUDA
-inputs are copied to the host and the results back (correct, not fast: no CUDA kernel is bound yet).
+The computation is torch.ops.dsv4.paged_sparse_attention (bf16 rows: sparse_attention) on the
+tensors' device: dsv4's CUDA kernels on torch's current stream for CUDA tensors, reading the pages
+in place (no host copy, no synchronization, capturable in a CUDA graph), the CPU reference
+otherwise. As in FlashMLA's kernels, exp-scores are rounded to bf16 before they weight the rows.
+With ``extra_k_cache`` the two index sets are attended separately and merged through their
+log-sum-exps, the sink applied once to the merged result.
 """
 
 import dataclasses
@@ -58,56 +62,38 @@ def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
     return FlashMLASchedMeta(), None
 
 
-def _host_view(t):
-    """A host copy of a strided view that keeps its strides (a page view's blocks stay page_stride
-    bytes apart): the span of storage it covers is copied, and viewed the same way."""
-    if t.device.type == "cpu":
-        return t
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    # Whole pages where the storage has them (the decoder reads num_blocks x page_stride bytes).
-    available = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    extent = min(max(extent, t.shape[0] * t.stride(0)), available)
-    span = torch.as_strided(t, (extent,), (1,)).cpu()
-    return torch.as_strided(span, t.shape, t.stride(), 0)
-
-
-def _cache_rows(k_cache, slots, name):
-    """The float32 rows [len(slots), 512] of the pages at `slots` (int64, all valid)."""
+def _cache_format(k_cache, name):
+    """The dsv4 row format of a FlashMLA cache argument ("rows" for bf16 / fp16 / fp32 rows)."""
     if k_cache.dim() != 4 or k_cache.shape[2] != 1:
         raise ValueError(f"dsv4: flash_mla: {name} has shape {list(k_cache.shape)}, expected "
                          "[num_blocks, page_block_size, 1, bytes_per_token] (one shared KV head)")
-    num_blocks, block_size, row = k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]
+    row = k_cache.shape[3]
     if k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return k_cache.reshape(num_blocks * block_size, row)[slots].float()
+        return "rows"
     if k_cache.element_size() != 1 or row not in _FORMAT_BY_ROW_BYTES:
         raise ValueError(f"dsv4: flash_mla: {name} has {row} bytes per token of dtype {k_cache.dtype}, expected "
                          "584 (fp8_ds_mla), 528 (V4.1 fp8) or 288 (V4.1 fp4) bytes, or bf16 rows")
-    fmt = _FORMAT_BY_ROW_BYTES[row]
+    return _FORMAT_BY_ROW_BYTES[row]
+
+
+def _attend(q, k_cache, indices, lengths, sink, scale, name):
+    """(out [T, H, 512] float32, lse [T, H]) of q [T, H, 512] over k_cache's rows at the flat slots
+    indices [T, K] (the first lengths[t] of them when given)."""
+    fmt = _cache_format(k_cache, name)
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    if fmt == "rows":
+        rows = k_cache.reshape(num_blocks * block_size, k_cache.shape[3]).to(torch.bfloat16)
+        return torch.ops.dsv4.sparse_attention(q, rows, indices, lengths, sink, scale, True)
     geometry = kv_page_geometry(fmt, 512, block_size, _placement)
     stride = k_cache.stride(0)
     if stride != geometry["page_stride"]:
         raise ValueError(f"dsv4: flash_mla: {name}: blocks are {stride} bytes apart, but {_placement} {fmt} pages "
                          f"of {block_size} tokens are {geometry['page_stride']} bytes (set_page_placement?)")
     raw = k_cache.view(torch.uint8) if k_cache.dtype != torch.uint8 else k_cache
-    pages = torch.as_strided(raw, (num_blocks, stride), (stride, 1)).contiguous()
-    return torch.ops.dsv4.kv_decode(fmt, pages, slots, 512, block_size, _placement, 1.0)
-
-
-def _masked(indices, lengths):
-    """indices [T, K] with positions >= lengths[t] set to -1 (lengths None: unchanged)."""
-    if lengths is None:
-        return indices
-    positions = torch.arange(indices.shape[1], device=indices.device)
-    return torch.where(positions[None, :] < lengths[:, None], indices, torch.full_like(indices, -1))
-
-
-def _gather(k_cache, indices, name):
-    """(rows [U, 512], local [T, K]): the distinct valid slots' rows, and indices into them."""
-    valid = indices >= 0
-    slots = torch.unique(indices[valid].long())
-    rows = _cache_rows(k_cache, slots, name) if slots.numel() else torch.zeros((0, 512))
-    local = torch.searchsorted(slots, indices.long().clamp(min=0)).to(torch.int32)
-    return rows, torch.where(valid, local, torch.full_like(local, -1))
+    # The blocks as whole pages, in place: [num_blocks, page_stride] bytes from the first block.
+    pages = torch.as_strided(raw, (num_blocks, stride), (stride, 1), raw.storage_offset())
+    return torch.ops.dsv4.paged_sparse_attention(q, pages, fmt, block_size, _placement, 1.0, indices, lengths, sink,
+                                                 scale, True)
 
 
 def flash_mla_with_kvcache(
@@ -146,25 +132,30 @@ def flash_mla_with_kvcache(
             raise ValueError(f"dsv4: flash_mla: tile_scheduler_metadata was made for {meta.config}, "
                              f"reused for {shapes}")
         meta.have_initialized, meta.config = True, shapes
-    device = q.device
     b, s_q, h_q, d = q.shape
-    cpu = torch.device("cpu")
-    per_token = lambda x: None if x is None else x.to(cpu).repeat_interleave(s_q)  # [b] -> [b * s_q]
-    ind = _masked(indices.to(cpu).reshape(b * s_q, -1), per_token(topk_length))
-    rows, local = _gather(_host_view(k_cache), ind, "k_cache")
-    if extra_k_cache is not None:
-        extra = _masked(extra_indices_in_kvcache.to(cpu).reshape(b * s_q, -1), per_token(extra_topk_length))
-        extra_rows, extra_local = _gather(_host_view(extra_k_cache), extra, "extra_k_cache")
-        local = torch.cat([local, torch.where(extra_local >= 0, extra_local + rows.shape[0], extra_local)], dim=1)
-        rows = torch.cat([rows, extra_rows])
-    scale = softmax_scale if softmax_scale is not None else d ** -0.5
-    sink = None if attn_sink is None else attn_sink.to(cpu).float()
-    out, lse = torch.ops.dsv4.sparse_attention(q.to(cpu).float().reshape(b * s_q, h_q, d), rows, local, None, sink,
-                                               float(scale), False)
+    scale = float(softmax_scale if softmax_scale is not None else d ** -0.5)
+    per_token = lambda x: None if x is None else x.to(torch.int32).repeat_interleave(s_q)  # [b] -> [b * s_q]
+    qf = q.reshape(b * s_q, h_q, d)
+    sink = None if attn_sink is None else attn_sink.float()
+    main = indices.reshape(b * s_q, -1).to(torch.int32)
+    if extra_k_cache is None:
+        out, lse = _attend(qf, k_cache, main, per_token(topk_length), sink, scale, "k_cache")
+    else:
+        # Each set without the sink, merged by weight exp(lse_i - lse), the sink applied once.
+        extra = extra_indices_in_kvcache.reshape(b * s_q, -1).to(torch.int32)
+        out1, lse1 = _attend(qf, k_cache, main, per_token(topk_length), None, scale, "k_cache")
+        out2, lse2 = _attend(qf, extra_k_cache, extra, per_token(extra_topk_length), None, scale, "extra_k_cache")
+        lse = torch.logaddexp(lse1, lse2)
+        empty = torch.isneginf(lse)
+        safe = torch.where(empty, torch.zeros_like(lse), lse)
+        w1 = torch.where(empty, torch.zeros_like(lse), torch.exp(lse1 - safe))
+        w2 = torch.where(empty, torch.zeros_like(lse), torch.exp(lse2 - safe))
+        out = out1 * w1[..., None] + out2 * w2[..., None]
+        if sink is not None:  # exp(lse) / (exp(lse) + exp(sink))
+            out = out * torch.sigmoid(safe - sink[None, :])[..., None]
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     out = out.reshape(b, s_q, h_q, d).to(torch.bfloat16)
-    lse = lse.reshape(b, s_q, h_q).transpose(1, 2).contiguous()
-    return out.to(device), lse.to(device)
+    return out, lse.reshape(b, s_q, h_q).transpose(1, 2).contiguous()
 
 
 def flash_mla_sparse_fwd(
@@ -183,18 +174,24 @@ def flash_mla_sparse_fwd(
     if d_v != 512 or q.shape[-1] != 512 or kv.dim() != 3 or kv.shape[1] != 1:
         raise ValueError(f"dsv4: flash_mla_sparse_fwd: q {list(q.shape)}, kv {list(kv.shape)}, d_v {d_v}: "
                          "expected d_qk = d_v = 512 and one KV head")
-    device, cpu = q.device, torch.device("cpu")
     s_q, h_q, d = q.shape
-    rows = kv.to(cpu).reshape(kv.shape[0], d).float()
-    ind = indices.to(cpu).reshape(s_q, -1).to(torch.int32)
+    rows = kv.reshape(kv.shape[0], d).to(torch.bfloat16)
+    ind = indices.reshape(s_q, -1).to(torch.int32)
     ind = torch.where((ind >= 0) & (ind < rows.shape[0]), ind, torch.full_like(ind, -1))
-    ind = _masked(ind, None if topk_length is None else topk_length.to(cpu))
-    sink = None if attn_sink is None else attn_sink.to(cpu).float()
-    qf = q.to(cpu).float()
-    out, lse = torch.ops.dsv4.sparse_attention(qf, rows, ind, None, sink, float(sm_scale), False)
-    # max_logits: the largest scaled logit over the valid indices of each query and head.
-    logits = torch.einsum("thd,tkd->thk", qf.double(), rows.double()[ind.clamp(min=0).long()]) * sm_scale
-    logits = logits.masked_fill((ind < 0)[:, None, :], float("-inf"))
-    max_logits = logits.max(dim=-1).values.float() if ind.shape[1] else torch.full((s_q, h_q), float("-inf"))
+    lengths = None if topk_length is None else topk_length.to(torch.int32)
+    sink = None if attn_sink is None else attn_sink.float()
+    out, lse = torch.ops.dsv4.sparse_attention(q, rows, ind, lengths, sink, float(sm_scale), True)
+    if lengths is not None:
+        positions = torch.arange(ind.shape[1], device=ind.device)
+        ind = torch.where(positions[None, :] < lengths[:, None].long(), ind, torch.full_like(ind, -1))
+    # max_logits: the largest scaled logit over the valid indices of each query and head, a chunk
+    # of queries at a time (the gathered rows of a whole prefill would not fit).
+    max_logits = torch.full((s_q, h_q), float("-inf"), device=q.device)
+    for first in range(0, s_q, 64):
+        chunk = ind[first:first + 64]
+        logits = torch.einsum("thd,tkd->thk", q[first:first + 64].float(), rows[chunk.clamp(min=0).long()].float())
+        logits = logits.masked_fill((chunk < 0)[:, None, :], float("-inf")) * sm_scale
+        if chunk.shape[1]:
+            max_logits[first:first + 64] = logits.max(dim=-1).values
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-    return out.to(torch.bfloat16).to(device), max_logits.to(device), lse.to(device)
+    return out.to(torch.bfloat16), max_logits, lse

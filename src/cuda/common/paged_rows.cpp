@@ -31,7 +31,7 @@ std::vector<TensorSpec> paged_cache_specs(const std::string& name, const PagedCa
                                           int64_t num_sequences) {
   std::vector<TensorSpec> specs = {{name + ".pages", &cache.pages, {kAnyDim, cache.geometry.page_stride}, {DType::u8}}};
   if (reader) {
-    specs.push_back({name + ".block_table", &cache.block_table, {num_sequences, kAnyDim}, {DType::i32}});
+    specs.push_back({name + ".block_table", &cache.block_table, {num_sequences, kAnyDim}, {DType::i32}, true});
     specs.push_back({name + ".first_logical_page", &cache.first_logical_page,
                      {num_sequences == kAnyDim ? cache.block_table.shape[0] : num_sequences}, {DType::i32}, true});
   }

@@ -31,8 +31,10 @@ __device__ __forceinline__ RowRef row_at_slot(const DeviceRows& r, int64_t slot)
   return row_in_page(r, slot / r.rows_per_page, slot % r.rows_per_page);
 }
 
-// Row `row` (a position or an entry index) of sequence `sequence`, through the block table.
+// Row `row` (a position or an entry index) of sequence `sequence`, through the block table; a
+// cache without one is flat (FlashMLA's addressing): `row` is the slot, whatever the sequence.
 __device__ __forceinline__ RowRef row_of_sequence(const DeviceRows& r, int64_t sequence, int64_t row) {
+  if (r.block_table == nullptr) return row_at_slot(r, row);
   if (sequence < 0 || sequence >= r.num_sequences || row < 0) return {};
   const int64_t first = r.first_logical_page ? r.first_logical_page[sequence] : 0;
   const int64_t block = row / r.rows_per_page - first;

@@ -33,7 +33,10 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
       {"token_sequence", &p.token_sequence, {tokens}, {DType::i32}},
       {"token_position", &p.token_position, {tokens}, {DType::i32}},
   };
-  for (TensorSpec& s : paged_cache_specs("window", p.window, true, kAnyDim)) specs.push_back(std::move(s));
+  // window_size 0 attends no window rows (the picks alone): the window cache may then be absent.
+  const bool has_window = p.window_size != 0 || is_present(p.window.pages);
+  if (has_window)
+    for (TensorSpec& s : paged_cache_specs("window", p.window, true, kAnyDim)) specs.push_back(std::move(s));
   if (has_compressed) {
     for (TensorSpec& s : paged_cache_specs("compressed", p.compressed, true, kAnyDim)) specs.push_back(std::move(s));
     specs.push_back({"picks", &p.picks, {tokens, kAnyDim}, {DType::i32}});
@@ -44,9 +47,9 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
 
   DSV4_CHECK(has_compressed || !is_present(p.picks), op,
              ": argument 'picks' is given without a 'compressed' cache to read them from");
-  check_paged_cache(op, "window", p.window, kHeadDim, kAttentionFormats);
+  if (has_window) check_paged_cache(op, "window", p.window, kHeadDim, kAttentionFormats);
   if (has_compressed) check_paged_cache(op, "compressed", p.compressed, kHeadDim, kAttentionFormats);
-  DSV4_CHECK(p.window_size >= 1, op, ": window_size is ", p.window_size, ", expected >= 1");
+  DSV4_CHECK(p.window_size >= 0, op, ": window_size is ", p.window_size, ", expected >= 0");
   DSV4_CHECK(p.compress_ratio >= 0, op, ": compress_ratio is ", p.compress_ratio, ", expected >= 0");
   DSV4_CHECK(std::isfinite(p.scale), op, ": scale is ", p.scale, ", expected a finite number");
   for (const auto& [name, view] : {std::pair{"q", &p.q}, std::pair{"out", &p.out}})

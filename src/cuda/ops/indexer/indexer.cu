@@ -57,7 +57,8 @@ void validate_index_scores(const IndexScoresParams& p) {
       {"weights", &p.weights, {tokens, heads}, {DType::f32}},
   };
   for (TensorSpec& s : paged_cache_specs("keys", p.keys, true, kAnyDim)) specs.push_back(std::move(s));
-  specs.push_back({"token_sequence", &p.token_sequence, {tokens}, {DType::i32}});
+  // Flat keys (no block table) are slots: no sequence to look them up by.
+  specs.push_back({"token_sequence", &p.token_sequence, {tokens}, {DType::i32}, !is_present(p.keys.block_table)});
   specs.push_back({"token_position", &p.token_position, {tokens}, {DType::i32}});
   specs.push_back({"candidates", &p.candidates, {tokens, kAnyDim}, {DType::i32}, true});
   specs.push_back({"scores", &p.scores, {tokens, kAnyDim}, {DType::f32}});

@@ -105,15 +105,16 @@ void validate_cache_insert(const CacheInsertParams& p) {
   std::vector<TensorSpec> specs = {
       {"rows", &p.rows, {kAnyDim, kAnyDim}, kFloatTypes},
       {"norm_weight", &p.norm_weight, {dims}, kFloatTypes, true},
-      {"token_position", &p.token_position, {tokens}, {DType::i32}},
-      {"rope_table", &p.rope_table, {kAnyDim, kAnyDim}, {DType::f32}},
+      {"token_position", &p.token_position, {tokens}, {DType::i32}, !is_present(p.rope_table)},
+      {"rope_table", &p.rope_table, {kAnyDim, kAnyDim}, {DType::f32}, true},
       {"slots", &p.slots, {tokens}, {DType::i64}},
   };
   for (TensorSpec& s : paged_cache_specs("cache", p.cache, false, kAnyDim)) specs.push_back(std::move(s));
   specs.push_back({"out", &p.out, {tokens, dims}, kFloatTypes, true});
   check_tensors(op, specs);
-  check_rope_table(op, p.rope_table, dims);
-  check_quant(op, p.quant, dims, p.rope_table.shape[1]);
+  const bool rotated = is_present(p.rope_table);
+  if (rotated) check_rope_table(op, p.rope_table, dims);
+  check_quant(op, p.quant, dims, rotated ? p.rope_table.shape[1] : 0);
   if (is_present(p.norm_weight)) check_eps(op, p.eps);
   check_dims(op, dims);
   check_paged_cache(op, "cache", p.cache, dims,
@@ -126,7 +127,7 @@ void run_cache_insert(const CacheInsertParams& p, cudaStream_t stream) {
   RowPipelineLaunch a;
   a.set_input(p.rows);
   if (is_present(p.norm_weight)) a.set_norm(p.norm_weight, p.eps);
-  a.set_rope(p.rope_table, p.token_position);
+  if (is_present(p.rope_table)) a.set_rope(p.rope_table, p.token_position);
   a.position_offset = p.position_offset;
   a.bf16_rounding = p.bf16_rounding;
   a.quant = p.quant;

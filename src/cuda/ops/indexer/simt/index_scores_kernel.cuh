@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kIndexEntriesPerBlock) index_scores_kernel(Ind
   RowRef row;  // stays invalid for j >= entries: such threads only help stage the queries
   if (j < a.entries && j < n_visible &&
       (!a.candidates || contains_block(a.candidates + t * a.num_candidates, a.num_candidates, j / a.candidate_block_size)))
-    row = row_of_sequence(a.keys, a.token_sequence[t], j);
+    row = row_of_sequence(a.keys, a.token_sequence ? a.token_sequence[t] : 0, j);
   float key[kDim > 0 ? kDim : 1];
   if constexpr (kDim > 0)
     if (row.valid()) decode_key_channels<kDim>(a.keys, row, 0, key);

@@ -38,7 +38,7 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
   a.q = p.q.ptr<const uint16_t>();
   a.weights = p.weights.ptr<const float>();
   a.keys = device_rows(p.keys);
-  a.token_sequence = p.token_sequence.ptr<const int32_t>();
+  if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
   a.token_position = p.token_position.ptr<const int32_t>();
   a.compress_ratio = p.compress_ratio;
   if (is_present(p.candidates)) {
