@@ -177,6 +177,7 @@ void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& 
   p.sink = sink.view;
   p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   p.out = out.view;
+  p.bf16_rounding = true;  // reference precision, as the engine runs it by default
   // Small steps split each token's rows over several blocks (the engine does the same).
   const size_t workspace_bytes = cuda::sparse_attention_workspace_bytes(p);
   DeviceBuffer workspace(workspace_bytes);

@@ -1,12 +1,17 @@
 // run_sparse_attention against reference::sparse_attention on random caches in every format, with
-// and without splitting a token's rows over several blocks.
+// and without splitting a token's rows over several blocks, in every implementation that runs the
+// call on this device (sparse_attention_implementations(), run directly, not through the chooser).
 //
 // The reference gets the rows the kernel must attend (window rows that have a page, valid picks),
 // decoded on the host by kv_format's decode_rows. Tolerance: both compute in fp32 (the reference
 // with bf16 = false: no rounding of e_i); they differ in summation order and exp implementation,
 // |Δ| <= 4e-6 + 1e-4·|out| (measured on an H200: |Δ| <= 1.3e-6, at most 0.16 of the bound, over
 // every f32 case, split or not). bf16 outputs may also land on the neighbouring bf16: rtol 2^-7
-// (measured: one bf16 ulp, 0.995 of the bound).
+// (measured: one bf16 ulp, 0.995 of the bound). With bf16_rounding the reference rounds e_i
+// relative to the final max, the kernels relative to a running max (and a split's own max), so
+// each e_i may round to the neighbouring bf16: the bound adds 2^-8·Σ_i e_i·|row_i[c]| / denominator
+// (recomputed in double), and a case whose rows fit one tile checks that the output follows the
+// rounded e_i. lse is checked against a double recomputation.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -44,6 +49,11 @@ struct AttentionCase {
   std::vector<Token> tokens;
   std::vector<int32_t> first_window_page;  // per sequence; rows on earlier pages are gone
   DType out_dtype = DType::f32;
+  bool bf16_rounding = false;
+  // Every token attends at most 32 rows (one tile of every implementation) and nothing splits: e_i
+  // is relative to the final max as in the reference, so the output must be much closer to the
+  // one with e_i rounded as the reference rounds it (bf16_rounding) or not rounded (without).
+  bool rows_in_one_tile = false;
   uint32_t seed = 1;
 };
 
@@ -56,6 +66,63 @@ void fill_rows(HostPagedCache& cache, int64_t rows, std::mt19937& rng) {
       for (float& v : row) v = dist(rng);
       cache.write(s, r, row.data());
     }
+}
+
+// What the test derives from one token's attended rows in double precision, per head.
+struct Recomputed {
+  std::vector<float> lse;  // [heads]: m + log Σ_i e_i, -inf without rows
+  // [heads, dim]: the most that rounding e_i to bf16 relative to another max than the reference's
+  // (a running max, a split's max) may move the output: each e_i moves by at most one bf16 ulp
+  // (2^-8 relative) against the reference's, so 2^-8 · Σ_i e_i·|row_i[c]| / denominator.
+  std::vector<float> rounding_slack;
+  // [heads, dim]: the output with e_i rounded to bf16 relative to the final max (as the reference
+  // rounds) and without, neither output rounded: how far apart rounding e_i puts the two.
+  std::vector<double> rounded, unrounded;
+};
+
+Recomputed recompute(const float* q, int64_t heads, const std::vector<std::vector<float>>& rows, const float* sink,
+                     float scale) {
+  const size_t n = rows.size();
+  Recomputed r{std::vector<float>(heads, -INFINITY), std::vector<float>(heads * kHeadDim, 0.0f),
+               std::vector<double>(heads * kHeadDim, 0.0), std::vector<double>(heads * kHeadDim, 0.0)};
+  if (n == 0) return r;
+  std::vector<double> logit(n);
+  for (int64_t h = 0; h < heads; ++h) {
+    double m = -INFINITY;
+    for (size_t i = 0; i < n; ++i) {
+      double dot = 0.0;
+      for (int64_t c = 0; c < kHeadDim; ++c) dot += static_cast<double>(q[h * kHeadDim + c]) * rows[i][c];
+      logit[i] = dot * scale;
+      m = std::max(m, logit[i]);
+    }
+    double sum = 0.0;
+    for (size_t i = 0; i < n; ++i) sum += std::exp(logit[i] - m);
+    r.lse[h] = static_cast<float>(m + std::log(sum));
+    const double denominator = sum + std::exp(static_cast<double>(sink[h]) - m);
+    for (size_t i = 0; i < n; ++i) {
+      const double e = std::exp(logit[i] - m), e_bf16 = round_to_bf16(static_cast<float>(e));
+      for (int64_t c = 0; c < kHeadDim; ++c) {
+        const double v = rows[i][c];
+        r.rounding_slack[h * kHeadDim + c] += static_cast<float>(0x1p-8 * e * std::fabs(v) / denominator);
+        r.rounded[h * kHeadDim + c] += e_bf16 * v / denominator;
+        r.unrounded[h * kHeadDim + c] += e * v / denominator;
+      }
+    }
+  }
+  return r;
+}
+
+// A view of token t of a [tokens, ...] view.
+TensorView token_view(TensorView v, int64_t t) {
+  v.data = static_cast<std::byte*>(v.data) + t * v.stride[0] * static_cast<int64_t>(dtype_size(v.dtype));
+  v.shape[0] = 1;
+  return v;
+}
+
+double mean_abs_difference(const std::vector<float>& a, const std::vector<double>& b) {
+  double total = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) total += std::fabs(a[i] - b[i]);
+  return total / static_cast<double>(a.size());
 }
 
 void check_attention(const AttentionCase& c) {
@@ -95,8 +162,10 @@ void check_attention(const AttentionCase& c) {
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
 
-  // Reference, token by token, on the rows the kernel must attend.
-  std::vector<float> expected(static_cast<size_t>(tokens * c.heads * kHeadDim));
+  // Reference, token by token, on the rows the kernel must attend, and the double recomputation.
+  const size_t outputs = static_cast<size_t>(tokens * c.heads * kHeadDim);
+  std::vector<float> expected(outputs), expected_lse(static_cast<size_t>(tokens * c.heads)), rounding_slack(outputs);
+  std::vector<double> rounded(outputs), unrounded(outputs);
   for (int64_t t = 0; t < tokens; ++t) {
     std::vector<std::vector<float>> rows;
     for (int64_t p = std::max<int64_t>(0, position[t] - c.window + 1); p <= position[t]; ++p)
@@ -108,9 +177,14 @@ void check_attention(const AttentionCase& c) {
     }
     std::vector<const float*> pointers;
     for (const auto& r : rows) pointers.push_back(r.data());
-    reference::sparse_attention(q.data() + t * c.heads * kHeadDim, c.heads, kHeadDim, pointers.data(),
-                                static_cast<int64_t>(pointers.size()), sink.data(), scale, false,
-                                expected.data() + t * c.heads * kHeadDim);
+    const float* qt = q.data() + t * c.heads * kHeadDim;
+    reference::sparse_attention(qt, c.heads, kHeadDim, pointers.data(), static_cast<int64_t>(pointers.size()),
+                                sink.data(), scale, c.bf16_rounding, expected.data() + t * c.heads * kHeadDim);
+    const Recomputed r = recompute(qt, c.heads, rows, sink.data(), scale);
+    std::copy(r.lse.begin(), r.lse.end(), expected_lse.begin() + t * c.heads);
+    std::copy(r.rounding_slack.begin(), r.rounding_slack.end(), rounding_slack.begin() + t * c.heads * kHeadDim);
+    std::copy(r.rounded.begin(), r.rounded.end(), rounded.begin() + t * c.heads * kHeadDim);
+    std::copy(r.unrounded.begin(), r.unrounded.end(), unrounded.begin() + t * c.heads * kHeadDim);
   }
   if (c.out_dtype == DType::bf16) expected = testing::rounded_to_bf16(expected);
 
@@ -119,10 +193,11 @@ void check_attention(const AttentionCase& c) {
   DeviceTensor dposition = testing::device_array(position, DType::i32, {tokens});
   DeviceTensor dsink = testing::device_tensor(sink, DType::f32, {c.heads});
   DeviceTensor dout = testing::poisoned_tensor(c.out_dtype, {tokens, c.heads, kHeadDim});
+  DeviceTensor dlse = testing::poisoned_tensor(DType::f32, {tokens, c.heads});
   testing::DevicePagedCache dwindow = testing::to_device_cache(window);
   SparseAttentionParams p{.q = dq.view, .token_sequence = dsequence.view, .token_position = dposition.view,
                           .window = dwindow.view, .window_size = c.window, .sink = dsink.view, .scale = scale,
-                          .out = dout.view};
+                          .out = dout.view, .lse = dlse.view, .bf16_rounding = c.bf16_rounding};
   testing::DevicePagedCache dcompressed;
   DeviceTensor dpicks;
   if (compressed) {
@@ -132,25 +207,76 @@ void check_attention(const AttentionCase& c) {
     p.picks = dpicks.view;
     p.compress_ratio = c.ratio;
   }
-  // Once with one block per (token, head group), once with the rows split over several blocks.
+  validate_sparse_attention(p);
+
+  // Both outputs in f32; rtol: bf16 outputs may land on the neighbouring bf16, and with rounding
+  // the reference's output is bf16. With rounding, e_i relative to another max may round the other
+  // way: rounding_slack.
+  const float rtol = c.out_dtype == DType::bf16 || c.bf16_rounding ? 0x1p-7f : 1e-4f;
+  const std::span<const float> slack = c.bf16_rounding ? std::span<const float>(rounding_slack) : std::span<const float>();
+  // lse: |Δ| <= 1e-5 + 1e-5·|lse| (the logits' fp32 error; -inf exactly).
+  constexpr float kLseTolerance = 1e-5f;
+  // Every implementation that runs this call on this device (the chooser takes the first).
   Stream stream;
-  run_sparse_attention(p, stream.get());
-  stream.synchronize("sparse attention test");
-  const float rtol = c.out_dtype == DType::bf16 ? 0x1p-7f : 1e-4f;
-  testing::expect_close(testing::download_floats(dout.view), expected, 4e-6f, rtol, "attention output");
-  // Every case but the one-tile prefill splits (few blocks, several tiles of rows).
-  DeviceBuffer workspace(sparse_attention_workspace_bytes(p));
-  dout.buffer.fill_bytes(0xff);
-  run_sparse_attention(p, workspace.data(), stream.get());
-  stream.synchronize("split sparse attention test");
-  testing::expect_close(testing::download_floats(dout.view), expected, 4e-6f, rtol, "attention output, split rows");
-  // The splits are merged in a fixed order: a second run gives the same bits.
-  const HostTensor first = to_host(dout.view);
-  dout.buffer.fill_bytes(0xff);
-  run_sparse_attention(p, workspace.data(), stream.get());
-  stream.synchronize("repeated split sparse attention test");
-  const HostTensor again = to_host(dout.view);
-  EXPECT_EQ(std::memcmp(first.data(), again.data(), first.nbytes()), 0) << "a second split run gave other bits";
+  int implementations_run = 0;
+  for (const SparseAttentionImplementation* implementation : sparse_attention_implementations()) {
+    if (!implementation->supports(p, device_info()).empty()) continue;
+    ++implementations_run;
+    const std::string name = implementation->name;
+    // Once with one block per (token, head group), once with the rows split over several blocks
+    // (every case but the one-tile ones splits: few blocks, several tiles of rows).
+    HostTensor unsplit;
+    for (const bool split : {false, true}) {
+      const std::string what = name + (split ? " attention output, split rows" : " attention output");
+      DeviceBuffer workspace(split ? implementation->workspace_bytes(p) : 0);
+      dout.buffer.fill_bytes(0xff);
+      dlse.buffer.fill_bytes(0xff);
+      implementation->run(p, workspace.data(), stream.get());
+      stream.synchronize(what.c_str());
+      const std::vector<float> out = testing::download_floats(dout.view);
+      testing::expect_close(out, expected, 4e-6f, rtol, what, slack);
+      testing::expect_close(testing::download_floats(dlse.view), expected_lse, kLseTolerance, kLseTolerance,
+                            name + (split ? " lse, split rows" : " lse"));
+      if (c.rows_in_one_tile) {
+        // e_i is relative to the final max as in the reference: the output follows the rounded e_i.
+        const double to_rounded = mean_abs_difference(out, rounded), to_unrounded = mean_abs_difference(out, unrounded);
+        std::cout << "measured " << what << ": mean |d| " << to_rounded << " to the rounded-e_i output, "
+                  << to_unrounded << " to the unrounded one\n";
+        if (c.bf16_rounding) EXPECT_LT(to_rounded, 0.25 * to_unrounded) << what;
+        else EXPECT_LT(to_unrounded, 0.25 * to_rounded) << what;
+      }
+      if (!split) {
+        unsplit = to_host(dout.view);
+        continue;
+      }
+      // The splits are merged in a fixed order: a second run gives the same bits.
+      const HostTensor first = to_host(dout.view);
+      dout.buffer.fill_bytes(0xff);
+      implementation->run(p, workspace.data(), stream.get());
+      stream.synchronize(what.c_str());
+      const HostTensor again = to_host(dout.view);
+      EXPECT_EQ(std::memcmp(first.data(), again.data(), first.nbytes()), 0) << name << ": a second split run gave other bits";
+    }
+    // A token's result does not depend on the rest of the batch: the middle token alone gives the
+    // same bits as in the batch, both unsplit. (How many splits a step gets depends on its size, and
+    // the split changes the bits: each split rounds e_i relative to its own max.)
+    const int64_t t = tokens / 2;
+    SparseAttentionParams alone = p;
+    alone.q = token_view(p.q, t);
+    alone.token_sequence = token_view(p.token_sequence, t);
+    alone.token_position = token_view(p.token_position, t);
+    if (compressed) alone.picks = token_view(p.picks, t);
+    DeviceTensor alone_out = testing::poisoned_tensor(c.out_dtype, {1, c.heads, kHeadDim});
+    alone.out = alone_out.view;
+    alone.lse = {};
+    implementation->run(alone, nullptr, stream.get());
+    stream.synchronize("attention of one token");
+    const HostTensor single = to_host(alone_out.view);
+    const size_t token_bytes = single.nbytes();
+    EXPECT_EQ(std::memcmp(static_cast<const std::byte*>(unsplit.data()) + t * token_bytes, single.data(), token_bytes), 0)
+        << name << ": token " << t << " alone gave other bits than in its batch";
+  }
+  EXPECT_GT(implementations_run, 0);
 }
 
 TEST_F(CudaTest, SparseAttentionDecodeNativeFormats) {
@@ -194,12 +320,37 @@ TEST_F(CudaTest, SparseAttentionBf16InterleavedPages) {
 
 TEST_F(CudaTest, SparseAttentionWindowOnlyPerTensorFp8) {
   // No compressed cache; the sequence's first window page is gone, so early window rows are
-  // skipped rather than read.
+  // skipped rather than read (position 100 of sequence 1 attends none: zeros, lse -inf).
   AttentionCase c{.window_format = KvRowFormat::fp8_per_tensor, .heads = 17, .window = 128,
                   .first_window_page = {0, 2}, .seed = 40};
   for (int32_t p : {0, 1, 63, 64, 65}) c.tokens.push_back({0, p});
-  for (int32_t p : {130, 150, 191, 200}) c.tokens.push_back({1, p});
+  for (int32_t p : {100, 130, 150, 191, 200}) c.tokens.push_back({1, p});
   check_attention(c);
+}
+
+TEST_F(CudaTest, SparseAttentionBf16RoundingDecodeReleasedShape) {
+  // What the engine runs in reference precision: the released decode shape with e_i rounded.
+  AttentionCase c{.window_format = KvRowFormat::v41_fp8, .compressed_format = KvRowFormat::v41_fp4, .heads = 64,
+                  .window = 128, .ratio = 1, .num_picks = 512, .out_dtype = DType::bf16, .bf16_rounding = true,
+                  .seed = 60};
+  for (int32_t s = 0; s < 16; ++s) {
+    c.tokens.push_back({s, 900 + 11 * s});
+    c.first_window_page.push_back(0);
+  }
+  check_attention(c);
+}
+
+TEST_F(CudaTest, SparseAttentionBf16RoundingFollowsTheReferenceInOneTile) {
+  // At most 32 rows per token (window 16 + 13 picks), f32 output: with the rows in one tile the
+  // rounding of e_i is the reference's, and without bf16_rounding nothing is rounded.
+  for (const bool rounding : {true, false}) {
+    SCOPED_TRACE(rounding ? "bf16_rounding" : "no rounding");
+    AttentionCase c{.window_format = KvRowFormat::fp8_ds_mla, .compressed_format = KvRowFormat::v41_fp4,
+                    .heads = 32, .window = 16, .ratio = 1, .num_picks = 13, .first_window_page = {0, 0},
+                    .bf16_rounding = rounding, .rows_in_one_tile = true, .seed = 70};
+    for (int32_t p = 0; p < 20; ++p) c.tokens.push_back({p % 2, 3 * p});
+    check_attention(c);
+  }
 }
 
 // Valid arguments of 3 tokens x 8 heads over a v41_fp8 window cache, on fake device views.
@@ -259,6 +410,12 @@ TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
   EXPECT_EQ(message(bad),
             "dsv4: sparse_attention: cache 'window' has page stride 17408 with 512+16 bytes per row, expected 16896 "
             "with 512+16 (build the geometry with page_geometry())");
+  bad = p;
+  bad.lse = fake_device_view(DType::f32, {3, 9});
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'lse' has shape [3, 9], expected [3, 8]");
+  bad = p;
+  bad.lse = fake_device_view(DType::bf16, {3, 8});
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'lse' has dtype BF16, expected F32");
   bad = p;
   bad.window_size = 0;
   EXPECT_EQ(message(bad), "dsv4: sparse_attention: window_size is 0, expected >= 1");

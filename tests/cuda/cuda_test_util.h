@@ -53,18 +53,19 @@ inline std::vector<float> rounded_to_bf16(std::vector<float> v) {
 }
 
 // Every actual[i] must equal expected[i] (infinities included) or be finite and within
-// atol + rtol·|expected[i]|; reports the worst element. Prints the measured error ("measured
+// atol + rtol·|expected[i]| (+ extra[i] when `extra` is given); reports the worst element. Prints the measured error ("measured
 // <what>: ...": the largest |Δ|, the largest |Δ| / |expected| and the largest fraction of the
 // bound used) and records it as a test property, so that one GPU run gives the numbers the bounds
 // are set from (docs/testing.md).
 inline void expect_close(const std::vector<float>& actual, const std::vector<float>& expected, float atol, float rtol,
-                         const std::string& what) {
+                         const std::string& what, std::span<const float> extra = {}) {
   ASSERT_EQ(actual.size(), expected.size()) << what;
+  ASSERT_TRUE(extra.empty() || extra.size() == expected.size()) << what;
   size_t worst = 0, failures = 0, differing = 0;
   double worst_excess = -1.0, max_abs = 0.0, max_rel = 0.0, max_used = 0.0;
   for (size_t i = 0; i < actual.size(); ++i) {
     if (actual[i] == expected[i]) continue;
-    const double bound = atol + rtol * std::fabs(expected[i]);
+    const double bound = atol + rtol * std::fabs(expected[i]) + (extra.empty() ? 0.0 : extra[i]);
     const double err = std::fabs(static_cast<double>(actual[i]) - expected[i]);
     ++differing;
     max_abs = std::max(max_abs, err);

@@ -9,8 +9,13 @@
 // Each row is key and value at once (K = V, RoPE dims included), decoded exactly from any cache
 // format. Rows that are not addressable (page outside the table or the pool) are skipped.
 //   out[t, h] = Σ_i e_i · row_i / (Σ_i e_i + exp(sink[h] - m)),  e_i = exp(scale · q[t, h]·row_i - m)
-// in fp32 with an online softmax over tiles of 32 rows (m: the running max over rows); a token
-// with no attended row gets zeros. No bf16 rounding of e_i (the reference kernel rounds it).
+// in fp32 with an online softmax over tiles of rows (m: the running max over rows); a token with
+// no attended row gets zeros. With bf16_rounding (reference precision, SPEC §5.2) each e_i is
+// rounded to bf16 before it multiplies its row, while the denominator sums the unrounded e_i, as
+// reference::sparse_attention(bf16 = true) does; e_i is relative to the running max, so the
+// rounding may differ from the reference's (relative to the final max) by one bf16 ulp of e_i.
+// Optionally lse[t, h] = m + log Σ_i e_i (natural log, sink excluded, FlashMLA's definition):
+// what merging this attention with another over disjoint rows needs.
 #pragma once
 
 #include <cstddef>
@@ -32,6 +37,9 @@ struct SparseAttentionParams {
   TensorView sink;             // [heads] f32 logits (attn_sink)
   float scale = 0.0f;          // softmax scale, head_dim^-0.5
   TensorView out;              // [tokens, heads, head_dim] bf16 | f32
+  TensorView lse;              // [tokens, heads] f32, optional: log-sum-exp of the scaled logits
+                               // without the sink; -inf for a token with no attended row
+  bool bf16_rounding = false;  // round e_i to bf16 before P·V (reference precision)
 };
 
 void validate_sparse_attention(const SparseAttentionParams& p);

@@ -353,6 +353,7 @@ void LayerPipeline::attend(int layer) {
   a.sink = weights(layer).get(WeightRole::attn_sink).view();
   a.scale = r.softmax_scale;
   a.out = view(ws.o, ws.rows, {T, H, D});
+  a.bf16_rounding = r.round_bf16;
   if (plan.kv_source >= 0) {
     const LayerStep& source = in_.step->layer(plan.kv_source);
     a.compressed = source.compressed;

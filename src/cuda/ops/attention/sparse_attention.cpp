@@ -43,6 +43,7 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
   }
   specs.push_back({"sink", &p.sink, {heads}, {DType::f32}});
   specs.push_back({"out", &p.out, {tokens, heads, kHeadDim}, {DType::bf16, DType::f32}});
+  specs.push_back({"lse", &p.lse, {tokens, heads}, {DType::f32}, true});
   check_tensors(op, specs);
 
   DSV4_CHECK(has_compressed || !is_present(p.picks), op,

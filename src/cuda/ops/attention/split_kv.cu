@@ -13,19 +13,19 @@ __global__ void split_kv_combine_kernel(SplitKvCombine c) {
   float m = -INFINITY;
   for (int z = 0; z < c.splits; ++z) m = fmaxf(m, c.partials.stats[z * stride + t * c.heads + h].x);
   float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float denominator = 0.0f;
+  float rows_sum = 0.0f;  // Σ_z l_z·exp(m_z − M): the denominator without the sink
   if (m != -INFINITY) {
     for (int z = 0; z < c.splits; ++z) {
       const int64_t index = z * stride + t * c.heads + h;
       const float2 stats = c.partials.stats[index];
       const float weight = expf(stats.x - m);  // 0 for a split that attended nothing
-      denominator += stats.y * weight;
+      rows_sum += stats.y * weight;
       const float4 v = reinterpret_cast<const float4*>(c.partials.out + index * c.head_dim)[threadIdx.x];
       sum.x += v.x * weight, sum.y += v.y * weight, sum.z += v.z * weight, sum.w += v.w * weight;
     }
-    denominator += expf(c.sink[h] - m);
   }
-  const float inverse = m != -INFINITY ? 1.0f / denominator : 0.0f;
+  if (c.lse && threadIdx.x == 0) c.lse[t * c.heads + h] = m != -INFINITY ? m + logf(rows_sum) : -INFINITY;
+  const float inverse = m != -INFINITY ? 1.0f / (rows_sum + expf(c.sink[h] - m)) : 0.0f;
   const float v[4] = {sum.x * inverse, sum.y * inverse, sum.z * inverse, sum.w * inverse};
   store4(static_cast<Out*>(c.out) + (t * c.heads + h) * c.head_dim + threadIdx.x * 4, v);
 }

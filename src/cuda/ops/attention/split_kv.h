@@ -53,7 +53,7 @@ size_t split_kv_max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t h
 }
 
 // out[t, h] = Σ_z acc_z·exp(m_z − M) / (Σ_z l_z·exp(m_z − M) + exp(sink[h] − M)) with M = max_z m_z,
-// zeros when no split attended a row.
+// zeros when no split attended a row; lse[t, h] = M + log Σ_z l_z·exp(m_z − M) (no sink), −inf then.
 struct SplitKvCombine {
   SplitKvPartials partials;
   int splits = 1;
@@ -63,6 +63,7 @@ struct SplitKvCombine {
   const float* sink = nullptr;  // [heads] f32
   void* out = nullptr;          // [tokens, heads, head_dim]
   DType out_dtype = DType::f32; // bf16 | f32
+  float* lse = nullptr;         // [tokens, heads] f32, optional
 };
 
 void run_split_kv_combine(const SplitKvCombine& c, cudaStream_t stream);

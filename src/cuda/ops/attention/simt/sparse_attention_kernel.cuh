@@ -32,7 +32,9 @@ struct SparseAttentionLaunch {
   int compress_ratio = 0;
   const float* sink = nullptr;
   float scale = 0.0f;
+  bool bf16_rounding = false;  // e_i rounded to bf16 before P·V (the sums keep it unrounded)
   void* out = nullptr;
+  float* lse = nullptr;  // [tokens, heads], optional; written by the combine when split
   int64_t tokens = 0;
   int heads = 0;
   // Split-KV (split_kv.h): block z of a token covers tiles [z·tiles_per_split, (z+1)·tiles_per_split)
@@ -176,6 +178,7 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
       const float correction = expf(running_max[h] - new_max);  // 0 while running_max is -inf
       probability[h] = row_valid ? expf(score - new_max) : 0.0f;
       running_sum[h] = running_sum[h] * correction + warp_sum(probability[h]);
+      if (a.bf16_rounding) probability[h] = round_to_bf16(probability[h]);
       running_max[h] = new_max;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c)
@@ -216,6 +219,7 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
       continue;
     }
     const bool any = running_max[h] != -INFINITY;
+    if (a.lse && lane == 0) a.lse[t * a.heads + head[h]] = any ? running_max[h] + logf(running_sum[h]) : -INFINITY;
     const float inverse = any ? 1.0f / (running_sum[h] + expf(a.sink[head[h]] - running_max[h])) : 0.0f;
     Out* out = static_cast<Out*>(a.out) + (t * a.heads + head[h]) * kHeadDim;
 #pragma unroll

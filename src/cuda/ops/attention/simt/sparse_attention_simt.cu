@@ -58,7 +58,9 @@ void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
   }
   a.sink = p.sink.ptr<const float>();
   a.scale = p.scale;
+  a.bf16_rounding = p.bf16_rounding;
   a.out = p.out.data;
+  a.lse = is_present(p.lse) ? p.lse.ptr<float>() : nullptr;
   a.splits = split.splits;
   a.tiles_per_split = split.tiles_per_split;
   a.partials = split_kv_partials(workspace, a.tokens, a.heads, kHeadDim, a.splits);
@@ -67,7 +69,8 @@ void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
   check_launch("sparse_attention");
   if (a.splits > 1)
     run_split_kv_combine({.partials = a.partials, .splits = a.splits, .tokens = a.tokens, .heads = a.heads,
-                          .head_dim = kHeadDim, .sink = a.sink, .out = a.out, .out_dtype = p.out.dtype},
+                          .head_dim = kHeadDim, .sink = a.sink, .out = a.out, .out_dtype = p.out.dtype,
+                          .lse = a.lse},
                          stream);
 }
 
