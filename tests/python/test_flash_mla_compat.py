@@ -180,20 +180,66 @@ def test_sparse_prefill(gen):
         torch.testing.assert_close(max_logits[t].double(), logits.max(dim=-1).values, rtol=1e-5, atol=1e-5)
 
 
-def test_cuda_tensors_round_trip(gen):
-    torch_cuda = cuda_or_skip()
-    pages, k_cache = make_cache("fp8_ds_mla", "segregated", 2, 64, gen)
-    q = torch.randn(1, 1, 4, 512, generator=gen).to(torch.bfloat16)
-    idx = torch.randint(0, 128, (1, 1, 8), generator=gen, dtype=torch.int32)
-    meta = flash_mla.get_mla_metadata()[0]
-    cpu = flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, indices=idx, is_fp8_kvcache=True)
-    dev = torch_cuda.device("cuda")
-    # The same page view, of the pages copied to the device.
-    k_cache_gpu = torch.as_strided(pages.to(dev), k_cache.shape, k_cache.stride())
-    gpu = flash_mla.flash_mla_with_kvcache(q.to(dev), k_cache_gpu, None, None, 512, flash_mla.get_mla_metadata()[0],
-                                           indices=idx.to(dev), is_fp8_kvcache=True)
-    assert gpu[0].device.type == "cuda"
-    torch.testing.assert_close(gpu[0].cpu(), cpu[0])
+@pytest.mark.parametrize("fmt,placement", [("fp8_ds_mla", "segregated"), ("v41_fp8", "interleaved"),
+                                            ("v41_fp4", "segregated")])
+def test_cuda_decode_against_reference(gen, fmt, placement):
+    """On CUDA tensors: the pages are read in place on the device, the extra cache merged through
+    the log-sum-exps, the sink applied once; the same numbers as the reference, in a CUDA graph too."""
+    cuda_or_skip()
+    flash_mla.set_page_placement(placement)
+    try:
+        b, h_q, bs = 3, 64, 64
+        extra_fmt = "fp8_ds_mla" if fmt == "fp8_ds_mla" else "v41_fp4"  # V4.0 rows, or V4.1's compressed rows
+        main_pages, main = make_cache(fmt, placement, 3, bs, gen)
+        extra_pages, extra = make_cache(extra_fmt, placement, 2, bs, gen)
+        q = torch.randn(b, 1, h_q, 512, generator=gen).to(torch.bfloat16)
+        indices = torch.randint(-1, 3 * bs, (b, 1, 40), generator=gen, dtype=torch.int32)
+        extra_idx = torch.randint(-1, 2 * bs, (b, 1, 96), generator=gen, dtype=torch.int32)
+        lengths, extra_lengths = torch.tensor([40, 7, 0], dtype=torch.int32), torch.tensor([96, 50, 0], dtype=torch.int32)
+        sink = torch.randn(h_q, generator=gen)
+        want, want_lse = reference(q.float(), [(main_pages, fmt, placement, bs, indices, lengths),
+                                               (extra_pages, extra_fmt, placement, bs, extra_idx, extra_lengths)],
+                                   sink, 512 ** -0.5)
+        dev = torch.device("cuda")
+        on_gpu = lambda pages, view: torch.as_strided(pages.to(dev), view.shape, view.stride())
+        args = dict(indices=indices.to(dev), attn_sink=sink.to(dev), extra_k_cache=on_gpu(extra_pages, extra),
+                    extra_indices_in_kvcache=extra_idx.to(dev), topk_length=lengths.to(dev),
+                    extra_topk_length=extra_lengths.to(dev), is_fp8_kvcache=True)
+        gpu_cache = on_gpu(main_pages, main)
+        q_gpu = q.to(dev)
+        call = lambda: flash_mla.flash_mla_with_kvcache(q_gpu, gpu_cache, None, None, 512,
+                                                        flash_mla.get_mla_metadata()[0], **args)
+        out, lse = call()
+        assert out.device.type == "cuda" and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.cpu().double(), want, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=1e-5, atol=1e-5)
+        assert torch.isposinf(lse[2]).all() and (out[2] == 0).all()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], out) and torch.equal(captured[1], lse)
+    finally:
+        flash_mla.set_page_placement("segregated")
+
+
+def test_cuda_sparse_prefill(gen):
+    cuda_or_skip()
+    s_q, s_kv, h_q, topk = 70, 300, 64, 96
+    q = torch.randn(s_q, h_q, 512, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(s_kv, 1, 512, generator=gen).to(torch.bfloat16)
+    indices = torch.randint(-1, s_kv + 20, (s_q, 1, topk), generator=gen, dtype=torch.int32)
+    sink = torch.randn(h_q, generator=gen)
+    want = flash_mla.flash_mla_sparse_fwd(q, kv, indices, 0.04, attn_sink=sink)
+    dev = torch.device("cuda")
+    got = flash_mla.flash_mla_sparse_fwd(q.to(dev), kv.to(dev), indices.to(dev), 0.04, attn_sink=sink.to(dev))
+    torch.testing.assert_close(got[0].cpu().double(), want[0].double(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-4, atol=1e-4)
 
 
 def test_swap_example_runs():

@@ -1,5 +1,6 @@
-"""torch.ops.dsv4: schemas, CPU kernels equal to dsv4.ops, shape-only kernels, and on torch >= 2.4
-torch.library.opcheck and torch.compile."""
+"""torch.ops.dsv4: schemas, CPU kernels equal to dsv4.ops, shape-only kernels, CUDA kernels equal to
+the CPU ones (on torch's current stream, capturable in a CUDA graph), and on torch >= 2.4
+torch.library.opcheck and torch.compile on both devices."""
 import numpy as np
 import pytest
 
@@ -14,8 +15,10 @@ NEW_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 4)
 
 def samples(device="cpu"):
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 4, 64, generator=g)
-    kv = torch.randn(10, 64, generator=g)
+    # bf16-exact values: the CUDA kernels read q, kv and keys as bf16, so both devices see the same
+    # inputs. Head dim 512, the CUDA attention's.
+    q = torch.randn(3, 4, 512, generator=g).to(torch.bfloat16).float()
+    kv = torch.randn(10, 512, generator=g).to(torch.bfloat16).float()
     indices = torch.tensor([[0, 3, 9, -1], [-1, -1, -1, -1], [2, 2, 5, 7]], dtype=torch.int32)
     sink = torch.randn(4, generator=g)
     w = torch.randn(3, 4, generator=g)
@@ -68,15 +71,17 @@ def test_cpu_kernels_match_ops():
 def test_meta_shapes():
     s = samples("meta")
     out, lse = torch.ops.dsv4.sparse_attention(*s["sparse_attention"])
-    assert out.device.type == "meta" and out.shape == (3, 4, 64) and lse.shape == (3, 4)
+    assert out.device.type == "meta" and out.shape == (3, 4, 512) and lse.shape == (3, 4)
     assert torch.ops.dsv4.index_scores(*s["index_scores"]).shape == (3, 10)
     assert torch.ops.dsv4.topk(*s["topk"]).dtype == torch.int32
     assert torch.ops.dsv4.kv_decode(*s["kv_decode"]).shape == (3, 512)
 
 
+OPS = ["sparse_attention", "index_scores", "topk", "compressor_pool", "kv_encode", "kv_decode"]
+
+
 @pytest.mark.skipif(not NEW_TORCH, reason="torch.library.opcheck needs torch >= 2.4")
-@pytest.mark.parametrize("name", ["sparse_attention", "index_scores", "topk", "compressor_pool", "kv_encode",
-                                  "kv_decode"])
+@pytest.mark.parametrize("name", OPS)
 def test_opcheck_cpu(name):
     torch.library.opcheck(getattr(torch.ops.dsv4, name).default, samples()[name])
 
@@ -94,6 +99,85 @@ def test_compile_cpu():
     torch.testing.assert_close(got[0], want[0])
 
 
-def test_cuda_kernels():
+def run_op(name, args):
+    """The op's outputs (kv_encode: the pages it wrote) as CPU tensors."""
+    if name == "kv_encode":
+        args = args[:3] + (args[3].clone(),) + args[4:]
+        getattr(torch.ops.dsv4, name)(*args)
+        return (args[3].cpu(),)
+    out = getattr(torch.ops.dsv4, name)(*args)
+    return tuple(o.cpu() for o in (out if isinstance(out, tuple) else (out,)))
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_cuda_kernels_match_cpu(name, bf16):
+    """Each op's CUDA kernel against its CPU kernel on the same random inputs (fp32 arithmetic in
+    another order: 1e-5 relative; top-k picks, encoded bytes and decoded rows exactly)."""
     cuda_or_skip()
-    pytest.skip("torch.ops.dsv4 has no CUDA kernels yet (the GPU path is dsv4.Engine(backend='cuda'))")
+    cpu, gpu = samples(), samples("cuda")
+    if name in ("sparse_attention", "index_scores"):
+        cpu[name] = cpu[name][:-1] + (bf16,)
+        gpu[name] = gpu[name][:-1] + (bf16,)
+    elif bf16:
+        pytest.skip("no bf16 flag")
+    if name == "kv_decode":  # decode what kv_encode wrote
+        torch.ops.dsv4.kv_encode(*cpu["kv_encode"])
+        gpu[name] = gpu[name][:1] + (cpu["kv_encode"][3].cuda(),) + gpu[name][2:]
+    for want, got in zip(run_op(name, cpu[name]), run_op(name, gpu[name])):
+        if want.dtype.is_floating_point:
+            # bf16 rounding of exp-scores relative to a running max: one bf16 ulp of some weights.
+            tol = 4e-3 if bf16 and name == "sparse_attention" else 1e-5
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        else:
+            assert torch.equal(got, want)
+
+
+def test_cuda_ops_on_current_stream_in_a_graph():
+    """Attention, index scores and top-k queued on a side stream and captured in a CUDA graph (a
+    synchronization or an allocation of dsv4's own would fail the capture); replays equal eager runs,
+    also after the inputs change in place."""
+    cuda_or_skip()
+    s = samples("cuda")
+    q, kv, indices, lengths, sink, scale, _ = s["sparse_attention"]
+    w, n_visible = s["index_scores"][1], s["index_scores"][3]
+
+    def step():
+        out, lse = torch.ops.dsv4.sparse_attention(q, kv, indices, lengths, sink, scale, True)
+        scores = torch.ops.dsv4.index_scores(q, w, kv, n_visible, True)
+        return out, lse, scores, torch.ops.dsv4.topk(scores, n_visible, 4)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for trial in range(2):
+        graph.replay()
+        for got, want in zip(captured, step()):
+            assert torch.equal(got, want)
+        q.copy_(torch.randn_like(q).to(torch.bfloat16).float())
+
+
+@pytest.mark.skipif(not NEW_TORCH, reason="torch.library.opcheck needs torch >= 2.4")
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck_cuda(name):
+    cuda_or_skip()
+    torch.library.opcheck(getattr(torch.ops.dsv4, name).default, samples("cuda")[name])
+
+
+@pytest.mark.skipif(not NEW_TORCH, reason="torch.compile with custom ops needs torch >= 2.4")
+def test_compile_cuda():
+    cuda_or_skip()
+    s = samples("cuda")["sparse_attention"]
+
+    def f(q, kv, indices, lengths, sink):
+        out, lse = torch.ops.dsv4.sparse_attention(q, kv, indices, lengths, sink, 0.125, True)
+        return out * 2, lse
+
+    got = torch.compile(f, fullgraph=True)(*s[:5])
+    want = f(*s[:5])
+    torch.testing.assert_close(got[0], want[0])

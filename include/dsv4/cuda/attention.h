@@ -4,8 +4,10 @@
 //
 // For the token at position p of sequence s, the attended rows are
 //   * window rows p - W + 1 ... p (>= 0) of s in `window` (its own layer's cache), and
-//   * compressed entries picks[t][i] >= 0 of s in `compressed` (the kv source's cache); with
-//     compress_ratio > 0 entries >= (p + 1) / compress_ratio are skipped (not yet closed).
+//   * compressed entries picks[t][i] >= 0 of s in `compressed` (the kv source's cache), the first
+//     pick_count[t] of the list when given; with compress_ratio > 0 entries >= (p + 1) /
+//     compress_ratio are skipped (not yet closed).
+// A cache without a block table is flat (runtime.h): picks are then slots, FlashMLA's indices.
 // Each row is key and value at once (K = V, RoPE dims included), decoded exactly from any cache
 // format. Rows that are not addressable (page outside the table or the pool) are skipped.
 //   out[t, h] = Σ_i e_i · row_i / (Σ_i e_i + exp(sink[h] - m)),  e_i = exp(scale · q[t, h]·row_i - m)
@@ -28,13 +30,16 @@ namespace dsv4::cuda {
 struct SparseAttentionParams {
   TensorView q;                // [tokens, heads, head_dim] bf16 (after RoPE); head_dim 512
   TensorView token_sequence;   // [tokens] i32: the token's sequence = row of the block tables
+                               // (optional when no cache has a block table)
   TensorView token_position;   // [tokens] i32: the token's absolute position p (>= 0)
+                               // (optional with window_size 0 and compress_ratio 0)
   PagedCache window;           // reader; rows = positions, head_dim channels (optional with window_size 0)
   int64_t window_size = 128;   // W >= 0 (0: the picks alone)
   PagedCache compressed;       // reader, optional (pages absent: window only); rows = entries
   TensorView picks;            // [tokens, k] i32 entry indices, -1 = none; required with `compressed`
+  TensorView pick_count;       // [tokens] i32, optional: picks of token t beyond pick_count[t] are ignored
   int compress_ratio = 0;      // >= 0; 0: picks are not bounded by the position
-  TensorView sink;             // [heads] f32 logits (attn_sink)
+  TensorView sink;             // [heads] f32 logits (attn_sink), optional: absent = no sink
   float scale = 0.0f;          // softmax scale, head_dim^-0.5
   TensorView out;              // [tokens, heads, head_dim] bf16 | f32
   TensorView lse;              // [tokens, heads] f32, optional: log-sum-exp of the scaled logits

@@ -30,8 +30,9 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
   const int64_t tokens = p.q.shape[0], heads = p.q.shape[1];
   std::vector<TensorSpec> specs = {
       {"q", &p.q, {kAnyDim, kAnyDim, kHeadDim}, {DType::bf16}},
-      {"token_sequence", &p.token_sequence, {tokens}, {DType::i32}},
-      {"token_position", &p.token_position, {tokens}, {DType::i32}},
+      {"token_sequence", &p.token_sequence, {tokens}, {DType::i32}, !is_present(p.window.block_table) &&
+                                                                         !is_present(p.compressed.block_table)},
+      {"token_position", &p.token_position, {tokens}, {DType::i32}, p.window_size == 0 && p.compress_ratio == 0},
   };
   // window_size 0 attends no window rows (the picks alone): the window cache may then be absent.
   const bool has_window = p.window_size != 0 || is_present(p.window.pages);
@@ -40,14 +41,15 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
   if (has_compressed) {
     for (TensorSpec& s : paged_cache_specs("compressed", p.compressed, true, kAnyDim)) specs.push_back(std::move(s));
     specs.push_back({"picks", &p.picks, {tokens, kAnyDim}, {DType::i32}});
+    specs.push_back({"pick_count", &p.pick_count, {tokens}, {DType::i32}, true});
   }
-  specs.push_back({"sink", &p.sink, {heads}, {DType::f32}});
+  specs.push_back({"sink", &p.sink, {heads}, {DType::f32}, true});
   specs.push_back({"out", &p.out, {tokens, heads, kHeadDim}, {DType::bf16, DType::f32}});
   specs.push_back({"lse", &p.lse, {tokens, heads}, {DType::f32}, true});
   check_tensors(op, specs);
 
-  DSV4_CHECK(has_compressed || !is_present(p.picks), op,
-             ": argument 'picks' is given without a 'compressed' cache to read them from");
+  DSV4_CHECK(has_compressed || (!is_present(p.picks) && !is_present(p.pick_count)), op,
+             ": argument 'picks' or 'pick_count' is given without a 'compressed' cache to read them from");
   if (has_window) check_paged_cache(op, "window", p.window, kHeadDim, kAttentionFormats);
   if (has_compressed) check_paged_cache(op, "compressed", p.compressed, kHeadDim, kAttentionFormats);
   DSV4_CHECK(p.window_size >= 0, op, ": window_size is ", p.window_size, ", expected >= 0");

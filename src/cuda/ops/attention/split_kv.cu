@@ -25,7 +25,7 @@ __global__ void split_kv_combine_kernel(SplitKvCombine c) {
     }
   }
   if (c.lse && threadIdx.x == 0) c.lse[t * c.heads + h] = m != -INFINITY ? m + logf(rows_sum) : -INFINITY;
-  const float inverse = m != -INFINITY ? 1.0f / (rows_sum + expf(c.sink[h] - m)) : 0.0f;
+  const float inverse = m != -INFINITY ? 1.0f / (rows_sum + (c.sink ? expf(c.sink[h] - m) : 0.0f)) : 0.0f;
   const float v[4] = {sum.x * inverse, sum.y * inverse, sum.z * inverse, sum.w * inverse};
   store4(static_cast<Out*>(c.out) + (t * c.heads + h) * c.head_dim + threadIdx.x * 4, v);
 }

@@ -60,7 +60,7 @@ struct SplitKvCombine {
   int64_t tokens = 0;
   int64_t heads = 0;
   int64_t head_dim = 0;       // a multiple of 4, at most 4096
-  const float* sink = nullptr;  // [heads] f32
+  const float* sink = nullptr;  // [heads] f32, optional
   void* out = nullptr;          // [tokens, heads, head_dim]
   DType out_dtype = DType::f32; // bf16 | f32
   float* lse = nullptr;         // [tokens, heads] f32, optional

@@ -30,7 +30,8 @@ struct SparseAttentionLaunch {
   const int32_t* picks = nullptr;  // [tokens, num_picks]; null: window only
   int64_t num_picks = 0;
   int compress_ratio = 0;
-  const float* sink = nullptr;
+  const int32_t* pick_count = nullptr;  // [tokens], optional
+  const float* sink = nullptr;          // [heads], optional
   float scale = 0.0f;
   bool bf16_rounding = false;  // e_i rounded to bf16 before P·V (the sums keep it unrounded)
   void* out = nullptr;
@@ -72,11 +73,12 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
 
   const int64_t t = blockIdx.x;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int64_t sequence = a.token_sequence[t];
-  const int64_t position = a.token_position[t];
+  const int64_t sequence = a.token_sequence ? a.token_sequence[t] : 0;
+  const int64_t position = a.token_position ? a.token_position[t] : -1;  // absent: no window, no causal bound
   const int64_t window_first = position - a.window_size + 1 > 0 ? position - a.window_size + 1 : 0;
   const int64_t n_window = position >= 0 ? position - window_first + 1 : 0;
-  const int64_t n_rows = n_window + (a.picks ? a.num_picks : 0);
+  const int64_t n_picks = !a.picks ? 0 : a.pick_count ? max(0, min(a.pick_count[t], static_cast<int>(a.num_picks))) : a.num_picks;
+  const int64_t n_rows = n_window + n_picks;
   const int64_t n_visible = a.compress_ratio > 0 ? (position + 1) / a.compress_ratio : INT64_MAX;
 
   int head[kAttentionHeadsPerWarp];
@@ -220,7 +222,7 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
     }
     const bool any = running_max[h] != -INFINITY;
     if (a.lse && lane == 0) a.lse[t * a.heads + head[h]] = any ? running_max[h] + logf(running_sum[h]) : -INFINITY;
-    const float inverse = any ? 1.0f / (running_sum[h] + expf(a.sink[head[h]] - running_max[h])) : 0.0f;
+    const float inverse = any ? 1.0f / (running_sum[h] + (a.sink ? expf(a.sink[head[h]] - running_max[h]) : 0.0f)) : 0.0f;
     Out* out = static_cast<Out*>(a.out) + (t * a.heads + head[h]) * kHeadDim;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {

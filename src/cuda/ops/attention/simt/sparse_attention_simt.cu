@@ -46,8 +46,8 @@ void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
   if (a.tokens == 0 || a.heads == 0) return;
   const SplitKvPlan split = plan(p, workspace != nullptr);
   a.q = p.q.ptr<const uint16_t>();
-  a.token_sequence = p.token_sequence.ptr<const int32_t>();
-  a.token_position = p.token_position.ptr<const int32_t>();
+  if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
+  if (is_present(p.token_position)) a.token_position = p.token_position.ptr<const int32_t>();
   a.window = device_rows(p.window);
   a.window_size = p.window_size;
   if (is_present(p.compressed.pages)) {
@@ -56,7 +56,8 @@ void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
     a.num_picks = p.picks.shape[1];
     a.compress_ratio = p.compress_ratio;
   }
-  a.sink = p.sink.ptr<const float>();
+  if (is_present(p.pick_count)) a.pick_count = p.pick_count.ptr<const int32_t>();
+  if (is_present(p.sink)) a.sink = p.sink.ptr<const float>();
   a.scale = p.scale;
   a.bf16_rounding = p.bf16_rounding;
   a.out = p.out.data;
