@@ -22,6 +22,8 @@ bool on_cuda(const DLTensor* t) {
 }
 
 #ifdef DSV4_WITH_CUDA
+using cuda::PagedCache;
+
 namespace {
 
 // Runs the op on the device of `anchor` and restores the caller's current device.
