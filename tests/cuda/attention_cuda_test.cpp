@@ -394,7 +394,9 @@ TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
   EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'out' has rank 2, expected 3");
   bad = p;
   bad.picks = fake_device_view(DType::i32, {3, 4});
-  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'picks' is given without a 'compressed' cache to read them from");
+  EXPECT_EQ(message(bad),
+            "dsv4: sparse_attention: argument 'picks' or 'pick_count' is given without a 'compressed' cache to read "
+            "them from");
   bad = p;
   bad.compressed = window;
   EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'picks' has rank 0, expected 2");
@@ -417,8 +419,30 @@ TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
   bad.lse = fake_device_view(DType::bf16, {3, 8});
   EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'lse' has dtype BF16, expected F32");
   bad = p;
-  bad.window_size = 0;
-  EXPECT_EQ(message(bad), "dsv4: sparse_attention: window_size is 0, expected >= 1");
+  bad.window_size = -1;
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: window_size is -1, expected >= 0");
+  // Sequences and positions may be left out only where nothing needs them: a cache with a block
+  // table needs the sequence, a window or a causal bound the position.
+  bad = p;
+  bad.token_sequence = {};
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'token_sequence' has rank 0, expected 1");
+  bad = p;
+  bad.token_position = {};
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'token_position' has rank 0, expected 1");
+  bad = p;
+  bad.compressed = window;
+  bad.picks = fake_device_view(DType::i32, {3, 4});
+  bad.pick_count = fake_device_view(DType::i32, {4});
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'pick_count' has shape [4], expected [3]");
+  // Flat caches (no block table), no window, no sink: nothing else is needed.
+  SparseAttentionParams flat = p;
+  flat.window = {};
+  flat.window_size = 0;
+  flat.token_sequence = flat.token_position = flat.sink = {};
+  flat.compressed = window;
+  flat.compressed.block_table = {};
+  flat.picks = fake_device_view(DType::i32, {3, 4});
+  EXPECT_NO_THROW(validate_sparse_attention(flat));
 }
 
 // The dispatch seam (sparse_attention_implementations.h): today the SIMT kernel runs every call on

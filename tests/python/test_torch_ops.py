@@ -23,7 +23,7 @@ def samples(device="cpu"):
     sink = torch.randn(4, generator=g)
     w = torch.randn(3, 4, generator=g)
     n_visible = torch.tensor([10, 5, 1])
-    pool_kv, pool_score, bias = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g), torch.randn(4, 8)
+    pool_kv, pool_score, bias = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g), torch.randn(4, 8, generator=g)
     x = torch.randn(3, 512, generator=g)
     slots = torch.tensor([0, 7, -1])
     stride = ops.kv_page_geometry("v41_fp8", 512, 4)["page_stride"]
