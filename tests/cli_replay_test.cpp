@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -174,6 +175,40 @@ TEST_F(CliReplayTest, V41aReferenceMatchesGolden) {
   EXPECT_GT(skipped, 0) << "the golden set flags ambiguous rows; compare must leave them out";
   // Picks of the three index sources on every row that is not ambiguous.
   EXPECT_EQ(report["topk_rows_equal"], report["topk_rows"]);
+}
+
+// DeepSeek's official V4.0 code (v40o_a): a ModelArgs config with an HCA ratio of 16, every float
+// tensor stored as bf16, the indexer QAT on; picks equal on every row not flagged ambiguous.
+TEST_F(CliReplayTest, V40oOfficialReferenceMatchesGolden) {
+  const Replay& replay =
+      replayed("v40o_a", "v40o_a.weights.safetensors", "v40o_a.reference.safetensors", "--precision reference");
+  ASSERT_EQ(replay.result.exit_code, 0) << replay.result.output;
+  const std::string reference = kGolden + "v40o_a.calls.safetensors";
+  const CliResult compare = run_cli("compare " + shell_quoted(reference) + " " + shell_quoted(replay.out) + " --json", false);
+  ASSERT_EQ(compare.exit_code, 0) << compare.output;
+  const nlohmann::json report = nlohmann::json::parse(compare.output);
+  EXPECT_EQ(report["layers"].size(), 52u * 3u);
+  for (const nlohmann::json& entry : report["layers"]) EXPECT_LE(entry["rel_l2"].get<double>(), 2e-2) << entry;
+  EXPECT_EQ(report["topk_rows"], 2 * 96 - 9);
+  EXPECT_EQ(report["topk_rows_equal"], report["topk_rows"]);
+
+  // The same schedule widened to f32 replays bit for bit the same: bf16 inputs are read exactly.
+  const std::string widened = temp("v40o_a.f32.safetensors"), widened_out = temp("v40o_a.f32.out.safetensors");
+  const auto golden = SafetensorsFile::open(reference);
+  write_edited(reference, widened, [&](const std::string& name, HostTensor& t) {
+    if (t.dtype() == DType::bf16) t = golden->read_as(name, DType::f32);
+    return true;
+  });
+  const CliResult f32_replay =
+      run_cli(replay_args("v40o_a", "v40o_a.weights.safetensors", widened, widened_out, "--precision reference"));
+  ASSERT_EQ(f32_replay.exit_code, 0) << f32_replay.output;
+  const auto a = SafetensorsFile::open(replay.out), b = SafetensorsFile::open(widened_out);
+  ASSERT_EQ(a->header().entries.size(), b->header().entries.size());
+  for (const SafetensorsEntry& entry : a->header().entries) {
+    const HostTensor x = a->read(entry.name), y = b->read(entry.name);
+    ASSERT_EQ(x.nbytes(), y.nbytes()) << entry.name;
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.nbytes()), 0) << entry.name;
+  }
 }
 
 TEST_F(CliReplayTest, SplitStepsMatchGoldenAndTheBatchedReplay) {
@@ -413,8 +448,10 @@ TEST_F(CliReplayTest, ReplayRejectsMalformedCalls) {
                   {"calls.0.position_ids[20] is 0, expected 20 (a new sequence starts at position 0)"});
   edit_and_expect("calls.6.layers.0.hidden_in", nullptr, {"calls.6.layers.0.hidden_in"});
   edit_and_expect("calls.4.position_ids", nullptr, {"calls.4.position_ids"});
-  edit_and_expect("calls.0.layers.1.hidden_in", [](HostTensor& t) { t = HostTensor(DType::bf16, {2, 37, 256}); },
-                  {"calls.0.layers.1.hidden_in", "has dtype BF16, expected F32"});
+  edit_and_expect("calls.0.layers.1.hidden_in", [](HostTensor& t) { t = HostTensor(DType::i32, {2, 37, 256}); },
+                  {"calls.0.layers.1.hidden_in", "has dtype I32, expected F32 or BF16"});
+  edit_and_expect("calls.0.layers.1.hidden_in", [](HostTensor& t) { t = HostTensor(DType::bf16, {2, 36, 256}); },
+                  {"calls.0.layers.1.hidden_in", "has shape [2, 36, 256], expected [2, 37, 256]"});
 }
 
 }  // namespace

@@ -69,6 +69,7 @@ void expect_same_config(const ModelConfig& a, const ModelConfig& b) {
   expect_rope_eq(a.main_rope, b.main_rope, "main_rope");
   expect_rope_eq(a.compress_rope, b.compress_rope, "compress_rope");
   EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
+  EXPECT_EQ(a.indexer_qat, b.indexer_qat);
   ASSERT_EQ(a.weight_quantization.has_value(), b.weight_quantization.has_value());
   if (a.weight_quantization) {
     EXPECT_EQ(a.weight_quantization->block_out, b.weight_quantization->block_out);
@@ -280,6 +281,70 @@ TEST(ConfigParse, ReleasedV4FlashLegacyListMatchesPreset) {
   expect_same_config(parse_config_json(released_v4_flash_config_json().dump(), "v4.json"), preset_config("v4-flash"));
 }
 
+// DeepSeek's official V4.0 ModelArgs (v40o_a): ratio 4 is CSA, any other ratio HCA (here 16), and
+// the official code's indexer QAT (SPEC §15) is on.
+TEST(ConfigParse, GoldenV40oOfficialModelArgs) {
+  const json j = read_json(golden_path("v40o_a.config.json"));
+  const ModelConfig c = load_config_file(golden_path("v40o_a.config.json"));
+  EXPECT_EQ(c.family, ModelFamily::v4_0);
+  EXPECT_EQ(c.hidden_size, j["dim"].get<int64_t>());
+  EXPECT_EQ(c.num_layers, j["n_layers"].get<int>());
+  EXPECT_EQ(c.num_mtp_layers, 0);
+  EXPECT_EQ(c.num_heads, j["n_heads"].get<int>());
+  EXPECT_EQ(c.q_lora_rank, j["q_lora_rank"].get<int64_t>());
+  EXPECT_EQ(c.sliding_window, j["window_size"].get<int64_t>());
+  EXPECT_EQ(c.compress_ratios, (std::vector<int>{0, 4, 16}));
+  EXPECT_EQ(c.layer_kinds, (std::vector<AttentionKind>{AttentionKind::sliding, AttentionKind::csa, AttentionKind::hca}));
+  EXPECT_EQ(c.index_n_heads, j["index_n_heads"].get<int>());
+  EXPECT_EQ(c.index_head_dim, 128);
+  EXPECT_EQ(c.index_topk, j["index_topk"].get<int64_t>());
+  EXPECT_EQ(c.rms_norm_eps, j["norm_eps"].get<double>());
+  EXPECT_FALSE(c.main_rope.yarn);
+  EXPECT_EQ(c.compress_rope.theta, j["compress_rope_theta"].get<double>());
+  EXPECT_TRUE(c.compress_rope.yarn);
+  EXPECT_EQ(c.compress_rope.original_max_position, 65536);
+  EXPECT_EQ(c.compress_rope.factor, j["rope_factor"].get<double>());
+  EXPECT_FALSE(c.weight_quantization.has_value());  // dtype bf16
+  EXPECT_TRUE(c.indexer_qat);
+  const ModelTopology t = resolve_topology(c);
+  EXPECT_TRUE(t[1].owns_indexer && t[1].owns_index_keys);
+  EXPECT_EQ(t[2].kind, AttentionKind::hca);
+  EXPECT_EQ(t[2].compress_ratio, 16);
+  EXPECT_EQ(t[2].index_source, -1);
+}
+
+// The official code accepts any positive ratio: 4 builds a CSA layer, every other one an HCA layer.
+// (1 and 2 are V4.1's ratios and make the config V4.1.)
+TEST(ConfigParse, OfficialV40ModelArgsTakeAnyHcaRatio) {
+  json args = read_json(golden_path("v40o_a.config.json"));
+  for (int ratio : {3, 5, 8, 16, 64, 128, 1000, 65536}) {
+    args["compress_ratios"] = {0, 4, ratio};
+    const ModelConfig c = parse_config_json(args.dump(), "args.json");
+    EXPECT_EQ(c.family, ModelFamily::v4_0) << ratio;
+    EXPECT_EQ(c.compress_ratios[2], ratio);
+    EXPECT_EQ(c.layer_kinds[2], AttentionKind::hca) << ratio;
+    EXPECT_EQ(resolve_topology(c)[2].compress_ratio, ratio);
+  }
+  args["compress_ratios"] = {16, 0, 4};
+  EXPECT_EQ(parse_config_json(args.dump()).layer_kinds,
+            (std::vector<AttentionKind>{AttentionKind::hca, AttentionKind::sliding, AttentionKind::csa}));
+}
+
+// indexer_qat: on by default for the ModelArgs form, off for transformers' config.json form; the
+// key overrides either.
+TEST(ConfigParse, IndexerQatDefaultsToTheFormAndCanBeSet) {
+  json args = read_json(golden_path("v40o_a.config.json"));
+  json transformers = read_json(golden_path("v40a.config.json"));
+  EXPECT_TRUE(parse_config_json(args.dump()).indexer_qat);
+  EXPECT_FALSE(parse_config_json(transformers.dump()).indexer_qat);
+  args["indexer_qat"] = false;
+  transformers["indexer_qat"] = true;
+  EXPECT_FALSE(parse_config_json(args.dump()).indexer_qat);
+  EXPECT_TRUE(parse_config_json(transformers.dump()).indexer_qat);
+  for (const std::string& preset : preset_names()) EXPECT_FALSE(preset_config(preset).indexer_qat) << preset;
+  EXPECT_FALSE(parse_config_json(read_json(golden_path("v41a.config.json")).dump()).indexer_qat);
+}
+
 TEST(ConfigParse, ModelArgsFp8UsesFamilyBlock) {
   json v41 = read_json(golden_path("v41a.config.json"));
   v41["dtype"] = "fp8";
@@ -304,6 +369,7 @@ TEST(ConfigParse, ModelArgsFp8UsesFamilyBlock) {
 TEST(ConfigParse, MalformedInputsNameFieldAndValue) {
   const json args = read_json(golden_path("v41a.config.json"));
   const json v40 = read_json(golden_path("v40a.config.json"));
+  const json v40o = read_json(golden_path("v40o_a.config.json"));
   auto with = [](json j, const std::string& key, json value) {
     j[key] = std::move(value);
     return j;
@@ -359,6 +425,14 @@ TEST(ConfigParse, MalformedInputsNameFieldAndValue) {
        {"field 'quantization_config.weight_block_size' = an array of 1", "expected [rows, columns]"}},
       {with(v40, "quantization_config", {{"weight_block_size", {128, 128}}, {"scale_fmt", "e8m0"}}),
        {"field 'quantization_config.scale_fmt' = \"e8m0\""}},
+      {with(v40o, "compress_ratios", {0, 4, -16}), {"field 'compress_ratios[2]' = -16", "needs a ratio in [2, 65536]"}},
+      {with(v40o, "compress_ratios", {0, 4, 70000}), {"field 'compress_ratios[2]' = 70000", "needs a ratio in [2, 65536]"}},
+      {with(v40o, "compress_ratios", {0, 4, 16, 0}), {"field 'compress_ratios' = an array of 4", "3 (n_layers)"}},
+      {with(v40o, "compress_ratios", {0, 4, 2}), {"field 'kv_source_layers' is missing", "compress ratios 1/2"}},
+      {with(v40o, "indexer_qat", "yes"), {"field 'indexer_qat' = \"yes\"", "expected true or false"}},
+      {with(v40o, "indexer_qat", 1), {"field 'indexer_qat' = 1", "expected true or false"}},
+      {with(args, "indexer_qat", true), {"field 'indexer_qat' = true", "V4.1 config has none"}},
+      {with(v40o, "index_head_dim", 192), {"field 'index_head_dim' = 192", "power of two for indexer_qat"}},
       {json{{"text_config", 5}}, {"field 'text_config' = 5", "expected an object"}},
       {json{{"text_config", {{"hidden_size", 256}}}}, {"field 'text_config.num_hidden_layers' is missing"}},
   };
@@ -522,6 +596,9 @@ TEST(ConfigValidate, EveryRuleNamesFieldValueAndRule) {
        {"field 'layer_kinds[2]' = compressed"}},
       {"v4-flash", [](ModelConfig& c) { c.layer_kinds.pop_back(); }, {"field 'layer_kinds' = 42 entries"}},
       {"v4-flash", [](ModelConfig& c) { c.kv_source_layers = {2}; }, {"field 'kv_source_layers' = [2]", "empty for V4.0"}},
+      {"v4.1-flash", [](ModelConfig& c) { c.indexer_qat = true; }, {"field 'indexer_qat' = true", "V4.1 has not"}},
+      {"v4-flash", [](ModelConfig& c) { c.indexer_qat = true, c.index_head_dim = 320; },
+       {"field 'index_head_dim' = 320", "power of two for indexer_qat"}},
       {"v4-flash", [](ModelConfig& c) { c.candidate_source_layer = 2; }, {"field 'candidate_source_layer' = 2", "-1 for V4.0"}},
       {"v4.1-flash", [](ModelConfig& c) { c.kv_source_layers = {2, 8, 14, 40}; },
        {"field 'kv_source_layers[3]' = 40", "backbone layers 0..39"}},

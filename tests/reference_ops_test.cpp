@@ -8,6 +8,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -15,6 +16,7 @@
 #include <random>
 #include <vector>
 
+#include "dsv4/error.h"
 #include "dsv4/numeric.h"
 #include "reference/ops.h"
 
@@ -647,6 +649,145 @@ TEST(ReferenceOpsBf16, SoftmaxPoolFollowsTheFp32Sequence) {
     for (int64_t s = 1; s < slots; ++s) denominator += std::exp(score[s][c] + bias[s][c] - m);
     for (int64_t s = 1; s < slots; ++s) sum += kv[s][c] * (std::exp(score[s][c] + bias[s][c] - m) / denominator);
     EXPECT_EQ(pooled[c], sum) << c;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The V4.0 official indexer QAT (SPEC §15.2): FP4Q and the Hadamard rotation.
+
+// FP4Q as DeepSeek's V4.0 kernel.py writes it, built here from the formula alone: amax floored at
+// 6·2^-126; s = 2^(e − 127 + (m ≠ 0)) from the fp32 bits (e, m) of amax · fp32(1/6) (a product,
+// where the code under test divides); x/s clamped to ±6 and rounded to the nearest e2m1 grid
+// point, a tie to the point with the even code (the grid's index), the sign kept.
+float official_fp4q(float x, float amax) {
+  constexpr float kGrid[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float floored = std::max(amax, 6.0f * std::ldexp(1.0f, -126));
+  const uint32_t bits = std::bit_cast<uint32_t>(floored * (1.0f / 6.0f));
+  const int e = static_cast<int>(bits >> 23), m = static_cast<int>(bits & 0x7fffff);
+  const float s = std::ldexp(1.0f, e - 127 + (m != 0));
+  const float a = std::min(std::abs(x / s), 6.0f);
+  int best = 0;
+  for (int i = 1; i < 8; ++i) {
+    const float d = std::abs(a - kGrid[i]), d_best = std::abs(a - kGrid[best]);
+    if (d < d_best || (d == d_best && i % 2 == 0)) best = i;
+  }
+  return std::copysign(kGrid[best] * s, x);
+}
+
+// Every bf16 value in [-8, 8] in a 32-channel tile whose amax comes from itself or from another
+// channel (zero, tiny, exact powers of two, 6·2^k, values just off them, large): the whole table.
+TEST(ReferenceOps, V40Fp4QuantizerMatchesTheOfficialFormulaOnEveryBf16Input) {
+  const float others[] = {0.0f, 0x1p-130f, 0x1p-20f, 0.1f, 0.75f, 1.0f, 1.5f, 3.0f, 6.0f, 6.0625f, 5.96875f,
+                          7.0f, 8.0f, 12.0f, 24.0f, 96.0f, 1000.0f};
+  int64_t checked = 0;
+  for (uint32_t code = 0; code < 0x10000; ++code) {
+    const float v = std::bit_cast<float>(code << 16);
+    if (!(std::abs(v) <= 8.0f)) continue;
+    for (float other : others) {
+      std::vector<float> tile(32, 0.0f);
+      tile[0] = v;
+      tile[17] = -other;
+      const float amax = std::max(std::abs(v), other);
+      fake_quant_fp4_ue8m0_rows(tile.data(), 1, 32);
+      ASSERT_EQ(std::bit_cast<uint32_t>(tile[0]), std::bit_cast<uint32_t>(official_fp4q(v, amax)))
+          << std::hexfloat << "x " << v << " amax " << amax;
+      ASSERT_EQ(tile[17], official_fp4q(-other, amax)) << std::hexfloat << "x " << -other << " amax " << amax;
+      ASSERT_TRUE(is_bf16(tile[0]));
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2 * 0x4101 * 17);  // codes 0 … 0x4100 (8.0) and their negatives, -0 included
+}
+
+// SPEC §15.4's edge cases.
+TEST(ReferenceOps, V40Fp4QuantizerEdgeCases) {
+  std::vector<float> zeros(32, 0.0f);
+  zeros[3] = -0.0f;
+  fake_quant_fp4_ue8m0_rows(zeros.data(), 1, 32);
+  for (float z : zeros) EXPECT_EQ(z, 0.0f);
+  EXPECT_TRUE(std::signbit(zeros[3]));  // -0 stays -0
+  std::vector<float> tile(32, 0.0f);
+  tile[0] = 48.0f;  // amax exactly 6·2^3: s = 8, reaches ±6 unsaturated
+  tile[1] = -48.0f;
+  tile[2] = 1.99f;  // below s/4 = 2: flushes to 0
+  tile[3] = 2.0f;   // exactly s/4: a tie, to the even code 0
+  tile[4] = 2.01f;  // above: 0.5·s = 4
+  tile[5] = 20.0f;  // 2.5·s: a tie between 2 and 3, to the even code (2·s = 16)
+  fake_quant_fp4_ue8m0_rows(tile.data(), 1, 32);
+  EXPECT_EQ(tile[0], 48.0f);
+  EXPECT_EQ(tile[1], -48.0f);
+  EXPECT_EQ(tile[2], 0.0f);
+  EXPECT_EQ(tile[3], 0.0f);
+  EXPECT_EQ(tile[4], 4.0f);
+  EXPECT_EQ(tile[5], 16.0f);
+}
+
+// The Sylvester Hadamard matrix applied by its definition, H_ij = (−1)^popcount(i & j), in double.
+std::vector<double> hadamard_by_definition(const float* x, int64_t dim) {
+  std::vector<double> y(static_cast<size_t>(dim), 0.0);
+  for (int64_t i = 0; i < dim; ++i)
+    for (int64_t j = 0; j < dim; ++j) y[i] += (std::popcount(static_cast<uint64_t>(i & j)) % 2 ? -1.0 : 1.0) * x[j];
+  for (double& v : y) v /= std::sqrt(static_cast<double>(dim));
+  return y;
+}
+
+TEST(ReferenceOps, HadamardMatchesTheMatrixDefinition) {
+  for (int64_t dim : {1, 2, 8, 128, 256}) {
+    const int64_t rows = 5;
+    std::vector<float> x = random_values(rows * dim, 40 + static_cast<uint32_t>(dim), 3.0f);
+    round_bf16(x.data(), rows * dim);  // the indexer's inputs are bf16
+    for (bool bf16_output : {false, true}) {
+      std::vector<float> y = x;
+      hadamard_rows(y.data(), rows, dim, bf16_output);
+      for (int64_t r = 0; r < rows; ++r) {
+        const std::vector<double> expected = hadamard_by_definition(&x[r * dim], dim);
+        for (int64_t c = 0; c < dim; ++c) {
+          // Sums of bf16 values are exact in double: one rounding of the exact result.
+          const float exact = static_cast<float>(expected[c]);
+          EXPECT_EQ(y[r * dim + c], bf16_output ? round_to_bf16(exact) : exact) << "dim " << dim << " row " << r << " col " << c;
+        }
+      }
+    }
+  }
+  std::vector<float> unit(128, 0.0f), constant(128, 1.0f);
+  unit[0] = 1.0f;
+  hadamard_rows(unit.data(), 1, 128, false);
+  hadamard_rows(constant.data(), 1, 128, false);
+  for (int64_t c = 0; c < 128; ++c) {
+    EXPECT_EQ(unit[c], static_cast<float>(1.0 / std::sqrt(128.0)));
+    EXPECT_EQ(constant[c], c == 0 ? static_cast<float>(std::sqrt(128.0)) : 0.0f);
+  }
+  EXPECT_THROW(hadamard_rows(unit.data(), 1, 96, false), Error);
+}
+
+// H/√d is symmetric and orthonormal: applying it twice gives the input back, up to the roundings
+// of the two passes (fp32: a few ulps of the row's scale; bf16: a bf16 ulp of it). It also keeps
+// the row's norm and every dot product (what the indexer's scores rely on).
+TEST(ReferenceOps, HadamardIsItsOwnInverseWithinRounding) {
+  const int64_t rows = 64, dim = 128;
+  std::vector<float> x = random_values(rows * dim, 41, 4.0f);
+  round_bf16(x.data(), rows * dim);
+  for (bool bf16_output : {false, true}) {
+    std::vector<float> once = x, twice = x;
+    hadamard_rows(once.data(), rows, dim, bf16_output);
+    twice = once;
+    hadamard_rows(twice.data(), rows, dim, bf16_output);
+    for (int64_t r = 0; r < rows; ++r) {
+      double largest = 0, norm_x = 0, norm_once = 0, dot_xy = 0, dot_once = 0;
+      for (int64_t c = 0; c < dim; ++c) largest = std::max(largest, std::abs(static_cast<double>(x[r * dim + c])));
+      const int64_t other = (r + 1) % rows;
+      for (int64_t c = 0; c < dim; ++c) {
+        const double bound = bf16_output ? std::ldexp(largest, -7) : std::ldexp(largest, -21);
+        EXPECT_NEAR(twice[r * dim + c], x[r * dim + c], bound) << "row " << r << " col " << c << " bf16 " << bf16_output;
+        norm_x += static_cast<double>(x[r * dim + c]) * x[r * dim + c];
+        norm_once += static_cast<double>(once[r * dim + c]) * once[r * dim + c];
+        dot_xy += static_cast<double>(x[r * dim + c]) * x[other * dim + c];
+        dot_once += static_cast<double>(once[r * dim + c]) * once[other * dim + c];
+      }
+      const double tolerance = bf16_output ? 1e-2 : 1e-6;
+      EXPECT_NEAR(norm_once, norm_x, tolerance * norm_x) << "row " << r;
+      EXPECT_NEAR(dot_once, dot_xy, tolerance * norm_x) << "row " << r;
+    }
   }
 }
 

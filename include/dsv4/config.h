@@ -68,6 +68,13 @@ struct ModelConfig {
   int64_t index_head_dim = 128;
   int64_t index_topk = 0;
 
+  // V4.0 only: the official indexer's quantization-aware training path (SPEC §15), applied in
+  // Precision::reference: index queries and keys rotated by a Hadamard transform after RoPE, then
+  // FP4-quantized. DeepSeek's ModelArgs form turns it on (its code does both); transformers'
+  // config.json form and the presets leave it off (transformers does neither). JSON key
+  // "indexer_qat" (either form) overrides the default.
+  bool indexer_qat = false;
+
   RopeParams main_rope;                  // ratio-0 layers
   RopeParams compress_rope;              // layers with ratio > 0 (YaRN)
   double rms_norm_eps = 1e-6;

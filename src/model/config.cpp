@@ -144,6 +144,13 @@ class FieldReader {
     return v->get<double>();
   }
 
+  bool boolean(const std::string& key, bool fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) invalid(path(key), *v, "expected true or false");
+    return v->get<bool>();
+  }
+
   std::string string(const std::string& key, const std::string& fallback) const {
     const json* v = find(key);
     if (!v) return fallback;
@@ -260,6 +267,14 @@ std::vector<AttentionKind> v40_kinds_from_ratios(const FieldReader& r, const std
                 "a V4.0 compress_ratios list maps 0 to sliding, 4 to CSA and 128 to HCA "
                 "(other rates need layer_types + compress_rates)");
   }
+  return kinds;
+}
+
+// DeepSeek's V4.0 code makes a ratio-4 layer CSA (overlapping compressor + indexer) and any other
+// ratio HCA (SPEC §12); 1 and 2 never reach here (they mark V4.1), validation bounds the rest.
+std::vector<AttentionKind> v40_kinds_of_model_args(const std::vector<int>& ratios) {
+  std::vector<AttentionKind> kinds;
+  for (int r : ratios) kinds.push_back(r == 0 ? AttentionKind::sliding : r == 4 ? AttentionKind::csa : AttentionKind::hca);
   return kinds;
 }
 
@@ -405,7 +420,9 @@ ModelConfig parse_root(const json& root, const std::string& source) {
   c.family = (has_sources || v41_ratios) && !has_layer_types ? ModelFamily::v4_1 : ModelFamily::v4_0;
   const bool v41 = c.family == ModelFamily::v4_1;
 
-  if (!v41 && !has_layer_types) layers.kinds = v40_kinds_from_ratios(r, "compress_ratios", layers.ratios);
+  if (!v41 && !has_layer_types)
+    layers.kinds = model_args ? v40_kinds_of_model_args(layers.ratios)
+                              : v40_kinds_from_ratios(r, "compress_ratios", layers.ratios);
   if (has_layer_types && has_ratio_list) {
     // Both given: they must describe the same layers (a converted config may carry both).
     const std::vector<int> listed = r.int_list("compress_ratios");
@@ -462,6 +479,11 @@ ModelConfig parse_root(const json& root, const std::string& source) {
   c.index_head_dim = r.integer<int64_t>("index_head_dim", released.index_head_dim);
   c.index_topk = r.integer<int64_t>("index_topk", released.index_topk);
   c.rms_norm_eps = r.number(k.norm_eps, released.rms_norm_eps);
+  // The official V4.0 code rotates and FP4-quantizes its indexer's q and k; transformers' does not.
+  if (const json* qat = r.find("indexer_qat"); qat && v41)
+    r.invalid(r.path("indexer_qat"), *qat, "selects the V4.0 indexer's Hadamard + FP4 path; a V4.1 config has none "
+                                           "(its FP4 index quantization is always on in reference precision)");
+  c.indexer_qat = r.boolean("indexer_qat", !v41 && model_args);
 
   if (model_args) {
     read_model_args_rope(r, released, c);

@@ -79,8 +79,10 @@ LayerRecipe layer_recipe(const ModelConfig& config, const LayerPlan& plan, Preci
     r.window_rows = v41 ? RowQuantizer::fp8_e4m3_32 : RowQuantizer::fp8_e4m3_nope_64;
     r.compressed_rows = v41 ? RowQuantizer::fp4_e4m3_16 : RowQuantizer::fp8_e4m3_nope_64;
     // The official V4.0 indexer rotates q and k with a Hadamard transform before an FP4
-    // quantization; transformers' V4.0, which this reference follows, does neither.
-    r.index_rows = v41 ? RowQuantizer::fp4_ue8m0_32 : RowQuantizer::none;
+    // quantization (config.indexer_qat); transformers' V4.0 does neither.
+    const bool v40_indexer_qat = !v41 && config.indexer_qat;
+    r.index_rows = v41 || v40_indexer_qat ? RowQuantizer::fp4_ue8m0_32 : RowQuantizer::none;
+    r.index_hadamard = v40_indexer_qat;
   }
   if (plan.owns_compressor)
     r.compressor = CompressorGeometry{.ratio = plan.compress_ratio,

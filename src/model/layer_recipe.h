@@ -64,7 +64,10 @@ struct LayerRecipe {
   // Fake quantization of the rows the layer caches (none in Precision::fp32).
   RowQuantizer window_rows = RowQuantizer::none;
   RowQuantizer compressed_rows = RowQuantizer::none;
-  RowQuantizer index_rows = RowQuantizer::none;  // index queries and keys (V4.1 only; SPEC §4)
+  RowQuantizer index_rows = RowQuantizer::none;  // index queries and keys (SPEC §4, §15)
+  // Index queries and keys are rotated by a Hadamard transform of index_head_dim points after
+  // RoPE, before index_rows quantizes them: the official V4.0 indexer (config.indexer_qat, SPEC §15).
+  bool index_hadamard = false;
   // kv sources: the compressor of the layer's entries.
   std::optional<CompressorGeometry> compressor;
   // kv sources that own index keys: V4.1 derives them from the compressor's latent (wk, k_norm);

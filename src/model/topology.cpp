@@ -53,6 +53,8 @@ class ConfigChecker {
     check_sizes();
     check_ratios();
     if (c_.family == ModelFamily::v4_1) check_v41_sources();
+    if (c_.indexer_qat && c_.family == ModelFamily::v4_1)
+      invalid("indexer_qat", "true", "selects the V4.0 indexer's Hadamard + FP4 path, which V4.1 has not");
     check_indexer();
     check_rope("main_rope", c_.main_rope);
     check_rope("compress_rope", c_.compress_rope);
@@ -200,6 +202,8 @@ class ConfigChecker {
     in_range("index_head_dim", c_.index_head_dim, c_.rope_head_dim, kMaxHeadDim);
     multiple_of("index_head_dim", c_.index_head_dim, tile(), tile_reason());
     in_range("index_topk", c_.index_topk, 1, kMaxTopk);
+    if (c_.indexer_qat && (c_.index_head_dim & (c_.index_head_dim - 1)) != 0)
+      invalid("index_head_dim", c_.index_head_dim, "must be a power of two for indexer_qat (its Hadamard transform)");
   }
 
   void check_rope(const std::string& field, const RopeParams& rope) const {

@@ -179,6 +179,7 @@ void update_compressed_caches(const ModelConfig& config, const LayerParameters& 
       rms_norm(keys.data(), E, dI, L.indexer_k_norm.data(), L.recipe.eps, keys.data(), L.recipe.round_bf16);
     }
     apply_rope(keys.data(), E, 1, dI, L.recipe.rope_frequencies.data(), rd, main.position.data(), false, L.recipe.round_bf16);
+    if (L.recipe.index_hadamard) hadamard_rows(keys.data(), E, dI, L.recipe.round_bf16);
     quantize_rows(L.recipe.index_rows, keys.data(), E, dI, rd);
   }
 
@@ -207,6 +208,7 @@ void run_indexer(const ModelConfig& config, const LayerParameters& L, const Step
   std::vector<float> q(static_cast<size_t>(T * nI * dI)), w(static_cast<size_t>(T * nI));
   project(qr, T, L.indexer_wq_b, q.data(), L.recipe.round_bf16);
   apply_rope(q.data(), T, nI, dI, L.recipe.rope_frequencies.data(), config.rope_head_dim, step.positions.data(), false, L.recipe.round_bf16);
+  if (L.recipe.index_hadamard) hadamard_rows(q.data(), T * nI, dI, L.recipe.round_bf16);
   quantize_rows(L.recipe.index_rows, q.data(), T * nI, dI, config.rope_head_dim);
   project(x, T, L.indexer_weights_proj, w.data(), L.recipe.round_bf16);
   for (float& v : w) v = L.recipe.round_bf16 ? round_to_bf16(v * L.recipe.index_weight_scale) : v * L.recipe.index_weight_scale;

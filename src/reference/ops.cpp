@@ -123,6 +123,26 @@ void apply_rope(float* x, int64_t n, int64_t heads, int64_t head_dim, const floa
   }
 }
 
+void hadamard_rows(float* x, int64_t n, int64_t dim, bool bf16_output) {
+  DSV4_CHECK(dim > 0 && (dim & (dim - 1)) == 0, "reference: hadamard: a row of ", dim,
+             " channels is not a power of two");
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+#pragma omp parallel for schedule(static) if (n * dim >= kMinParallelWork)
+  for (int64_t r = 0; r < n; ++r) {
+    float* row = x + r * dim;
+    // Butterflies in double: sums of up to dim bf16 / fp32 values, exact in practice.
+    std::vector<double> v(row, row + dim);
+    for (int64_t half = 1; half < dim; half *= 2)
+      for (int64_t first = 0; first < dim; first += 2 * half)
+        for (int64_t i = first; i < first + half; ++i) {
+          const double a = v[i], b = v[i + half];
+          v[i] = a + b;
+          v[i + half] = a - b;
+        }
+    for (int64_t c = 0; c < dim; ++c) row[c] = maybe_bf16(static_cast<float>(v[c] * scale), bf16_output);
+  }
+}
+
 void fake_quant_fp8_rows(float* x, int64_t n, int64_t dim, int64_t quantized_dims, int64_t tile) {
   for_each_tile(x, n, dim, quantized_dims, tile, [](float* t, int len) { fake_quant_fp8_ue8m0(t, t, len); });
 }

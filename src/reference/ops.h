@@ -63,12 +63,24 @@ void apply_rope(float* x, int64_t n, int64_t heads, int64_t head_dim, const floa
                 const int64_t* positions, bool inverse, bool bf16_output);
 
 // ---------------------------------------------------------------------------------------------
+// Hadamard rotation (SPEC §15.2, the V4.0 indexer's rotate_activation)
+
+// Every row of x [n, dim] (dim a power of two) becomes dim^-1/2 · H · row, in place, where
+// H_ij = (−1)^popcount(i & j) is the Sylvester Hadamard matrix (scipy.linalg.hadamard's order),
+// over all dim channels of the row, RoPE and NoPE alike. The sums are exact (double) and the
+// scaled result is rounded once to fp32 (then to bf16 with `bf16_output`). H/√dim is symmetric and
+// orthonormal: the transform is its own inverse.
+void hadamard_rows(float* x, int64_t n, int64_t dim, bool bf16_output);
+
+// ---------------------------------------------------------------------------------------------
 // Fake quantization of rows (SPEC §8.2), in place, tile by tile.
 
 // x [n, dim]: fp8 e4m3 with a ue8m0 scale per `tile` channels, on channels [0, quantized_dims)
 // of every row (V4.1: all 512 with tile 32; V4.0: the 448 NoPE channels with tile 64).
 void fake_quant_fp8_rows(float* x, int64_t n, int64_t dim, int64_t quantized_dims, int64_t tile);
-// x [n, dim]: fp4 e2m1 with a ue8m0 scale per 32 channels (indexer queries and keys).
+// x [n, dim]: fp4 e2m1 with a ue8m0 scale per 32 channels (indexer queries and keys: V4.1, and
+// V4.0's official QAT, whose kernel multiplies amax by fp32(1/6) where this divides by 6; the
+// scales agree for every bf16 amax, SPEC §15.2).
 void fake_quant_fp4_ue8m0_rows(float* x, int64_t n, int64_t dim);
 // x [n, dim]: fp4 e2m1 with an e4m3 scale per 16 channels (V4.1 compressed rows).
 void fake_quant_fp4_e4m3_rows(float* x, int64_t n, int64_t dim);

@@ -1,7 +1,9 @@
 // Both golden sets (tests/data/golden) replayed on the CUDA engine, every call through every layer
 // with the recorded inputs, compared per call and layer with the recorded outputs:
 //  * v41a (DeepSeek's official V4.1 code, reference precision, default formats = v4.1-native);
-//  * v40a (transformers V4.0 in float64, Precision::fp32: bf16 activations on the GPU).
+//  * v40a (transformers V4.0 in float64, Precision::fp32: bf16 activations on the GPU);
+//  * v40o_a (DeepSeek's official V4.0 code, reference precision with its indexer QAT: Hadamard +
+//    FP4 index queries and keys; every float tensor stored as bf16).
 // Relative L2 <= 2e-2 (the README's acceptance bound) over the rows the golden selection leaves
 // unambiguous and whose picks the GPU reproduces: the GPU indexer scores in fp32 where the v41a
 // reference sums bf16, so a near-tie at the cut may select another entry and change the row's
@@ -67,7 +69,11 @@ bool valid_topk(const std::vector<int32_t>& picks, int64_t k, const float* score
 struct GoldenCase {
   std::string name;
   Precision precision;
-  std::string picks_field;  // "topk_pos" (v41) or "topk" (v40)
+  std::string picks_field;  // "topk_pos" (v41, v40o_a) or "topk" (v40a)
+  // Of the unambiguous rows of index-source layers. v40o_a: every one (issue 15's requirement;
+  // its scores have no near-ties but the 9 flagged rows, the official code on an H200 picks the
+  // same on 183 of 183).
+  double min_pick_agreement = kMinPickAgreement;
 };
 
 class GoldenCuda : public CudaTest, public ::testing::WithParamInterface<GoldenCase> {};
@@ -163,13 +169,14 @@ TEST_P(GoldenCuda, OutputsMatchPerCallAndLayer) {
   RecordProperty("measured_worst_rel_l2", std::to_string(worst));
   RecordProperty("measured_pick_agreement", std::to_string(static_cast<double>(picks_equal) / std::max<int64_t>(pick_rows, 1)));
   EXPECT_GT(pick_rows, 100);
-  EXPECT_GE(static_cast<double>(picks_equal), kMinPickAgreement * static_cast<double>(pick_rows));
+  EXPECT_GE(static_cast<double>(picks_equal), gc.min_pick_agreement * static_cast<double>(pick_rows));
   EXPECT_GE(rows_compared, 4 * rows_other_picks);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sets, GoldenCuda,
                          ::testing::Values(GoldenCase{"v41a", Precision::reference, "topk_pos"},
-                                           GoldenCase{"v40a", Precision::fp32, "topk"}),
+                                           GoldenCase{"v40a", Precision::fp32, "topk"},
+                                           GoldenCase{"v40o_a", Precision::reference, "topk_pos", 1.0}),
                          [](const ::testing::TestParamInfo<GoldenCase>& info) { return info.param.name; });
 
 }  // namespace

@@ -50,14 +50,14 @@ struct LayerComparison {
   bool within(double tolerance) const { return !attn_out_missing && rel_l2 <= tolerance; }  // false for NaN
 };
 
-// An f32 tensor of rank 3 ([B, S, hidden]) from `file`.
+// An f32 or bf16 tensor of rank 3 ([B, S, hidden]) from `file`, as f32.
 HostTensor read_outputs(const SafetensorsFile& file, const std::string& name) {
   const SafetensorsEntry& entry = file.at(name);
-  DSV4_CHECK(entry.dtype == DType::f32, "compare: ", name, " in ", file.path(), " has dtype ", dtype_name(entry.dtype),
-             ", expected F32");
+  DSV4_CHECK(is_activation_dtype(entry.dtype), "compare: ", name, " in ", file.path(), " has dtype ",
+             dtype_name(entry.dtype), ", expected F32 or BF16");
   DSV4_CHECK(entry.shape.size() == 3, "compare: ", name, " in ", file.path(), " has shape ",
              shape_string(entry.shape), ", expected [B, S, hidden]");
-  return file.read(name);
+  return file.read_as(name, DType::f32);
 }
 
 // Picks [B, S, k] (any k) as int64.

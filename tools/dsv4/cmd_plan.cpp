@@ -81,6 +81,7 @@ void print_config_summary(const ModelConfig& c) {
               c.o_groups, c.o_lora_rank);
   std::printf("  window %" PRId64 "; indexer %d heads x %" PRId64 ", top-k %" PRId64, c.sliding_window,
               c.index_n_heads, c.index_head_dim, c.index_topk);
+  if (c.indexer_qat) std::printf(" with the official QAT (Hadamard + FP4 q and k in reference precision)");
   if (c.candidate_source_layer >= 0)
     std::printf("; candidates from layer %d: %" PRId64 " blocks x %" PRId64 " entries", c.candidate_source_layer,
                 c.candidate_topk_blocks, c.candidate_block_size);

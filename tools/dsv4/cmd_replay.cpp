@@ -106,6 +106,10 @@ int replay(const ReplayOptions& o) {
         std::fill_n(picks[l].as<int32_t>(), picks[l].numel(), -1);
       }
     }
+    // Widened to f32 once per call (bf16 sets convert exactly).
+    std::vector<HostTensor> hidden_in(attn_out.size());
+    for (int l = 0; l < config.total_layers(); ++l)
+      hidden_in[l] = calls->read_as(layer_tensor_name(call.index, l, kHiddenIn), DType::f32);
     // [B, S, hidden] keeps each sequence's rows together, so a step over sequences first..last
     // reads and writes one contiguous block of rows.
     for (int64_t first = 0; first < batch; first += sequences_per_step) {
@@ -115,8 +119,7 @@ int replay(const ReplayOptions& o) {
       const int64_t first_row = first * s;
       engine->begin_step(entries);
       for (int l = 0; l < config.total_layers(); ++l) {
-        const SafetensorsEntry& in = calls->at(layer_tensor_name(call.index, l, kHiddenIn));
-        hidden_rows.upload(reinterpret_cast<const float*>(calls->data(in)) + first_row * hidden, rows);
+        hidden_rows.upload(hidden_in[l].as<float>() + first_row * hidden, rows);
         engine->run_layer(l, hidden_rows.view(rows), out_rows.view(rows));
         out_rows.download(attn_out[l].as<float>() + first_row * hidden, rows);
         if (topology[l].owns_indexer) store_picks(engine->layer_picks(l), l, rows, picks[l], first_row);

@@ -90,6 +90,16 @@ const SafetensorsEntry& expect_tensor(const SafetensorsFile& file, const std::st
   return *entry;
 }
 
+const SafetensorsEntry& expect_activations(const SafetensorsFile& file, const std::string& name,
+                                           const std::vector<int64_t>& shape, const std::string& op,
+                                           const std::string& shape_origin) {
+  const SafetensorsEntry* entry = file.find(name);
+  DSV4_CHECK(entry != nullptr, op, ": ", file.path(), " has no tensor '", name, "'");
+  DSV4_CHECK(is_activation_dtype(entry->dtype), op, ": ", name, " in ", file.path(), " has dtype ",
+             dtype_name(entry->dtype), ", expected F32 or BF16");
+  return expect_tensor(file, name, entry->dtype, shape, op, shape_origin);
+}
+
 std::vector<int64_t> read_integers(const SafetensorsFile& file, const SafetensorsEntry& entry) {
   const int64_t n = entry.numel();
   std::vector<int64_t> values(static_cast<size_t>(n));
@@ -167,7 +177,7 @@ ReplaySchedule read_replay_schedule(const SafetensorsFile& file, int64_t hidden_
         schedule.batch = first.shape[0];
         batch_origin = name;
       }
-      expect_tensor(file, name, DType::f32, {schedule.batch, call.num_tokens, hidden_size}, op,
+      expect_activations(file, name, {schedule.batch, call.num_tokens, hidden_size}, op,
                     "B from " + batch_origin + ", S from " + positions_name + ", hidden size from the config");
     }
     schedule.calls.push_back(call);

@@ -5,6 +5,7 @@
 //   calls.{c}.position_ids           i64 [S_c]            absolute positions of call c's tokens
 //   calls.{c}.layers.{l}.hidden_in   f32 [B, S_c, hidden] input of layer l's attention
 //   calls.{c}.layers.{l}.attn_out    f32 [B, S_c, hidden] its output
+//   (sets made by DeepSeek's code, v40o_a, v41ds_a, store these two as bf16: read exactly as f32)
 //   calls.{c}.layers.{l}.topk        i64 / i32 [B, S_c, k] picks of an index layer, -1 = none
 //   calls.{c}.layers.{l}.topk_pos    i32 [B, S_c, k]      V4.1 reference picks, -1 = none
 //   calls.{c}.layers.{l}.ambiguous   u8  [B, S_c]         1 where the reference's pick is not unique
@@ -56,6 +57,14 @@ const SafetensorsEntry& expect_tensor(const SafetensorsFile& file, const std::st
                                       const std::vector<int64_t>& shape, const std::string& op,
                                       const std::string& shape_origin);
 
+// Activation tensors (hidden_in, attn_out) are F32, or BF16 (widened exactly).
+inline bool is_activation_dtype(DType dtype) { return dtype == DType::f32 || dtype == DType::bf16; }
+
+// The entry `name` of `file`, checked to be an activation tensor (F32 or BF16) of `shape`.
+const SafetensorsEntry& expect_activations(const SafetensorsFile& file, const std::string& name,
+                                           const std::vector<int64_t>& shape, const std::string& op,
+                                           const std::string& shape_origin);
+
 // Integer tensor values (i32 or i64) as int64, copied out of the mapping.
 std::vector<int64_t> read_integers(const SafetensorsFile& file, const SafetensorsEntry& entry);
 
@@ -75,8 +84,8 @@ struct ReplaySchedule {
 };
 
 // Checks the whole schedule before anything runs: calls numbered 0..C-1, each with position_ids
-// i64 [S_c] continuing from the previous call's end (the first call starts at 0), hidden_in f32
-// [B, S_c, hidden_size] for the same layers 0..n-1 in every call, one B throughout. Errors name
+// i64 [S_c] continuing from the previous call's end (the first call starts at 0), hidden_in f32 or
+// bf16 [B, S_c, hidden_size] for the same layers 0..n-1 in every call, one B throughout. Errors name
 // the tensor, what was expected and what was given.
 ReplaySchedule read_replay_schedule(const SafetensorsFile& file, int64_t hidden_size);
 

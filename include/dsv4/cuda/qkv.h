@@ -35,8 +35,13 @@ void run_rms_norm(const RmsNormParams& p, cudaStream_t stream);
 
 // Per head of every token: optional weightless RMS normalization (V4.0 q), RoPE on the last
 // rope_dim channels at the token's position (inverse: the output's un-rotation, SPEC §6.1), then
-// optional QAT (the indexer queries: fp4_ue8m0_32). Tokens whose position is outside the table
-// get NaN in their rotated channels.
+// the optional Hadamard rotation, then optional QAT (the indexer queries: fp4_ue8m0_32). Tokens
+// whose position is outside the table get NaN in their rotated channels.
+//
+// hadamard (the official V4.0 indexer's rotate_activation, SPEC §15.2): every row becomes
+// dims^-1/2 · H · row, H the Sylvester Hadamard matrix (H_ij = (−1)^popcount(i & j)), over all
+// its channels; fp32 butterflies, the scale multiplied once, one rounding (to bf16 where the
+// rows are rounded). dims must be a power of two.
 struct RopeHeadsParams {
   TensorView x;               // [tokens, heads, head_dim] bf16 | f32
   TensorView token_position;  // [tokens] i32
@@ -44,6 +49,7 @@ struct RopeHeadsParams {
   bool inverse = false;
   bool head_norm = false;     // V4.0: q ← q · rsqrt(mean(q²) + eps) per head, before RoPE
   float eps = 1e-6f;          // head_norm only
+  bool hadamard = false;      // after RoPE, before quant (V4.0 indexer QAT)
   RowQuantizer quant = RowQuantizer::none;
   TensorView out;             // [tokens, heads, head_dim] bf16 | f32; may be x
 };
@@ -53,7 +59,8 @@ void run_rope_heads(const RopeHeadsParams& p, cudaStream_t stream);
 
 // A finished cache row per token: optional RMSNorm with a weight (window kv: kv_norm; index keys:
 // k_norm), RoPE at token_position + position_offset (a compressed entry rotates at its group's
-// first position: offset 1 - ratio on the closing token), QAT, then the row is encoded into
+// first position: offset 1 - ratio on the closing token), the optional Hadamard rotation (as in
+// rope_heads: V4.0 index keys), QAT, then the row is encoded into
 // `cache` at slots[t] (skipped when negative or when the position is outside the RoPE table).
 struct CacheInsertParams {
   TensorView rows;            // [tokens, dim] bf16 | f32 (projection output, or the latent)
@@ -62,8 +69,9 @@ struct CacheInsertParams {
   TensorView token_position;  // [tokens] i32 (optional without rope_table)
   int64_t position_offset = 0;
   TensorView rope_table;      // optional: [max_positions, rope_dim] f32 (absent: no RoPE)
+  bool hadamard = false;      // after RoPE, before quant (V4.0 indexer QAT); dim a power of two
   RowQuantizer quant = RowQuantizer::none;
-  bool bf16_rounding = true;  // round after the norm and after RoPE, as the reference
+  bool bf16_rounding = true;  // round after the norm, after RoPE and after the Hadamard, as the reference
   TensorView slots;           // [tokens] i64, -1: not stored
   PagedCache cache;           // writer (its block_table is not read)
   TensorView out;             // optional: [tokens, dim] bf16 | f32, the row as encoded (every token)

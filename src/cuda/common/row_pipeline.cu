@@ -2,6 +2,8 @@
 
 #include <cub/block/block_reduce.cuh>
 
+#include <cmath>
+
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.cuh"
 
@@ -28,7 +30,9 @@ constexpr int kThreads = 128;
 
 __device__ __forceinline__ float maybe_round(float v, bool bf16) { return bf16 ? round_to_bf16(v) : v; }
 
-__global__ void __launch_bounds__(kThreads) row_pipeline_kernel(RowPipelineLaunch a, int quant_channels, int tile) {
+// hadamard_scale > 0: the rows are rotated by the Hadamard transform with that scale.
+__global__ void __launch_bounds__(kThreads) row_pipeline_kernel(RowPipelineLaunch a, int quant_channels, int tile,
+                                                                float hadamard_scale) {
   using Reduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename Reduce::TempStorage reduce;
   __shared__ float shared_inverse_rms;
@@ -78,6 +82,22 @@ __global__ void __launch_bounds__(kThreads) row_pipeline_kernel(RowPipelineLaunc
     __syncthreads();
   }
 
+  if (hadamard_scale > 0.0f) {
+    // In-place butterflies over the shared row: at stride `half`, pair p joins channels i and
+    // i + half of its block of 2·half; every pair belongs to one thread within a stage.
+    for (int half = 1; half < dims; half *= 2) {
+      for (int p = threadIdx.x; p < dims / 2; p += kThreads) {
+        const int i = (p / half) * 2 * half + p % half;
+        const float x = row[i], y = row[i + half];
+        row[i] = __fadd_rn(x, y);
+        row[i + half] = __fsub_rn(x, y);
+      }
+      __syncthreads();
+    }
+    for (int c = threadIdx.x; c < dims; c += kThreads) row[c] = maybe_round(__fmul_rn(row[c], hadamard_scale), a.bf16_rounding);
+    __syncthreads();
+  }
+
   if (a.quant != RowQuantizer::none) {
     for (int first = threadIdx.x * tile; first < quant_channels; first += kThreads * tile) {
       float* x = row + first;
@@ -109,8 +129,10 @@ void launch_row_pipeline(const RowPipelineLaunch& a, cudaStream_t stream, const 
   const size_t shared = static_cast<size_t>(a.dims) * sizeof(float);
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(row_pipeline_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(shared)));
+  // dims^-1/2 in fp32, as the official kernel takes its scale.
+  const float hadamard_scale = a.hadamard ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.dims))) : 0.0f;
   row_pipeline_kernel<<<static_cast<unsigned>(rows), kThreads, shared, stream>>>(
-      a, quantized_channels(a.quant, a.dims, a.rope_dim), quant_tile(a.quant));
+      a, quantized_channels(a.quant, a.dims, a.rope_dim), quant_tile(a.quant), hadamard_scale);
   check_launch(op);
 }
 

@@ -1,5 +1,5 @@
 // The row kernel behind rms_norm, rope_heads, cache_insert and the output projection's inverse
-// RoPE: per row, load -> [RMSNorm] -> [RoPE] -> [QAT] -> [plain output] [cache row].
+// RoPE: per row, load -> [RMSNorm] -> [RoPE] -> [Hadamard] -> [QAT] -> [plain output] [cache row].
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -28,6 +28,7 @@ struct RowPipelineLaunch {
   const int32_t* token_position = nullptr;
   int64_t position_offset = 0;
   bool bf16_rounding = true;
+  bool hadamard = false;                  // dims a power of two
   RowQuantizer quant = RowQuantizer::none;
   void* out = nullptr;                    // [tokens, heads, dims] or null
   DType out_dtype = DType::bf16;

@@ -239,6 +239,7 @@ void LayerPipeline::compress(int layer) {
   if (r.plan.owns_index_keys) {
     CacheInsertParams keys = insert_params(layer, r.index_rows, ls.index_key_slots, ls.index_keys);
     keys.position_offset = entry_offset;
+    keys.hadamard = r.index_hadamard;
     if (r.index_compressor) {
       pool(*r.index_compressor, 1, WeightRole::indexer_compressor_wkv, WeightRole::indexer_compressor_wgate,
            WeightRole::indexer_compressor_norm, WeightRole::indexer_compressor_ape, ws.index_latent);
@@ -277,6 +278,7 @@ void LayerPipeline::index(int layer) {
   rope.x = rope.out = q;
   rope.token_position = in_.step->token_position();
   rope.rope_table = rope_table(layer);
+  rope.hadamard = r.index_hadamard;
   rope.quant = r.index_rows;
   run_rope_heads(rope, stream);
   project(view(ws.x, DType::bf16, {T, config().hidden_size}), w.get(WeightRole::indexer_weights_proj),

@@ -22,6 +22,11 @@ void check_quant(const char* op, RowQuantizer quant, int64_t dims, int64_t rope_
              ": a row of ", dims, " channels does not split into quantization tiles of ", quant_tile(quant));
 }
 
+void check_hadamard(const char* op, bool hadamard, int64_t dims) {
+  DSV4_CHECK(!hadamard || (dims & (dims - 1)) == 0, op, ": a Hadamard rotation of rows of ", dims,
+             " channels, expected a power of two");
+}
+
 void check_eps(const char* op, float eps) {
   DSV4_CHECK(std::isfinite(eps) && eps > 0.0f, op, ": eps is ", eps, ", expected finite and > 0");
 }
@@ -80,6 +85,7 @@ void validate_rope_heads(const RopeHeadsParams& p) {
   });
   check_rope_table(op, p.rope_table, dims);
   check_quant(op, p.quant, dims, p.rope_table.shape[1]);
+  check_hadamard(op, p.hadamard, dims);
   if (p.head_norm) check_eps(op, p.eps);
   check_dims(op, dims);
   DSV4_CHECK(heads <= INT32_MAX, op, ": ", heads, " heads are too many");
@@ -93,6 +99,7 @@ void run_rope_heads(const RopeHeadsParams& p, cudaStream_t stream) {
   a.set_rope(p.rope_table, p.token_position);
   a.inverse_rope = p.inverse;
   a.bf16_rounding = p.out.dtype == DType::bf16;
+  a.hadamard = p.hadamard;
   a.quant = p.quant;
   a.out = p.out.data;
   a.out_dtype = p.out.dtype;
@@ -115,6 +122,7 @@ void validate_cache_insert(const CacheInsertParams& p) {
   const bool rotated = is_present(p.rope_table);
   if (rotated) check_rope_table(op, p.rope_table, dims);
   check_quant(op, p.quant, dims, rotated ? p.rope_table.shape[1] : 0);
+  check_hadamard(op, p.hadamard, dims);
   if (is_present(p.norm_weight)) check_eps(op, p.eps);
   check_dims(op, dims);
   check_paged_cache(op, "cache", p.cache, dims,
@@ -130,6 +138,7 @@ void run_cache_insert(const CacheInsertParams& p, cudaStream_t stream) {
   if (is_present(p.rope_table)) a.set_rope(p.rope_table, p.token_position);
   a.position_offset = p.position_offset;
   a.bf16_rounding = p.bf16_rounding;
+  a.hadamard = p.hadamard;
   a.quant = p.quant;
   if (is_present(p.out)) {
     a.out = p.out.data;
