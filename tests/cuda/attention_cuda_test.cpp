@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "cuda/cuda_test_util.h"
+#include "cuda/ops/attention/mma/mma_fragment_probe.h"
 #include "cuda/ops/attention/sparse_attention_implementations.h"
 #include "dsv4/cuda/attention.h"
 #include "reference/ops.h"
@@ -353,6 +354,72 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingFollowsTheReferenceInOneTile) {
   }
 }
 
+TEST_F(CudaTest, SparseAttentionBf16RoundingHeadsFormatsAndTopK) {
+  // The shapes tensor-parallel shards and both model sizes give (16, 32, 64, 128 heads and a
+  // partial head group), top-k 512 and 1024, every cache format exact in bf16 (bf16 rows too),
+  // tokens before, at and past the window, row counts that are not multiples of a tile.
+  struct Shape {
+    int64_t heads;
+    KvRowFormat window_format, compressed_format;
+    int64_t num_picks;
+    int ratio;
+    DType out_dtype;
+  };
+  for (const Shape& shape : {Shape{16, KvRowFormat::bf16, KvRowFormat::v41_fp4, 1024, 1, DType::bf16},
+                             Shape{32, KvRowFormat::v41_fp8, KvRowFormat::fp8_ds_mla, 100, 2, DType::f32},
+                             Shape{128, KvRowFormat::fp8_ds_mla, KvRowFormat::v41_fp4, 512, 1, DType::bf16},
+                             Shape{64, KvRowFormat::v41_fp8, KvRowFormat::bf16, 512, 1, DType::bf16},
+                             Shape{20, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, 77, 1, DType::bf16}}) {
+    SCOPED_TRACE(std::to_string(shape.heads) + " heads, " + kv_row_format_name(shape.window_format) + " + " +
+                 kv_row_format_name(shape.compressed_format) + ", " + std::to_string(shape.num_picks) + " picks");
+    AttentionCase c{.window_format = shape.window_format, .compressed_format = shape.compressed_format,
+                    .heads = shape.heads, .window = 128, .ratio = shape.ratio, .num_picks = shape.num_picks,
+                    .out_dtype = shape.out_dtype, .bf16_rounding = true, .seed = static_cast<uint32_t>(80 + shape.heads)};
+    int32_t s = 0;
+    for (int32_t p : {0, 5, 63, 64, 127, 700, 1500}) {
+      c.tokens.push_back({s++, p});
+      c.first_window_page.push_back(0);
+    }
+    check_attention(c);
+  }
+}
+
+// The fragment layouts of mma_fragments.cuh on one 16 x 16 x 16 product and its P·V, exact with
+// small integers: a layout bug shows here as wrong elements (printed) before any attention test.
+TEST_F(CudaTest, SparseAttentionMmaFragmentLayouts) {
+  if (device_info().compute_capability < 80) GTEST_SKIP() << "mma.sync bf16 needs compute capability 8.0";
+  std::mt19937 rng(5);
+  auto small_integers = [&](int bound) {
+    std::vector<float> m(256);
+    for (float& x : m) x = static_cast<float>(std::uniform_int_distribution<int>(-bound, bound)(rng));
+    return m;
+  };
+  const std::vector<float> a = small_integers(2), k = small_integers(2), v = small_integers(3);
+  std::vector<float> s(256, 0.0f), o(256, 0.0f);
+  for (int h = 0; h < 16; ++h)
+    for (int j = 0; j < 16; ++j)
+      for (int c = 0; c < 16; ++c) s[h * 16 + j] += a[h * 16 + c] * k[j * 16 + c];  // |s| <= 64: exact in bf16
+  for (int h = 0; h < 16; ++h)
+    for (int c = 0; c < 16; ++c)
+      for (int j = 0; j < 16; ++j) o[h * 16 + c] += s[h * 16 + j] * v[j * 16 + c];
+  DeviceTensor da = testing::device_tensor(a, DType::bf16, {16, 16}), dk = testing::device_tensor(k, DType::bf16, {16, 16}),
+               dv = testing::device_tensor(v, DType::bf16, {16, 16});
+  DeviceTensor ds = testing::poisoned_tensor(DType::f32, {16, 16}), dout = testing::poisoned_tensor(DType::f32, {16, 16});
+  Stream stream;
+  run_mma_fragment_probe(da.view.ptr<const uint16_t>(), dk.view.ptr<const uint16_t>(), dv.view.ptr<const uint16_t>(),
+                         ds.view.ptr<float>(), dout.view.ptr<float>(), stream.get());
+  stream.synchronize("mma fragment probe");
+  for (const auto& [name, expected, actual] : {std::tuple{"s = a·kᵀ", &s, testing::download_floats(ds.view)},
+                                               std::tuple{"o = s·v", &o, testing::download_floats(dout.view)}}) {
+    int wrong = 0;
+    for (int i = 0; i < 256; ++i)
+      if (actual[i] != (*expected)[i] && ++wrong <= 8)
+        ADD_FAILURE() << name << ": element (" << i / 16 << ", " << i % 16 << ") is " << actual[i] << ", expected "
+                      << (*expected)[i];
+    EXPECT_EQ(wrong, 0) << name;
+  }
+}
+
 // Valid arguments of 3 tokens x 8 heads over a v41_fp8 window cache, on fake device views.
 SparseAttentionParams fake_params() {
   using testing::fake_device_view;
@@ -445,16 +512,38 @@ TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
   EXPECT_NO_THROW(validate_sparse_attention(flat));
 }
 
-// The dispatch seam (sparse_attention_implementations.h): today the SIMT kernel runs every call on
-// every device the library supports; the choice needs no device.
+// The dispatch seam (sparse_attention_implementations.h): without bf16_rounding the SIMT kernel runs
+// every call on every device the library supports; the choice needs no device.
 TEST(SparseAttentionCudaDispatch, ChoosesSimtOnEveryDevice) {
   for (const int compute_capability : {80, 86, 89, 90, 100, 120})
-    EXPECT_STREQ(choose_sparse_attention(fake_params(), DeviceInfo{compute_capability}).name, "simt")
+    EXPECT_STREQ(choose_sparse_attention(fake_params(), DeviceInfo{compute_capability, 232448}).name, "simt")
         << "compute capability " << compute_capability;
 }
 
 TEST_F(CudaTest, SparseAttentionChoosesSimtOnThisDevice) {
   EXPECT_STREQ(sparse_attention_implementation(fake_params()), "simt");
+}
+
+// Reference precision (bf16_rounding) over rows exact in bf16 goes to the tensor cores where the
+// block's shared memory fits; everything else stays on SIMT.
+TEST(SparseAttentionCudaDispatch, ChoosesMmaForReferencePrecision) {
+  SparseAttentionParams p = fake_params();
+  p.bf16_rounding = true;
+  const DeviceInfo h200{90, 232448}, a100{80, 166912}, ada{89, 101376}, turing{75, 65536};
+  EXPECT_STREQ(choose_sparse_attention(p, h200).name, "mma_bf16");
+  EXPECT_STREQ(choose_sparse_attention(p, a100).name, "simt");
+  EXPECT_STREQ(choose_sparse_attention(p, ada).name, "simt");
+  EXPECT_EQ(kSparseAttentionMmaBf16.supports(p, turing), "needs compute capability >= 8.0, the device has 7.5");
+  EXPECT_EQ(kSparseAttentionMmaBf16.supports(p, a100),
+            "needs 231440 bytes of shared memory per block, the device has 166912");
+  SparseAttentionParams unrounded = fake_params();
+  EXPECT_EQ(kSparseAttentionMmaBf16.supports(unrounded, h200),
+            "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)");
+  SparseAttentionParams per_tensor = p;
+  per_tensor.window.geometry = page_geometry(KvRowFormat::fp8_per_tensor, kHeadDim, 32);
+  EXPECT_EQ(kSparseAttentionMmaBf16.supports(per_tensor, h200),
+            "cache 'window' has format fp8_per_tensor, whose values need not be exact in bf16");
+  EXPECT_STREQ(choose_sparse_attention(per_tensor, h200).name, "simt");
 }
 
 // The engine sizes the row split's workspace ahead with sparse_attention_max_workspace_bytes: it

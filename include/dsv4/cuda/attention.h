@@ -49,12 +49,15 @@ struct SparseAttentionParams {
 
 void validate_sparse_attention(const SparseAttentionParams& p);
 // The name of the implementation run_sparse_attention picks for this call on the current device
-// ("simt": the portable fp32 kernel); for tests and dsv4 bench.
+// ("mma_bf16": tensor cores, for bf16_rounding over caches exact in bf16; "simt": the portable fp32
+// kernel); for tests and dsv4 bench.
 const char* sparse_attention_implementation(const SparseAttentionParams& p);
 // Small steps (few tokens × head groups, e.g. decode at batch 1) leave most of the GPU idle with
-// one block per (token, 16 heads); with this workspace each token's rows are split over up to 20
-// blocks (tiles of 32 rows) whose partial softmax sums are merged by a second kernel. 0 when the
-// step is large enough not to split.
+// one block per (token, head group); with this workspace each token's rows are split over several
+// blocks (whole tiles of rows) whose partial softmax sums are merged by a second kernel in a fixed
+// order. 0 when the step is large enough not to split. A split rounds e_i relative to its own max
+// (bf16_rounding), so the split changes the last bits; how many splits a step gets depends on its
+// token count, unsplit results do not depend on the other tokens.
 size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p);
 // The largest workspace any step of at most max_tokens tokens of `heads` heads needs, each token
 // attending at most max_rows rows (window_size + picks per token): what a caller that sizes its

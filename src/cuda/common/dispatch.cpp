@@ -20,6 +20,8 @@ const DeviceInfo& device_info() {
     DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     infos[static_cast<size_t>(device)].compute_capability = major * 10 + minor;
+    DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&infos[static_cast<size_t>(device)].max_shared_bytes_per_block,
+                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   });
   return infos[static_cast<size_t>(device)];
 }
@@ -47,6 +49,12 @@ std::string needs_compute_capability_at_least(int needed, const DeviceInfo& devi
 std::string needs_value(const char* what, long long needed, long long given) {
   if (needed == given) return "";
   return std::string(what) + " " + std::to_string(given) + ", supports " + std::to_string(needed);
+}
+
+std::string needs_shared_memory(long long bytes, const DeviceInfo& device) {
+  if (device.max_shared_bytes_per_block >= bytes) return "";
+  return "needs " + std::to_string(bytes) + " bytes of shared memory per block, the device has " +
+         std::to_string(device.max_shared_bytes_per_block);
 }
 
 }  // namespace dsv4::cuda

@@ -19,6 +19,7 @@ namespace dsv4::cuda {
 // What implementations check about the device a call runs on.
 struct DeviceInfo {
   int compute_capability = 0;  // major * 10 + minor: 80 (A100), 90 (H100 / H200: sm_90a code runs only here)
+  int max_shared_bytes_per_block = 0;  // with opt-in: 232448 on H100 / H200, 166912 on A100, 101376 on Ada
 };
 
 // The current device's info, queried once per device and cached.
@@ -42,5 +43,6 @@ const Entry& choose_implementation(const char* op, std::span<const Entry* const>
 std::string needs_compute_capability(int needed, const DeviceInfo& device);           // "" when exactly `needed`
 std::string needs_compute_capability_at_least(int needed, const DeviceInfo& device);  // "" when >= `needed`
 std::string needs_value(const char* what, long long needed, long long given);  // "" when equal
+std::string needs_shared_memory(long long bytes, const DeviceInfo& device);      // "" when the block fits
 
 }  // namespace dsv4::cuda

@@ -1,6 +1,6 @@
 // The implementations of run_sparse_attention and their chooser (the dispatch seam, dispatch.h).
 // Adding an implementation: a folder next to simt/ that defines a SparseAttentionImplementation,
-// declared below and listed in sparse_attention.cu ahead of the ones it should win over.
+// declared below and listed in sparse_attention.cpp ahead of the ones it should win over.
 #pragma once
 
 #include <cstddef>
@@ -26,6 +26,9 @@ struct SparseAttentionImplementation {
   void (*run)(const SparseAttentionParams& p, void* workspace, cudaStream_t stream);
 };
 
+// Tensor cores (mma.sync bf16, sm_80+ with 227 KB of shared memory per block: A100 has less), for
+// bf16_rounding calls over caches whose rows are exact in bf16 (mma/).
+extern const SparseAttentionImplementation kSparseAttentionMmaBf16;
 // The portable fallback: fp32 SIMT, every device, every cache format (simt/).
 extern const SparseAttentionImplementation kSparseAttentionSimt;
 

@@ -16,35 +16,9 @@
 
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.cuh"
-#include "cuda/ops/attention/split_kv.h"
+#include "cuda/ops/attention/sparse_attention_launch.cuh"
 
 namespace dsv4::cuda {
-
-struct SparseAttentionLaunch {
-  const uint16_t* q = nullptr;  // [tokens, heads, head_dim] bf16
-  const int32_t* token_sequence = nullptr;
-  const int32_t* token_position = nullptr;
-  DeviceRows window;
-  int64_t window_size = 0;
-  DeviceRows compressed;
-  const int32_t* picks = nullptr;  // [tokens, num_picks]; null: window only
-  int64_t num_picks = 0;
-  int compress_ratio = 0;
-  const int32_t* pick_count = nullptr;  // [tokens], optional
-  const float* sink = nullptr;          // [heads], optional
-  float scale = 0.0f;
-  bool bf16_rounding = false;  // e_i rounded to bf16 before P·V (the sums keep it unrounded)
-  void* out = nullptr;
-  float* lse = nullptr;  // [tokens, heads], optional; written by the combine when split
-  int64_t tokens = 0;
-  int heads = 0;
-  // Split-KV (split_kv.h): block z of a token covers tiles [z·tiles_per_split, (z+1)·tiles_per_split)
-  // of its rows. With splits > 1 each block writes its unnormalized P·V and (max, sum) to the
-  // partials and run_split_kv_combine produces out.
-  int splits = 1;
-  int64_t tiles_per_split = 0;
-  SplitKvPartials partials;
-};
 
 inline constexpr int kAttentionWarps = 8;
 inline constexpr int kAttentionHeadsPerWarp = 2;
@@ -73,13 +47,7 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
 
   const int64_t t = blockIdx.x;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int64_t sequence = a.token_sequence ? a.token_sequence[t] : 0;
-  const int64_t position = a.token_position ? a.token_position[t] : -1;  // absent: no window, no causal bound
-  const int64_t window_first = position - a.window_size + 1 > 0 ? position - a.window_size + 1 : 0;
-  const int64_t n_window = position >= 0 ? position - window_first + 1 : 0;
-  const int64_t n_picks = !a.picks ? 0 : a.pick_count ? max(0, min(a.pick_count[t], static_cast<int>(a.num_picks))) : a.num_picks;
-  const int64_t n_rows = n_window + n_picks;
-  const int64_t n_visible = a.compress_ratio > 0 ? (position + 1) / a.compress_ratio : INT64_MAX;
+  const TokenRows rows(a, t);
 
   int head[kAttentionHeadsPerWarp];
   float q[kAttentionHeadsPerWarp][kChunks][4], acc[kAttentionHeadsPerWarp][kChunks][4];
@@ -104,27 +72,17 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
   }
 
   const int64_t first_row = int64_t{blockIdx.z} * a.tiles_per_split * kAttentionTileRows;
-  const int64_t end_row = min(n_rows, first_row + a.tiles_per_split * kAttentionTileRows);
+  const int64_t end_row = min(rows.n_rows, first_row + a.tiles_per_split * kAttentionTileRows);
   for (int64_t base = first_row; base < end_row; base += kAttentionTileRows) {
     __syncthreads();  // the previous tile is consumed
-    if (threadIdx.x < kAttentionTileRows) {
-      const int64_t i = base + threadIdx.x;
-      RowRef ref;
-      if (i < end_row && i < n_window) {
-        ref = row_of_sequence(a.window, sequence, window_first + i);
-      } else if (i < end_row) {
-        const int64_t entry = a.picks[t * a.num_picks + (i - n_window)];
-        if (entry >= 0 && entry < n_visible) ref = row_of_sequence(a.compressed, sequence, entry);
-      }
-      refs[threadIdx.x] = ref;
-    }
+    if (threadIdx.x < kAttentionTileRows) refs[threadIdx.x] = rows.row(a, t, base + threadIdx.x, end_row);
     __syncthreads();
     // Decode: tile rows [0, split) are window rows, [split, 32) compressed entries.
-    const int split = static_cast<int>(n_window - base < 0 ? 0 : (n_window - base > kAttentionTileRows ? kAttentionTileRows : n_window - base));
+    const int split = rows.window_rows_in_tile(base, kAttentionTileRows);
     // Work items of 16 channels; consecutive threads take consecutive chunks of a row.
-    auto decode_rows = [&](const DeviceRows& rows, int first, int last) {
+    auto decode_rows = [&](const DeviceRows& cache, int first, int last) {
       if (first >= last) return;
-      visit_format(rows.format, [&](auto format) {
+      visit_format(cache.format, [&](auto format) {
         constexpr int kChunksPerRow = kHeadDim / 16;
 #pragma unroll 4
         for (int item = first * kChunksPerRow + threadIdx.x; item < last * kChunksPerRow; item += kThreads) {
@@ -132,7 +90,7 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
           const RowRef ref = refs[r];
           float v[16];
           if (ref.valid()) {
-            decode_chunk16<decltype(format)::value>(rows, ref, c0, v);
+            decode_chunk16<decltype(format)::value>(cache, ref, c0, v);
           } else {
 #pragma unroll
             for (int i = 0; i < 16; ++i) v[i] = 0.0f;

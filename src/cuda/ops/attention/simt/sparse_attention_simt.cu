@@ -3,7 +3,6 @@
 // instantiated in src/cuda/instantiations/sparse_attention_simt_*.cu.
 #include "cuda/ops/attention/simt/sparse_attention_kernel.cuh"
 #include "cuda/ops/attention/sparse_attention_implementations.h"
-#include "cuda/ops/attention/split_kv.h"
 
 namespace dsv4::cuda {
 
@@ -40,39 +39,12 @@ size_t max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) 
 }
 
 void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
-  SparseAttentionLaunch a;
-  a.tokens = p.q.shape[0];
-  a.heads = static_cast<int>(p.q.shape[1]);
-  if (a.tokens == 0 || a.heads == 0) return;
-  const SplitKvPlan split = plan(p, workspace != nullptr);
-  a.q = p.q.ptr<const uint16_t>();
-  if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
-  if (is_present(p.token_position)) a.token_position = p.token_position.ptr<const int32_t>();
-  a.window = device_rows(p.window);
-  a.window_size = p.window_size;
-  if (is_present(p.compressed.pages)) {
-    a.compressed = device_rows(p.compressed);
-    a.picks = p.picks.ptr<const int32_t>();
-    a.num_picks = p.picks.shape[1];
-    a.compress_ratio = p.compress_ratio;
-  }
-  if (is_present(p.pick_count)) a.pick_count = p.pick_count.ptr<const int32_t>();
-  if (is_present(p.sink)) a.sink = p.sink.ptr<const float>();
-  a.scale = p.scale;
-  a.bf16_rounding = p.bf16_rounding;
-  a.out = p.out.data;
-  a.lse = is_present(p.lse) ? p.lse.ptr<float>() : nullptr;
-  a.splits = split.splits;
-  a.tiles_per_split = split.tiles_per_split;
-  a.partials = split_kv_partials(workspace, a.tokens, a.heads, kHeadDim, a.splits);
+  if (p.q.shape[0] == 0 || p.q.shape[1] == 0) return;
+  const SparseAttentionLaunch a = make_sparse_attention_launch(p, plan(p, workspace != nullptr), workspace, kHeadDim);
   if (p.out.dtype == DType::bf16) launch_sparse_attention<kHeadDim, uint16_t>(a, stream);
   else launch_sparse_attention<kHeadDim, float>(a, stream);
   check_launch("sparse_attention");
-  if (a.splits > 1)
-    run_split_kv_combine({.partials = a.partials, .splits = a.splits, .tokens = a.tokens, .heads = a.heads,
-                          .head_dim = kHeadDim, .sink = a.sink, .out = a.out, .out_dtype = p.out.dtype,
-                          .lse = a.lse},
-                         stream);
+  if (a.splits > 1) combine_sparse_attention_splits(a, p.out.dtype, kHeadDim, stream);
 }
 
 }  // namespace

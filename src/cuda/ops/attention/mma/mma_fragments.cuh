@@ -1,0 +1,101 @@
+// Warp-level bf16 tensor-core primitives of the mma_bf16 attention (sm_80+): the shared-memory
+// layout of 512-channel bf16 rows, ldmatrix loads of the m16n8k16 fragments from it, the MMA, and
+// cp.async. PTX fragment layouts (lane l, g = l / 4, c = l % 4; pairs are packed low index first):
+//   A 16x16 (row major)  a[0]: (g, 2c..2c+1)   a[1]: (g+8, 2c..)   a[2]: (g, 2c+8..)   a[3]: (g+8, 2c+8..)
+//   B 16x8  (k x n)      b[0]: (k 2c..2c+1, n g)                   b[1]: (k 2c+8.., n g)
+//   C 16x8  (f32)        c[0..1]: (g, 2c..2c+1)                    c[2..3]: (g+8, 2c..2c+1)
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dsv4/numeric.h"
+
+namespace dsv4::cuda::mma {
+
+inline constexpr int kRowChannels = 512;
+inline constexpr int kRowBytes = kRowChannels * 2;
+
+// Byte offset of channel `col` (a multiple of 8) of row `row` in a tile of 512-channel bf16 rows:
+// the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so that the 8 row addresses of an
+// ldmatrix (8 consecutive rows, one chunk) and the chunk stores of a row fall on 8 different
+// groups of 4 banks.
+__device__ __forceinline__ uint32_t tile_offset(int row, int col) {
+  return static_cast<uint32_t>(row * kRowBytes + ((((col >> 3) ^ (row & 7))) << 4));
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+
+// d += a·b, bf16 inputs, f32 accumulation.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The A fragment of rows row0 … row0+15, channels col0 … col0+15 of a tile (row major: heads x
+// channels). Lane l addresses row (l % 8) + 8·((l / 8) % 2), channel 8·(l / 16): matrices 0-3 are
+// a[0]-a[3].
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], uint32_t tile, int row0, int col0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  ldmatrix_x4(a, tile + tile_offset(row0 + r + (i & 1) * 8, col0 + (i >> 1) * 8));
+}
+
+// B fragments of S = A·Kᵀ for the keys row0 … row0+15 (two n tiles of 8) over channels
+// col0 … col0+15, from a tile of key rows (n x k). Lane l addresses key row (l % 8) + 8·(l / 16),
+// channel 8·((l / 8) % 2): b[0], b[1] are the first n tile's, b[2], b[3] the second's.
+__device__ __forceinline__ void load_b_keys(uint32_t (&b)[4], uint32_t tile, int row0, int col0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  ldmatrix_x4(b, tile + tile_offset(row0 + r + (i >> 1) * 8, col0 + (i & 1) * 8));
+}
+
+// B fragments of O = P·V for the value rows row0 … row0+15 (k) and channels col0 … col0+15 (two
+// n tiles of 8), from the same tile of rows (k x n, transposed on load). Lane l addresses row
+// (l % 8) + 8·((l / 8) % 2), channel 8·(l / 16): b[0], b[1] are the first n tile's, b[2], b[3] the
+// second's.
+__device__ __forceinline__ void load_b_values(uint32_t (&b)[4], uint32_t tile, int row0, int col0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  ldmatrix_x4_trans(b, tile + tile_offset(row0 + r + (i & 1) * 8, col0 + (i >> 1) * 8));
+}
+
+// Two floats as a bf16 pair (rounded to nearest even), the first in the low half.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  return uint32_t{float_to_bf16_bits(lo)} | (uint32_t{float_to_bf16_bits(hi)} << 16);
+}
+
+// The A fragment of the k step kk (columns 16·kk … 16·kk+15) of a 16-row matrix held as C
+// fragments s[n tile][4] (n tiles 2·kk and 2·kk+1), rounded to bf16: how P feeds P·V.
+__device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack_bf16(lo[0], lo[1]);
+  a[1] = pack_bf16(lo[2], lo[3]);
+  a[2] = pack_bf16(hi[0], hi[1]);
+  a[3] = pack_bf16(hi[2], hi[3]);
+}
+
+// 16 bytes global -> shared, asynchronous (completed by cp_async_wait_all).
+__device__ __forceinline__ void cp_async16(uint32_t shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+}  // namespace dsv4::cuda::mma
