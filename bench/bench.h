@@ -25,8 +25,12 @@ struct Workload {
   std::string implementation;  // the implementation the op's chooser picked; empty: the op has one
 };
 
-// Times `launch` (which queues one run on `stream`); microseconds of each timed run.
+// Times `launch` (which queues one run on `stream`, capturable: no allocation, no synchronization)
+// as the replays of a CUDA graph it is captured into, so that host work and launch gaps stay out of
+// the numbers, as in an engine that replays its step graph; microseconds of each timed run.
 std::vector<double> time_runs(const BenchOptions& o, cudaStream_t stream, const std::function<void()>& launch);
+// Times replays of an instantiated graph on `stream`.
+std::vector<double> time_graph(const BenchOptions& o, cudaStream_t stream, cudaGraphExec_t graph);
 double percentile(std::vector<double> values, double q);
 void print_result(const BenchOptions& o, const ModelConfig& c, const Workload& w, const std::vector<double>& us);
 

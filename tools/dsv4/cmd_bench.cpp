@@ -51,7 +51,7 @@ std::vector<std::string> op_names() {
 using bench::format_string;
 using bench::percentile;
 using bench::print_result;
-using bench::time_runs;
+using bench::time_graph;
 using bench::Workload;
 using cuda::inputs::DeviceTensor;
 using cuda::inputs::poisoned_tensor;
@@ -123,7 +123,7 @@ bool bench_layer(const BenchCommandOptions& o, const ModelConfig& preset, cuda::
   DSV4_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
   cudaGraphExec_t exec = nullptr;
   DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const std::vector<double> us = time_runs(o, stream.get(), [&] { DSV4_CUDA_CHECK(cudaGraphLaunch(exec, stream.get())); });
+  const std::vector<double> us = time_graph(o, stream.get(), exec);
   DSV4_CUDA_CHECK(cudaGraphExecDestroy(exec));
   DSV4_CUDA_CHECK(cudaGraphDestroy(graph));
   engine.end_step();
