@@ -20,6 +20,7 @@
 #include "dsv4/weights.h"
 #include "engine/cpu_engine.h"
 #include "golden_util.h"
+#include "test_util.h"
 
 namespace dsv4 {
 namespace {
@@ -51,9 +52,10 @@ Model tiny_model(const std::string& preset, bool fp8) {
 
 // kv_format "": float rows. Paged caches (a kv_format) are sized up front: 8 sequences of 256 tokens.
 std::unique_ptr<Engine> make_engine(const Model& m, Precision precision, int threads = 0,
-                                    const std::string& kv_format = "") {
+                                    const std::string& kv_format = "", int64_t max_rollback = 0) {
   EngineOptions options;
   options.precision = precision;
+  options.max_rollback = max_rollback;
   options.num_threads = threads;
   options.cache_storage = kv_format.empty() ? CacheStorage::float_rows : CacheStorage::paged;
   options.kv_format = kv_format;
@@ -75,7 +77,7 @@ class Driver {
 
   // A new sequence whose tokens use `stream`, or stream `later` from position `switch_at` on.
   int add(uint64_t stream, int64_t switch_at = -1, uint64_t later = 0) {
-    Sequence s{engine_.add_sequence(), {{0, stream}}, {}, {}};
+    Sequence s{engine_.add_sequence(), {{0, stream}}, {}, {}, 0};
     if (switch_at >= 0) s.streams.push_back({switch_at, later});
     sequences_.push_back(std::move(s));
     return static_cast<int>(sequences_.size()) - 1;
@@ -87,10 +89,21 @@ class Driver {
     s.streams.push_back({engine_.sequence_length(s.id), stream});
     s.outputs.clear();
     s.picks.clear();
+    s.first_recorded = engine_.sequence_length(s.id);
     sequences_.push_back(std::move(s));
     return static_cast<int>(sequences_.size()) - 1;
   }
   void release(int s) { engine_.release_sequence(sequences_[s].id); }
+  // Takes back the sequence's tokens from `new_length` on (forgetting their recorded results); its
+  // next tokens use `stream`.
+  void rollback(int s, int64_t new_length, uint64_t stream) {
+    Sequence& q = sequences_[s];
+    engine_.rollback_sequence(q.id, new_length);
+    const int64_t kept = new_length - q.first_recorded;
+    for (auto& [l, v] : q.outputs) v.resize(static_cast<size_t>(kept * engine_.config().hidden_size));
+    for (auto& [l, v] : q.picks) v.resize(static_cast<size_t>(kept * engine_.config().index_topk));
+    q.streams.push_back({new_length, stream});
+  }
 
   // One step: (sequence, tokens) entries, every layer in order.
   void step(const std::vector<std::pair<int, int64_t>>& entries) {
@@ -138,6 +151,7 @@ class Driver {
     std::vector<std::pair<int64_t, uint64_t>> streams;  // (first position, stream)
     std::map<int, std::vector<float>> outputs;          // per layer: [positions, hidden]
     std::map<int, std::vector<int32_t>> picks;          // per index layer: [positions, k]
+    int64_t first_recorded;                             // the position of the first recorded result
   };
   uint64_t stream_at(int s, int64_t p) const {
     uint64_t stream = 0;
@@ -234,6 +248,81 @@ TEST_P(EngineSteps, ReleasedSequenceLeavesTheOthersUntouched) {
   d.step({{alone, 1}});
   d.step({{alone, 3}});
   EXPECT_EQ(d.outputs(kept), d.outputs(alone));
+}
+
+// Speculative decoding (SPEC §13.4): a verify step carries a sequence's bonus token and K drafts;
+// after k drafts are accepted and the rest rolled back, the sequence continues exactly like one
+// that only ever ran the accepted tokens one by one, for every k, with the open compressor group
+// of either parity at the rollback point (ratio 2 / 4 layers) and windows spanning the rollback.
+TEST_P(EngineSteps, RollbackOfRejectedDraftsIsExact) {
+  constexpr int64_t K = 5;
+  auto e = make_engine(model_, GetParam().precision, 0, GetParam().kv_format, K);
+  for (const int64_t prefix : {37, 42})
+    for (int64_t k = 0; k <= K; ++k) {
+      SCOPED_TRACE(testing::Message() << "prefix " << prefix << ", " << k << " of " << K << " drafts accepted");
+      Driver d(*e);
+      const int spec = d.add(1), twin = d.add(1, prefix + 1 + k, 2);
+      d.step({{spec, prefix}, {twin, prefix}});
+      d.step({{spec, K + 1}});  // the verify step
+      d.rollback(spec, prefix + 1 + k, 2);
+      for (int64_t i = 0; i <= k; ++i) d.step({{twin, 1}});
+      EXPECT_EQ(e->sequence_cache_bytes(d.id(spec)), e->sequence_cache_bytes(d.id(twin)));
+      d.step({{spec, 4}, {twin, 4}});  // the next verify step, fully accepted
+      d.step({{spec, 1}});
+      d.step({{twin, 1}});
+      EXPECT_EQ(d.outputs(spec), d.outputs(twin));
+      EXPECT_EQ(d.picks(spec), d.picks(twin));
+      d.release(spec);
+      d.release(twin);
+    }
+}
+
+// Rolling back a fork's drafts leaves its parent alone, and both continue as if never forked.
+TEST_P(EngineSteps, RollbackOfAForkLeavesItsParentAlone) {
+  constexpr int64_t K = 4;
+  auto e = make_engine(model_, GetParam().precision, 0, GetParam().kv_format, K);
+  Driver d(*e);
+  const int parent = d.add(1);
+  d.step({{parent, 33}});
+  const int child = d.fork(parent, 3);
+  d.step({{child, K + 1}, {parent, 2}});
+  d.rollback(child, 33 + 2, 4);  // one draft of four accepted
+  d.step({{child, 6}, {parent, 3}});
+  const int parent_twin = d.add(1), child_twin = d.add(1, 33, 3);
+  d.step({{parent_twin, 38}});
+  d.step({{child_twin, 35}});
+  d.rollback(child_twin, 35, 4);  // changes nothing but the stream of its next tokens
+  d.step({{child_twin, 6}});
+  const int64_t H = model_.config.hidden_size;
+  EXPECT_EQ(d.outputs(parent), d.outputs(parent_twin));
+  EXPECT_EQ(d.outputs(child), outputs_from(d.outputs(child_twin), 33, H));
+}
+
+// How far back a rollback reaches: max_rollback tokens behind the longest length.
+TEST(EngineRollback, IsBoundedByMaxRollback) {
+  const Model m = tiny_model("tiny-v4.1", false);
+  auto e = make_engine(m, Precision::reference, 0, "", 3);
+  Driver d(*e);
+  const int s = d.add(1);
+  d.step({{s, 20}});
+  EXPECT_NO_THROW(d.rollback(s, 18, 2));
+  d.step({{s, 1}});
+  const auto expect_error = [](const std::function<void()>& f, const std::string& part) {
+    const std::string message = test::error_of(f);
+    EXPECT_NE(message.find(part), std::string::npos) << message;
+  };
+  expect_error([&] { e->rollback_sequence(d.id(s), 16); },
+               "engine: rollback_sequence: sequence 0 to length 16: expected a length in [17, 19] (its length is 19; "
+               "the caches keep max_rollback = 3 tokens behind its longest length 20)");
+  expect_error([&] { e->rollback_sequence(d.id(s), 20); }, "in [17, 19]");
+  e->begin_step({{d.id(s), 1}});
+  expect_error([&] { e->rollback_sequence(d.id(s), 18); }, "is part of the running step");
+  auto plain = make_engine(m, Precision::reference);
+  Driver p(*plain);
+  const int q = p.add(1);
+  p.step({{q, 5}});
+  expect_error([&] { plain->rollback_sequence(p.id(q), 4); }, "expected a length in [5, 5]");
+  expect_error([&] { plain->rollback_sequence(99, 4); }, "engine: rollback_sequence: sequence 99 does not exist");
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyPresets, EngineSteps,

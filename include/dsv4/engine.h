@@ -39,6 +39,10 @@ struct EngineOptions {
   int64_t max_sequences = 256;
   int64_t max_tokens_per_step = 8192;
   int64_t max_context = 1 << 16;     // sizes the cache pools: max_sequences x max_context tokens
+  // Speculative decoding: the most tokens rollback_sequence may take back (the drafts of one verify
+  // step). The caches then keep that many window rows and compressor rows beyond what sequential
+  // decoding needs, so that a rollback is exact. 0: no rollback.
+  int64_t max_rollback = 0;
   int num_threads = 0;               // cpu backend; 0: all cores
   // cuda backend: the stream every operation and every host<->device copy of the engine is queued
   // on (a cudaStream_t; the caller keeps it alive while the engine exists). nullptr: the engine
@@ -78,6 +82,14 @@ class Engine {
   virtual SequenceId fork_sequence(SequenceId parent) = 0;
   virtual void release_sequence(SequenceId sequence) = 0;
   virtual int64_t sequence_length(SequenceId sequence) const = 0;
+  // Takes back the sequence's tokens from position `new_length` on (the drafts a verify step did
+  // not accept): afterwards its caches and compressor state are exactly what a run over its first
+  // new_length tokens leaves, and its next step continues at new_length. Speculative decoding:
+  // a verify step carries the bonus token and K drafts of a sequence (K + 1 tokens, equal to K + 1
+  // single-token steps); with k drafts accepted, rollback_sequence(s, length_before + 1 + k).
+  // new_length must lie in [longest - max_rollback, length], `longest` being the longest length
+  // the sequence (or the parent it was forked from) has had; not during a step.
+  virtual void rollback_sequence(SequenceId sequence, int64_t new_length) = 0;
 
   // Starts a step over the given sequences. Positions of a sequence's tokens continue from its
   // length. All cache space is reserved here: if a pool is exhausted, this throws and nothing changes.

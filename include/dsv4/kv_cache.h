@@ -140,6 +140,9 @@ struct KvCacheOptions {
   int64_t index_key_rows_per_page = 0;
   PagePlacement placement = PagePlacement::segregated;
   float fp8_tensor_scale = 1.0f;  // tensor scale of fp8_per_tensor pools
+  // Window rows kept beyond the sliding window (EngineOptions::max_rollback): a sequence rolled
+  // back by up to that many tokens still finds its whole window.
+  int64_t rollback_rows = 0;
   // false: the pools keep no host bytes (PoolSpec::host_storage) and there is no host compressor
   // state (compressor_state() throws), for a backend that holds both on its device and mirrors
   // reserve()'s page copies there. The state is still accounted in sequence_bytes().
@@ -226,11 +229,14 @@ class KvCacheManager {
   // Slots of every step token for `layer` (see LayerStepSlots); the step must be reserved.
   LayerStepSlots step_slots(const std::vector<CacheStepEntry>& step, int layer) const;
   // Advances the sequence to `new_length` (>= its length, within what is reserved) and returns the
-  // window pages wholly before `new_length - sliding_window` to their pools.
+  // window pages wholly before `new_length - sliding_window - rollback_rows` to their pools.
   void commit(SequenceId id, int64_t new_length);
+  // Shrinks the sequence to `new_length` (<= its length, and its window's first row still kept) and
+  // returns the pages wholly past its rows to their pools; rows keep their slots.
+  void rollback(SequenceId id, int64_t new_length);
 
   // ----- rows (row = position for window pools, entry index for compressed / index-key pools)
-  // First row readable: max(0, length - sliding_window) for window pools, 0 otherwise.
+  // First row kept: max(0, length - sliding_window - rollback_rows) for window pools, 0 otherwise.
   int64_t first_readable_row(SequenceId id, CacheKind kind, int layer) const;
   // Rows that hold pages (readable or reserved): rows < held_rows are addressable.
   int64_t held_rows(SequenceId id, CacheKind kind, int layer) const;

@@ -271,9 +271,10 @@ KvCacheCapacity plan_kv_cache_capacity(const ModelConfig& config, const ModelTop
              kMaxSequences, "] and token counts in [1, ", kMaxTokens, "]");
   KvCacheCapacity cap;
   cap.max_sequences = max_sequences;
-  // Between steps a sequence holds positions [L - W, L); a step appends n more. The positions
-  // [L - W, L + n) touch at most (W + n - 1) / rpp + 2 pages, and the n sum to max_step_tokens.
-  const int64_t window = config.sliding_window;
+  // Between steps a sequence holds positions [L - W - R, L) (R: rollback_rows); a step appends n
+  // more. The positions [L - W - R, L + n) touch at most (W + R + n - 1) / rpp + 2 pages, and the n
+  // sum to max_step_tokens.
+  const int64_t window = config.sliding_window + options.rollback_rows;
   const int64_t rpp_w = kind_rows_per_page(options, CacheKind::window);
   cap.window_pages = std::min((max_sequences * (window - 1) + max_step_tokens) / rpp_w + 2 * max_sequences,
                               max_sequences * ceil_div(max_context, rpp_w));
@@ -303,6 +304,8 @@ KvCacheManager::KvCacheManager(const ModelConfig& config, const ModelTopology& t
              "kv_cache: capacity pages (window ", cap.window_pages, ", compressed ",
              cap.compressed_pages, ", index keys ", cap.index_key_pages, ") must be >= 0");
   const int layers = topology.size();
+  DSV4_CHECK(options_.rollback_rows >= 0 && options_.rollback_rows <= kMaxTokens, "kv_cache: rollback_rows is ",
+             options_.rollback_rows, ", expected a count in [0, ", kMaxTokens, "]");
   auto& floats = options_.compressor_state_floats;
   DSV4_CHECK(floats.empty() || static_cast<int>(floats.size()) == layers,
              "kv_cache: compressor_state_floats has ", floats.size(), " entries, expected ", layers,
@@ -383,7 +386,7 @@ const KvCacheManager::Sequence& KvCacheManager::sequence(const char* operation, 
 }
 
 int64_t KvCacheManager::first_kept_row(const CachePool& p, int64_t length) const {
-  return p.kind == CacheKind::window ? std::max<int64_t>(0, length - window_) : 0;
+  return p.kind == CacheKind::window ? std::max<int64_t>(0, length - window_ - options_.rollback_rows) : 0;
 }
 
 int64_t KvCacheManager::held_rows(const CachePool& p, const BlockTable& t) const {
@@ -677,6 +680,25 @@ void KvCacheManager::commit(SequenceId id, int64_t new_length) {
     t.pages.erase(t.pages.begin(), t.pages.begin() + drop);
     t.first_logical_page += drop;
   }
+}
+
+void KvCacheManager::rollback(SequenceId id, int64_t new_length) {
+  Sequence& s = sequence("rollback", id);
+  DSV4_CHECK(new_length >= 0 && new_length <= s.length, "kv_cache: rollback: sequence ", id, " to length ",
+             new_length, ", expected a length in [0, ", s.length, "]");
+  for (size_t i = 0; i < pools_.size(); ++i) {
+    const CachePool& p = pools_[i];
+    const int64_t rpp = p.pages.rows_per_page();
+    BlockTable& t = s.tables[i];
+    DSV4_CHECK(first_kept_row(p, new_length) >= t.first_logical_page * rpp, "kv_cache: rollback: sequence ", id,
+               " to length ", new_length, ": its rows before ", t.first_logical_page * rpp, " of pool '",
+               p.pages.name(), "' have left the window (rollback_rows ", options_.rollback_rows, ")");
+    const int64_t keep = std::min<int64_t>(static_cast<int64_t>(t.pages.size()),
+                                           std::max<int64_t>(0, ceil_div(rows_at(p, new_length), rpp) - t.first_logical_page));
+    for (size_t k = static_cast<size_t>(keep); k < t.pages.size(); ++k) pools_[i].pages.release(t.pages[k]);
+    t.pages.resize(static_cast<size_t>(keep));
+  }
+  s.length = new_length;
 }
 
 // ----- rows

@@ -52,6 +52,7 @@ CpuEngine::CpuEngine(const ModelConfig& config, std::shared_ptr<const ModelWeigh
     if (layer_present(l)) {
       layers_.push_back(reference::prepare_layer(config, recipe, this->weights().layers[static_cast<size_t>(l)]));
       shapes.push_back(reference::layer_cache_shape(config, layers_.back()));
+      shapes.back().rollback_rows = options.max_rollback;
     } else {
       layers_.emplace_back().recipe = recipe;
       shapes.emplace_back();

@@ -30,6 +30,7 @@ class CpuEngine final : public StepEngine {
   void add_sequence_caches(SequenceId id) override { caches_->add_sequence(id); }
   void fork_sequence_caches(SequenceId parent, SequenceId child) override { caches_->fork_sequence(parent, child); }
   void release_sequence_caches(SequenceId id) override { caches_->release_sequence(id); }
+  void rollback_sequence_caches(SequenceId id, int64_t new_length) override { caches_->rollback(id, new_length); }
   int64_t cached_length(SequenceId id) const override { return caches_->length(id); }
   int64_t cached_bytes(SequenceId id) const override { return caches_->cache_bytes(id); }
   void prepare_step(const StepLayout& step) override;

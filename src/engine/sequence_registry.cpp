@@ -7,37 +7,54 @@
 
 namespace dsv4 {
 
-SequenceId SequenceRegistry::insert(const std::function<void(SequenceId)>& create, std::vector<uint8_t> skipped) {
-  DSV4_CHECK(static_cast<int64_t>(skipped_.size()) < max_sequences_, "engine: ", skipped_.size(),
+SequenceId SequenceRegistry::insert(const std::function<void(SequenceId)>& create, Record record) {
+  DSV4_CHECK(static_cast<int64_t>(records_.size()) < max_sequences_, "engine: ", records_.size(),
              " sequences are live, the maximum is ", max_sequences_, " (EngineOptions::max_sequences)");
   const SequenceId id = next_;
   create(id);
   ++next_;
-  skipped_.emplace(id, std::move(skipped));
+  records_.emplace(id, std::move(record));
   return id;
 }
 
 SequenceId SequenceRegistry::add(const std::function<void(SequenceId)>& create) {
-  return insert(create, std::vector<uint8_t>(num_layers_, 0));
+  return insert(create, {.skipped = std::vector<uint8_t>(num_layers_, 0)});
 }
 
 SequenceId SequenceRegistry::fork(SequenceId parent, const std::function<void(SequenceId)>& create) {
-  return insert(create, skipped_layers("fork_sequence", parent));
+  return insert(create, record("fork_sequence", parent));
 }
 
 void SequenceRegistry::remove(SequenceId sequence) {
-  skipped_layers("release_sequence", sequence);
-  skipped_.erase(sequence);
+  record("release_sequence", sequence);
+  records_.erase(sequence);
 }
 
-std::vector<uint8_t>& SequenceRegistry::skipped_layers(const char* operation, SequenceId sequence) {
-  auto it = skipped_.find(sequence);
-  DSV4_CHECK(it != skipped_.end(), "engine: ", operation, ": sequence ", sequence, " does not exist");
+SequenceRegistry::Record& SequenceRegistry::record(const char* operation, SequenceId sequence) {
+  auto it = records_.find(sequence);
+  DSV4_CHECK(it != records_.end(), "engine: ", operation, ": sequence ", sequence, " does not exist");
   return it->second;
 }
 
+const SequenceRegistry::Record& SequenceRegistry::record(const char* operation, SequenceId sequence) const {
+  return const_cast<SequenceRegistry*>(this)->record(operation, sequence);
+}
+
+std::vector<uint8_t>& SequenceRegistry::skipped_layers(const char* operation, SequenceId sequence) {
+  return record(operation, sequence).skipped;
+}
+
 const std::vector<uint8_t>& SequenceRegistry::skipped_layers(const char* operation, SequenceId sequence) const {
-  return const_cast<SequenceRegistry*>(this)->skipped_layers(operation, sequence);
+  return record(operation, sequence).skipped;
+}
+
+int64_t SequenceRegistry::longest_length(const char* operation, SequenceId sequence) const {
+  return record(operation, sequence).longest;
+}
+
+void SequenceRegistry::note_length(SequenceId sequence, int64_t length) {
+  int64_t& longest = record("note_length", sequence).longest;
+  longest = std::max(longest, length);
 }
 
 void SequenceRegistry::check_step(const std::vector<StepEntry>& entries, const EngineOptions& options,

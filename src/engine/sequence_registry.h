@@ -1,6 +1,7 @@
 // The live sequences of an engine, whatever its backend: ids, the limit on how many live at once,
 // and per sequence the optional (MTP) layers one of its steps skipped, whose caches of that
-// sequence are therefore incomplete.
+// sequence are therefore incomplete, and the longest length it has had (how far back a rollback
+// may reach).
 #pragma once
 
 #include <cstdint>
@@ -26,6 +27,9 @@ class SequenceRegistry {
   // The layers `sequence` skipped; throws "dsv4: engine: <operation>: sequence N does not exist".
   std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence);
   const std::vector<uint8_t>& skipped_layers(const char* operation, SequenceId sequence) const;
+  // The longest length the sequence has had (a fork starts with its parent's), raised by `length`.
+  int64_t longest_length(const char* operation, SequenceId sequence) const;
+  void note_length(SequenceId sequence, int64_t length);
 
   // Checks a step's entries before anything is reserved: at least one, each a live sequence at
   // most once with at least one token, together within options.max_tokens_per_step, each sequence
@@ -34,11 +38,17 @@ class SequenceRegistry {
                   const std::function<int64_t(SequenceId)>& length) const;
 
  private:
-  SequenceId insert(const std::function<void(SequenceId)>& create, std::vector<uint8_t> skipped);
+  struct Record {
+    std::vector<uint8_t> skipped;
+    int64_t longest = 0;
+  };
+  SequenceId insert(const std::function<void(SequenceId)>& create, Record record);
+  Record& record(const char* operation, SequenceId sequence);
+  const Record& record(const char* operation, SequenceId sequence) const;
 
   size_t num_layers_;
   int64_t max_sequences_;
-  std::map<SequenceId, std::vector<uint8_t>> skipped_;
+  std::map<SequenceId, Record> records_;
   SequenceId next_ = 0;
 };
 

@@ -31,7 +31,9 @@ StepEngine::StepEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
     // transformers checkpoints leave the MTP layers out; such a layer cannot run.
     const bool present = !topology_[l].is_mtp || has_any_weight(weights_->layers[static_cast<size_t>(l)]);
     present_.push_back(present ? 1 : 0);
-    recipes_.push_back(layer_recipe(config, topology_[l], options.precision, counted));
+    LayerRecipe& r = recipes_.emplace_back(layer_recipe(config, topology_[l], options.precision, counted));
+    for (std::optional<CompressorGeometry>* c : {&r.compressor, &r.index_compressor})
+      if (*c) (*c)->rollback_rows = options.max_rollback;
   }
   ran_.assign(present_.size(), 0);
 }
@@ -66,6 +68,18 @@ void StepEngine::release_sequence(SequenceId sequence) {
 int64_t StepEngine::sequence_length(SequenceId sequence) const {
   sequences_.skipped_layers("sequence_length", sequence);
   return cached_length(sequence);
+}
+
+void StepEngine::rollback_sequence(SequenceId sequence, int64_t new_length) {
+  const int64_t longest = sequences_.longest_length("rollback_sequence", sequence);
+  DSV4_CHECK(!in_running_step(sequence), "engine: rollback_sequence: sequence ", sequence,
+             " is part of the running step; roll it back after end_step");
+  const int64_t length = cached_length(sequence), floor = std::max<int64_t>(0, longest - options_.max_rollback);
+  DSV4_CHECK(new_length >= floor && new_length <= length, "engine: rollback_sequence: sequence ", sequence,
+             " to length ", new_length, ": expected a length in [", floor, ", ", length, "] (its length is ", length,
+             "; the caches keep max_rollback = ", options_.max_rollback, " tokens behind its longest length ",
+             longest, ")");
+  if (new_length < length) rollback_sequence_caches(sequence, new_length);
 }
 
 int64_t StepEngine::sequence_cache_bytes(SequenceId sequence) const {
@@ -147,6 +161,7 @@ void StepEngine::end_step() {
     for (int l = config_.num_layers; l < topology_.size(); ++l)
       if (!layer_ran(l)) skipped[static_cast<size_t>(l)] = 1;
     commit_sequence(ch);
+    sequences_.note_length(ch.sequence, cached_length(ch.sequence));
   }
   in_step_ = false;
 }

@@ -25,6 +25,7 @@ class StepEngine : public Engine {
   SequenceId fork_sequence(SequenceId parent) final;
   void release_sequence(SequenceId sequence) final;
   int64_t sequence_length(SequenceId sequence) const final;
+  void rollback_sequence(SequenceId sequence, int64_t new_length) final;
   int64_t sequence_cache_bytes(SequenceId sequence) const final;
 
   void begin_step(const std::vector<StepEntry>& entries) final;
@@ -42,6 +43,9 @@ class StepEngine : public Engine {
   virtual void add_sequence_caches(SequenceId id) = 0;
   virtual void fork_sequence_caches(SequenceId parent, SequenceId child) = 0;
   virtual void release_sequence_caches(SequenceId id) = 0;
+  // Shrinks a sequence's caches to its first new_length tokens (checked: within what the caches
+  // keep, below its length, not in a running step).
+  virtual void rollback_sequence_caches(SequenceId id, int64_t new_length) = 0;
   // Committed tokens of a sequence, and the bytes of cache it holds.
   virtual int64_t cached_length(SequenceId id) const = 0;
   virtual int64_t cached_bytes(SequenceId id) const = 0;

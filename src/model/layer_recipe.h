@@ -26,8 +26,13 @@ struct CompressorGeometry {
   int64_t row_width() const { return (gated ? 2 : 1) * (overlap ? 2 : 1) * dim; }
   // Tokens whose projected rows an entry can read: the window, plus the previous one when overlapping.
   int64_t span() const { return (overlap ? 2 : 1) * ratio; }
-  // Floats of the ring that keeps those rows between steps.
-  int64_t ring_floats() const { return span() * row_width(); }
+  // Rows the ring keeps beyond the span: the tokens a rollback may take back (EngineOptions::
+  // max_rollback). The ring is position-addressed (row of position p at p % ring_rows()), so the
+  // rows of rejected tokens never overwrite rows the accepted ones still need.
+  int64_t rollback_rows = 0;
+  // Rows of the ring that keeps the projected rows of open groups between steps.
+  int64_t ring_rows() const { return span() + rollback_rows; }
+  int64_t ring_floats() const { return ring_rows() * row_width(); }
 };
 
 // How a layer weight is used.

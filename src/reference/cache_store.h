@@ -24,7 +24,8 @@ namespace dsv4::reference {
 
 // What one layer caches per sequence; zero / false means the layer has no such cache.
 struct LayerCacheShape {
-  int64_t window = 0;             // window rows kept (sliding_window)
+  int64_t window = 0;             // window rows read (sliding_window)
+  int64_t rollback_rows = 0;      // window rows kept beyond them for rollbacks (EngineOptions::max_rollback)
   int64_t row_dim = 0;            // channels of a window row and of a compressed entry (head_dim)
   int64_t compress_ratio = 0;     // tokens per compressed entry
   bool has_compressed = false;    // kv source: compressed entries
@@ -53,6 +54,9 @@ class CacheStore {
   virtual void reserve(const std::vector<StepEntry>& step) = 0;
   // Advances the sequence by `tokens` after its step.
   virtual void commit(SequenceId id, int64_t tokens) = 0;
+  // Shrinks the sequence to its first new_length tokens (within the rollback_rows kept): entries
+  // and keys past them go, window rows and compressor rows stay where they are (position-addressed).
+  virtual void rollback(SequenceId id, int64_t new_length) = 0;
 
   // ----- rows
   // Window rows of positions [first, first + n): readable are the last `window` committed

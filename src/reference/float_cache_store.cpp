@@ -1,5 +1,6 @@
 // Float storage of the CPU reference's caches: per sequence and layer a window ring of fp32 rows
-// and growing arrays of compressed entries and index keys.
+// (window + rollback_rows slots, so that a rollback finds the window it needs) and growing arrays
+// of compressed entries and index keys.
 #include <algorithm>
 #include <map>
 
@@ -18,7 +19,7 @@ class FloatCacheStore final : public CacheStore {
     Sequence& s = sequences_[id];
     s.layers.resize(shapes_.size());
     for (size_t l = 0; l < shapes_.size(); ++l) {
-      s.layers[l].window.assign(static_cast<size_t>(shapes_[l].window * shapes_[l].row_dim), 0.0f);
+      s.layers[l].window.assign(static_cast<size_t>(ring_rows(shapes_[l]) * shapes_[l].row_dim), 0.0f);
       s.layers[l].compressor.assign(static_cast<size_t>(shapes_[l].compressor_floats), 0.0f);
     }
   }
@@ -58,6 +59,19 @@ class FloatCacheStore final : public CacheStore {
     }
   }
   void commit(SequenceId id, int64_t tokens) override { sequence(id).length += tokens; }
+  void rollback(SequenceId id, int64_t new_length) override {
+    Sequence& s = sequence(id);
+    DSV4_CHECK(new_length >= 0 && new_length <= s.length, "reference: cache store: rollback of sequence ", id,
+               " to ", new_length, ", expected a length in [0, ", s.length, "]");
+    s.length = new_length;
+    for (size_t l = 0; l < shapes_.size(); ++l) {
+      const LayerCacheShape& shape = shapes_[l];
+      if (!shape.has_compressed) continue;
+      const size_t entries = static_cast<size_t>(new_length / shape.compress_ratio);
+      s.layers[l].compressed.resize(std::min(s.layers[l].compressed.size(), entries * shape.row_dim));
+      s.layers[l].index_keys.resize(std::min(s.layers[l].index_keys.size(), entries * shape.index_key_dim));
+    }
+  }
 
   void read_window_rows(SequenceId id, int layer, int64_t first, int64_t n, float* out) const override {
     const Sequence& s = sequence(id);
@@ -67,7 +81,7 @@ class FloatCacheStore final : public CacheStore {
                ") are not cached (sequence length ", s.length, ", window ", shape.window, ")");
     const std::vector<float>& ring = s.layers[static_cast<size_t>(layer)].window;
     for (int64_t i = 0; i < n; ++i) {
-      const float* row = ring.data() + ((first + i) % shape.window) * shape.row_dim;
+      const float* row = ring.data() + ((first + i) % ring_rows(shape)) * shape.row_dim;
       std::copy(row, row + shape.row_dim, out + i * shape.row_dim);
     }
   }
@@ -77,9 +91,10 @@ class FloatCacheStore final : public CacheStore {
     DSV4_CHECK(n >= 0 && first >= s.length, "reference: layer ", layer, ": window rows [", first, ", ", first + n,
                ") overwrite committed positions (sequence length ", s.length, ")");
     std::vector<float>& ring = s.layers[static_cast<size_t>(layer)].window;
-    for (int64_t i = std::max<int64_t>(0, n - shape.window); i < n; ++i)  // only the last `window` rows survive
+    const int64_t slots = ring_rows(shape);
+    for (int64_t i = std::max<int64_t>(0, n - slots); i < n; ++i)  // only the last `slots` rows survive
       std::copy(rows + i * shape.row_dim, rows + (i + 1) * shape.row_dim,
-                ring.data() + ((first + i) % shape.window) * shape.row_dim);
+                ring.data() + ((first + i) % slots) * shape.row_dim);
   }
   void round_trip_window_rows(int, float*, int64_t) const override {}
 
@@ -136,7 +151,7 @@ class FloatCacheStore final : public CacheStore {
 
  private:
   struct LayerCaches {
-    std::vector<float> window;      // ring, slot = position % window
+    std::vector<float> window;      // ring, slot = position % (window + rollback_rows)
     std::vector<float> compressed;  // [entries, row_dim]
     std::vector<float> index_keys;  // [entries, index_key_dim]
     std::vector<float> compressor;
@@ -146,6 +161,7 @@ class FloatCacheStore final : public CacheStore {
     std::vector<LayerCaches> layers;
   };
 
+  static int64_t ring_rows(const LayerCacheShape& shape) { return shape.window + shape.rollback_rows; }
   const LayerCacheShape& shape_of(int layer) const {
     DSV4_CHECK(layer >= 0 && layer < static_cast<int>(shapes_.size()), "reference: cache store: layer ", layer,
                " does not exist (", shapes_.size(), " layers)");

@@ -139,7 +139,7 @@ NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& 
     const float* ring = std::as_const(caches).compressor_state(ch.sequence, layer).data() + c.state_offset;
     // Earlier tokens of the entry's span were stored in the ring by previous steps.
     const auto row_at = [&](int64_t pos) {
-      return pos >= ch.start ? rows.data() + (ch.first_token + pos - ch.start) * width : ring + (pos % g.span()) * width;
+      return pos >= ch.start ? rows.data() + (ch.first_token + pos - ch.start) * width : ring + (pos % g.ring_rows()) * width;
     };
     pool_compressed_entry(g, entry_index[i], row_at, c.position_bias.empty() ? nullptr : c.position_bias.data(),
                           pooled.data() + i * g.dim);
@@ -150,9 +150,9 @@ NewEntries run_compressor(const LayerParameters& L, const CompressorParameters& 
 
   for (const StepChunk& ch : step.chunks) {
     float* ring = caches.compressor_state(ch.sequence, layer).data() + c.state_offset;
-    for (int64_t pos = std::max(ch.start, ch.start + ch.tokens - g.span()); pos < ch.start + ch.tokens; ++pos) {
+    for (int64_t pos = std::max(ch.start, ch.start + ch.tokens - g.ring_rows()); pos < ch.start + ch.tokens; ++pos) {
       const float* src = rows.data() + (ch.first_token + pos - ch.start) * width;
-      std::copy(src, src + width, ring + (pos % g.span()) * width);
+      std::copy(src, src + width, ring + (pos % g.ring_rows()) * width);
     }
   }
   return e;

@@ -17,6 +17,7 @@ KvCacheOptions cache_options(const ModelConfig& config, const ModelTopology& top
   KvCacheOptions o;
   o.formats = formats;
   for (const LayerCacheShape& s : shapes) o.compressor_state_floats.push_back(s.compressor_floats);
+  if (!shapes.empty()) o.rollback_rows = shapes.front().rollback_rows;
   o.capacity = plan_kv_cache_capacity(config, topology, o, limits.max_sequences, limits.max_context,
                                       limits.max_step_tokens);
   return o;
@@ -64,6 +65,16 @@ class PagedCacheStore final : public CacheStore {
     manager_.reserve(entries);
   }
   void commit(SequenceId id, int64_t tokens) override { manager_.commit(id, length(id) + tokens); }
+  void rollback(SequenceId id, int64_t new_length) override {
+    manager_.rollback(id, new_length);
+    for (size_t l = 0; l < shapes_.size(); ++l) {
+      const LayerCacheShape& shape = shapes_[l];
+      if (!shape.has_compressed) continue;
+      Entries& e = entries_of(id, static_cast<int>(l));
+      e.compressed = std::min(e.compressed, new_length / shape.compress_ratio);
+      e.index_keys = std::min(e.index_keys, new_length / shape.compress_ratio);
+    }
+  }
 
   void read_window_rows(SequenceId id, int layer, int64_t first, int64_t n, float* out) const override {
     manager_.read_rows(id, CacheKind::window, layer, first, n, out);

@@ -26,16 +26,17 @@ namespace dsv4::cuda {
 // of the token itself. latent = RMSNorm(pooled) with norm_weight; with bf16 latents, pooled is
 // rounded to bf16 first and the latent is rounded, as the reference does.
 //
-// Rows of earlier steps come from `state`, a ring per sequence holding the projected row of
-// position p at [state_slot][p % span] (span = ratio, or 2·ratio with overlap). A step's tokens of
+// Rows of earlier steps come from `state`, a ring per sequence of ring_rows >= span rows holding
+// the projected row of position p at [state_slot][p % ring_rows] (span = ratio, or 2·ratio with
+// overlap; rows beyond the span let a sequence roll back speculative tokens). A step's tokens of
 // one sequence must be consecutive in the step with consecutive positions. After pooling, the
-// last `span` rows of every sequence's chunk are stored in its ring. Latent rows of tokens that
+// last ring_rows rows of every sequence's chunk are stored in its ring. Latent rows of tokens that
 // close no group are not written; a token whose state_slot is outside `state` gets a NaN latent.
 struct CompressorPoolParams {
   TensorView rows;            // [tokens, row_width] f32, row = [kv (coff·dim) | score (coff·dim)], coff = 1 + overlap
   TensorView token_position;  // [tokens] i32
   TensorView state_slot;      // [tokens] i32: the sequence's ring (KvCacheManager::sequence_slot)
-  TensorView state;           // [slots, span, row_width] f32
+  TensorView state;           // [slots, ring_rows >= span, row_width] f32
   TensorView position_bias;   // optional: [ratio, coff·dim] f32 (V4.0 ape)
   TensorView norm_weight;     // [dim] bf16 | f32
   float eps = 1e-6f;

@@ -53,6 +53,7 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
   // Caches: the pools in the formats asked for, and per kv source its compressor rings.
   KvCacheOptions cache_options;
   cache_options.formats = kv_formats();
+  cache_options.rollback_rows = options.max_rollback;
   cache_options.capacity = plan_kv_cache_capacity(config, topo, cache_options, options.max_sequences,
                                                   options.max_context, options.max_tokens_per_step);
   std::vector<std::vector<int64_t>> rings(static_cast<size_t>(L));

@@ -64,14 +64,14 @@ TensorView DeviceCaches::pages(CacheKind kind, int layer) const {
   return arena(kind, layer).bytes.view(DType::u8, {pool.num_pages(), pool.page_stride()});
 }
 
-TensorView DeviceCaches::compressor_ring(int layer, int ring, int64_t span, int64_t row_width) const {
+TensorView DeviceCaches::compressor_ring(int layer, int ring, int64_t ring_rows, int64_t row_width) const {
   DSV4_CHECK(layer >= 0 && static_cast<size_t>(layer) < rings_.size() && ring >= 0 &&
                  static_cast<size_t>(ring) < rings_[static_cast<size_t>(layer)].size(),
              "engine: layer ", layer, " has no compressor ring ", ring);
   const Ring& r = rings_[static_cast<size_t>(layer)][static_cast<size_t>(ring)];
-  DSV4_CHECK(span * row_width == r.floats, "engine: layer ", layer, " compressor ring ", ring, " holds ", r.floats,
-             " floats per sequence, not ", span, " x ", row_width);
-  return r.slab.view(DType::f32, {manager_.options().capacity.max_sequences, span, row_width});
+  DSV4_CHECK(ring_rows * row_width == r.floats, "engine: layer ", layer, " compressor ring ", ring, " holds ",
+             r.floats, " floats per sequence, not ", ring_rows, " x ", row_width);
+  return r.slab.view(DType::f32, {manager_.options().capacity.max_sequences, ring_rows, row_width});
 }
 
 int64_t DeviceCaches::device_bytes() const {

@@ -33,14 +33,16 @@ class DeviceCaches {
   // KvCacheManager::reserve, then the device copies of the pages it copied on write.
   void reserve(const std::vector<CacheStepEntry>& step);
   void commit(SequenceId id, int64_t new_length) { manager_.commit(id, new_length); }
+  // The rows stay where they are on the device (position-addressed): only the pages change hands.
+  void rollback(SequenceId id, int64_t new_length) { manager_.rollback(id, new_length); }
 
   bool has_pool(CacheKind kind, int layer) const { return manager_.has_pool(kind, layer); }
   // The pool's device arena [num_pages, page_stride] u8 and its geometry.
   TensorView pages(CacheKind kind, int layer) const;
   const PageGeometry& geometry(CacheKind kind, int layer) const { return manager_.pool(kind, layer).geometry(); }
-  // Ring `ring` of the layer's compressors: [max_sequences, span, row_width] f32, indexed by
-  // KvCacheManager::sequence_slot; span · row_width must be the ring's floats per sequence.
-  TensorView compressor_ring(int layer, int ring, int64_t span, int64_t row_width) const;
+  // Ring `ring` of the layer's compressors: [max_sequences, ring_rows, row_width] f32, indexed by
+  // KvCacheManager::sequence_slot; ring_rows · row_width must be the ring's floats per sequence.
+  TensorView compressor_ring(int layer, int ring, int64_t ring_rows, int64_t row_width) const;
 
   // Device bytes of all arenas and state slabs.
   int64_t device_bytes() const;

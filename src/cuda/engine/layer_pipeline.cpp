@@ -220,7 +220,7 @@ void LayerPipeline::compress(int layer) {
     p.rows = projected;
     p.token_position = in_.step->token_position();
     p.state_slot = in_.step->state_slot();
-    p.state = in_.caches->compressor_ring(layer, ring, c.span(), c.row_width());
+    p.state = in_.caches->compressor_ring(layer, ring, c.ring_rows(), c.row_width());
     if (w.has(bias)) p.position_bias = w.get(bias).view();
     p.norm_weight = w.get(norm).view();
     p.eps = r.eps;

@@ -18,9 +18,9 @@ struct PoolLaunch {
   int64_t row_width = 0;
   const int32_t* position = nullptr;
   const int32_t* state_slot = nullptr;
-  float* state = nullptr;       // [slots, span, row_width]
+  float* state = nullptr;       // [slots, ring_rows, row_width]
   int64_t slots = 0;
-  int span = 0;
+  int ring_rows = 0;  // rows of a sequence's ring (>= the pooling span)
   const float* bias = nullptr;  // [ratio, coff·dim]
   int ratio = 1;
   bool overlap = false;
@@ -37,7 +37,7 @@ __device__ const float* projected_row(const PoolLaunch& a, int64_t t, int64_t p,
   if (q < 0) return nullptr;
   const int64_t u = t - (p - q);
   if (u >= 0 && a.state_slot[u] == slot && a.position[u] == q) return a.rows + u * a.row_width;
-  return a.state + (static_cast<int64_t>(slot) * a.span + q % a.span) * a.row_width;
+  return a.state + (static_cast<int64_t>(slot) * a.ring_rows + q % a.ring_rows) * a.row_width;
 }
 
 // latent[t] = pooled entry for group-closing tokens, 0 for the others, NaN without a valid ring.
@@ -88,15 +88,15 @@ __global__ void __launch_bounds__(kThreads) pool_kernel(PoolLaunch a) {
   }
 }
 
-// Stores each token's row at [slot][p % span] unless a later token of its chunk takes that place.
+// Stores each token's row at [slot][p % ring_rows] unless a later token of its chunk takes that place.
 __global__ void __launch_bounds__(kThreads) store_state_kernel(PoolLaunch a) {
   const int64_t t = blockIdx.x;
   const int64_t p = a.position[t];
   const int32_t slot = a.state_slot[t];
   if (p < 0 || slot < 0 || slot >= a.slots) return;
-  const int64_t later = t + a.span;
-  if (later < a.tokens && a.state_slot[later] == slot && a.position[later] == p + a.span) return;
-  float* dst = a.state + (static_cast<int64_t>(slot) * a.span + p % a.span) * a.row_width;
+  const int64_t later = t + a.ring_rows;
+  if (later < a.tokens && a.state_slot[later] == slot && a.position[later] == p + a.ring_rows) return;
+  float* dst = a.state + (static_cast<int64_t>(slot) * a.ring_rows + p % a.ring_rows) * a.row_width;
   for (int64_t c = threadIdx.x; c < a.row_width; c += kThreads) dst[c] = a.rows[t * a.row_width + c];
 }
 
@@ -114,11 +114,13 @@ void validate_compressor_pool(const CompressorPoolParams& p) {
       {"rows", &p.rows, {kAnyDim, row_width}, {DType::f32}},
       {"token_position", &p.token_position, {tokens}, {DType::i32}},
       {"state_slot", &p.state_slot, {tokens}, {DType::i32}},
-      {"state", &p.state, {kAnyDim, span, row_width}, {DType::f32}},
+      {"state", &p.state, {kAnyDim, kAnyDim, row_width}, {DType::f32}},
       {"position_bias", &p.position_bias, {p.ratio, coff * dim}, {DType::f32}, true},
       {"norm_weight", &p.norm_weight, {dim}, {DType::bf16, DType::f32}},
       {"latent", &p.latent, {tokens, kAnyDim}, {DType::bf16, DType::f32}},
   });
+  DSV4_CHECK(p.state.shape[1] >= span, op, ": argument 'state' has ", p.state.shape[1],
+             " rows per sequence, expected at least the span ", span);
   DSV4_CHECK(std::isfinite(p.eps) && p.eps > 0.0f, op, ": eps is ", p.eps, ", expected finite and > 0");
   DSV4_CHECK(p.gated || !is_present(p.position_bias), op, ": an ungated compressor has no position_bias");
   DSV4_CHECK(dim <= 16384, op, ": latents of ", dim, " channels exceed the supported 16384");
@@ -136,7 +138,7 @@ void run_compressor_pool(const CompressorPoolParams& p, cudaStream_t stream) {
   a.state_slot = p.state_slot.ptr<const int32_t>();
   a.state = p.state.ptr<float>();
   a.slots = p.state.shape[0];
-  a.span = static_cast<int>(p.state.shape[1]);
+  a.ring_rows = static_cast<int>(p.state.shape[1]);
   if (is_present(p.position_bias)) a.bias = p.position_bias.ptr<const float>();
   a.ratio = p.ratio;
   a.overlap = p.overlap;
