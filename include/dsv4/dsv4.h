@@ -128,6 +128,7 @@ typedef struct dsv4_engine_options {
   int64_t max_context;
   int32_t num_threads;       /* cpu: 0 = all cores */
   void* cuda_stream;         /* cuda: the caller's cudaStream_t; NULL: the engine makes its own */
+  int64_t max_rollback;      /* speculative decoding: the most tokens one rollback takes back (0: none) */
 } dsv4_engine_options;
 
 /* The defaults of dsv4::EngineOptions. */
@@ -142,6 +143,10 @@ dsv4_status dsv4_engine_add_sequence(dsv4_engine* engine, int64_t* sequence);
 dsv4_status dsv4_engine_fork_sequence(dsv4_engine* engine, int64_t parent, int64_t* child);
 dsv4_status dsv4_engine_release_sequence(dsv4_engine* engine, int64_t sequence);
 dsv4_status dsv4_engine_sequence_length(const dsv4_engine* engine, int64_t sequence, int64_t* length);
+/* Takes back the sequence's tokens from position new_length on (the drafts of a verify step that
+ * were not accepted; dsv4::Engine::rollback_sequence): new_length in [longest - max_rollback,
+ * length], between steps. */
+dsv4_status dsv4_engine_rollback_sequence(dsv4_engine* engine, int64_t sequence, int64_t new_length);
 dsv4_status dsv4_engine_sequence_cache_bytes(const dsv4_engine* engine, int64_t sequence, int64_t* bytes);
 
 /* Starts a step: sequences[i] gets num_tokens[i] tokens. DSV4_ERROR_POOL_EXHAUSTED when a cache

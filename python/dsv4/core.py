@@ -127,11 +127,13 @@ class Engine:
     every backend) or "float_rows" (cpu); kv_format a format set ("v4.1-native", "fp8_ds_mla",
     "bf16", "fp8") or "" for the precision's defaults. With the cuda backend the engine queues all
     its work on `stream` (a cudaStream_t as an int, or a torch.cuda.Stream); None: torch's current
-    stream when torch is imported with CUDA, else a stream of the engine's own.
+    stream when torch is imported with CUDA, else a stream of the engine's own. max_rollback: the
+    most tokens rollback_sequence may take back (speculative decoding).
     """
 
     def __init__(self, config, weights, backend="cpu", precision="reference", cache_storage="paged", kv_format="",
-                 max_sequences=256, max_tokens_per_step=8192, max_context=1 << 16, num_threads=0, stream=None):
+                 max_sequences=256, max_tokens_per_step=8192, max_context=1 << 16, num_threads=0, stream=None,
+                 max_rollback=0):
         if backend == "cuda" and stream is None:
             try:
                 stream = _current_torch_stream()
@@ -140,7 +142,7 @@ class Engine:
         if stream is not None and hasattr(stream, "cuda_stream"):
             stream = stream.cuda_stream
         self._h = _dsv4.Engine(config._h, weights._h, backend, precision, cache_storage, kv_format, max_sequences,
-                               max_tokens_per_step, max_context, num_threads, int(stream or 0))
+                               max_tokens_per_step, max_context, num_threads, int(stream or 0), max_rollback)
         self.config = Config(self._h.config())
         self.backend = backend
         self._step_tokens = None
@@ -155,6 +157,17 @@ class Engine:
 
     def release_sequence(self, sequence):
         self._h.release_sequence(sequence)
+
+    def rollback_sequence(self, sequence, new_length):
+        """Takes back the sequence's tokens from new_length on: after a verify step of the bonus token
+        and K drafts, rollback_sequence(s, length_before + 1 + accepted). Exact: the sequence then
+        continues as if it had only ever run its first new_length tokens."""
+        self._h.rollback_sequence(sequence, new_length)
+
+    def accept(self, sequence, length_before, accepted):
+        """After a verify step that started at length_before: keeps the bonus token and `accepted`
+        drafts, rolls back the rest."""
+        self.rollback_sequence(sequence, length_before + 1 + accepted)
 
     def sequence_length(self, sequence):
         return self._h.sequence_length(sequence)

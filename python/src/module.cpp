@@ -161,7 +161,8 @@ PYBIND11_MODULE(_dsv4, m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const Config& c, const Weights& w, const std::string& backend, const std::string& precision,
                        const std::string& cache_storage, const std::string& kv_format, int64_t max_sequences,
-                       int64_t max_tokens_per_step, int64_t max_context, int32_t num_threads, uintptr_t cuda_stream) {
+                       int64_t max_tokens_per_step, int64_t max_context, int32_t num_threads, uintptr_t cuda_stream,
+                       int64_t max_rollback) {
         dsv4_engine_options o;
         dsv4_engine_options_init(&o);
         o.backend = backend.c_str();
@@ -173,6 +174,7 @@ PYBIND11_MODULE(_dsv4, m) {
         o.max_context = max_context;
         o.num_threads = num_threads;
         o.cuda_stream = reinterpret_cast<void*>(cuda_stream);
+        o.max_rollback = max_rollback;
         dsv4_engine* h = nullptr;
         check(dsv4_engine_create(c.h, w.h, &o, &h));
         return std::make_unique<Engine>(h);
@@ -188,6 +190,8 @@ PYBIND11_MODULE(_dsv4, m) {
         return id;
       })
       .def("release_sequence", [](Engine& e, int64_t s) { check(dsv4_engine_release_sequence(e.h, s)); })
+      .def("rollback_sequence",
+           [](Engine& e, int64_t s, int64_t n) { check(dsv4_engine_rollback_sequence(e.h, s, n)); })
       .def("sequence_length", [](const Engine& e, int64_t s) {
         int64_t v = 0;
         check(dsv4_engine_sequence_length(e.h, s, &v));

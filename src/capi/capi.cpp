@@ -357,7 +357,7 @@ void dsv4_engine_options_init(dsv4_engine_options* options) {
   if (!options) return;
   static const EngineOptions d;
   *options = dsv4_engine_options{"cpu", "reference", "paged", "", d.max_sequences, d.max_tokens_per_step,
-                                 d.max_context, d.num_threads, nullptr};
+                                 d.max_context, d.num_threads, nullptr, d.max_rollback};
 }
 
 dsv4_status dsv4_engine_create(const dsv4_config* config, const dsv4_weights* weights,
@@ -387,6 +387,7 @@ dsv4_status dsv4_engine_create(const dsv4_config* config, const dsv4_weights* we
     e.max_sequences = o.max_sequences;
     e.max_tokens_per_step = o.max_tokens_per_step;
     e.max_context = o.max_context;
+    e.max_rollback = o.max_rollback;
     e.num_threads = o.num_threads;
     e.cuda_stream = static_cast<CUstream_st*>(o.cuda_stream);
     if (weights->total_layers != config->config.total_layers())
@@ -427,6 +428,16 @@ dsv4_status dsv4_engine_release_sequence(dsv4_engine* engine, int64_t sequence) 
   return guarded(DSV4_ERROR_INVALID_ARGUMENT, [&] {
     check_handle("engine_release_sequence", "engine", engine, HandleKind::engine);
     engine->engine->release_sequence(sequence);
+  });
+}
+
+dsv4_status dsv4_engine_rollback_sequence(dsv4_engine* engine, int64_t sequence, int64_t new_length) {
+  return guarded(DSV4_ERROR_INVALID_ARGUMENT, [&] {
+    check_handle("engine_rollback_sequence", "engine", engine, HandleKind::engine);
+    if (engine->step_tokens >= 0)
+      throw ApiError(DSV4_ERROR_INVALID_ARGUMENT,
+                     "dsv4: engine_rollback_sequence: a step is open; roll back after dsv4_engine_end_step");
+    engine->engine->rollback_sequence(sequence, new_length);
   });
 }
 

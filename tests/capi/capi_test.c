@@ -193,6 +193,7 @@ static void test_engine(void) {
     FAILS(dsv4_engine_begin_step(engine, seqs, toks, 1), DSV4_ERROR_INVALID_ARGUMENT, "num_tokens");
     toks[0] = n;
     OK(dsv4_engine_begin_step(engine, seqs, toks, 1));
+    FAILS(dsv4_engine_rollback_sequence(engine, a, 0), DSV4_ERROR_INVALID_ARGUMENT, "a step is open");
     FAILS(dsv4_engine_run_layer(engine, 0, dl(&bad_shape), dl(&tout)), DSV4_ERROR_BAD_SHAPE,
           "engine_run_layer: hidden_in has shape [4, ");
     FAILS(dsv4_engine_run_layer(engine, 0, dl(&tin), dl(&bad_dtype)), DSV4_ERROR_BAD_DTYPE,
@@ -225,6 +226,9 @@ static void test_engine(void) {
     OK(dsv4_engine_end_step(engine));
     OK(dsv4_engine_sequence_length(engine, a, &length));
     CHECK(length == n);
+    /* max_rollback is 0: nothing can be taken back. */
+    FAILS(dsv4_engine_rollback_sequence(engine, a, n - 1), DSV4_ERROR_INVALID_ARGUMENT, "expected a length in [5, 5]");
+    OK(dsv4_engine_rollback_sequence(engine, a, n));
     OK(dsv4_engine_sequence_cache_bytes(engine, a, &bytes));
     CHECK(bytes > 0);
     free(in);

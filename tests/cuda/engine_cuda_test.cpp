@@ -64,8 +64,10 @@ Model tiny_model(const std::string& preset, int64_t index_head_dim = 0, int inde
   return m;
 }
 
-EngineOptions engine_options(Backend backend, Precision precision, const std::string& kv_format) {
+EngineOptions engine_options(Backend backend, Precision precision, const std::string& kv_format,
+                             int64_t max_rollback = 0) {
   EngineOptions o;
+  o.max_rollback = max_rollback;
   o.backend = backend;
   o.precision = precision;
   // "": the cpu engine keeps float rows, the cuda engine the default (exact) formats.
@@ -128,10 +130,10 @@ struct Agreement {
 // The two engines driven in lockstep; handles index both engines' sequence ids.
 class Lockstep {
  public:
-  Lockstep(const Model& m, Precision precision, const std::string& kv_format)
+  Lockstep(const Model& m, Precision precision, const std::string& kv_format, int64_t max_rollback = 0)
       : model_(m),
-        cuda_(Engine::create(m.config, m.weights, engine_options(Backend::cuda, precision, kv_format))),
-        cpu_(Engine::create(m.config, m.weights, engine_options(Backend::cpu, precision, kv_format))),
+        cuda_(Engine::create(m.config, m.weights, engine_options(Backend::cuda, precision, kv_format, max_rollback))),
+        cpu_(Engine::create(m.config, m.weights, engine_options(Backend::cpu, precision, kv_format, max_rollback))),
         paged_(!kv_format.empty()) {
     agreement_.gpu.resize(static_cast<size_t>(m.topology.size()));
     agreement_.cpu.resize(static_cast<size_t>(m.topology.size()));
@@ -145,6 +147,13 @@ class Lockstep {
   int fork(int parent) {
     ids_.push_back({cuda_->fork_sequence(ids_[parent].first), cpu_->fork_sequence(ids_[parent].second)});
     return static_cast<int>(ids_.size()) - 1;
+  }
+  void rollback(int h, int64_t new_length) {
+    cuda_->rollback_sequence(ids_[h].first, new_length);
+    cpu_->rollback_sequence(ids_[h].second, new_length);
+    if (paged_)
+      EXPECT_EQ(cuda_->sequence_cache_bytes(ids_[h].first), cpu_->sequence_cache_bytes(ids_[h].second))
+          << "sequence handle " << h;
   }
   void release(int h) {
     cuda_->release_sequence(ids_[h].first);
@@ -299,6 +308,39 @@ TEST_P(EngineCudaWorkload, MatchesTheCpuEngine) {
   EXPECT_EQ(r.picks_invalid, 0);
   EXPECT_GE(static_cast<double>(r.picks_equal), kMinPickAgreement * static_cast<double>(r.pick_rows));
   EXPECT_GE(r.rows_compared, 2 * r.rows_excluded);
+}
+
+// Speculative decoding on the GPU: verify steps of K + 1 tokens, rollbacks of every depth (with the
+// open compressor group of either parity), a fork rolled back, against the CPU engine doing the
+// same, at the workload's tolerances. (Rollback against sequential runs is exact on the CPU:
+// engine_test's RollbackOfRejectedDraftsIsExact.)
+TEST_P(EngineCudaWorkload, SpeculativeStepsMatchTheCpuEngine) {
+  const WorkloadCase& wc = GetParam();
+  if (wc.index_head_dim > 0) GTEST_SKIP() << "the index dims do not change the rollback";
+  constexpr int64_t K = 4;
+  const Model m = tiny_model(wc.preset);
+  Lockstep run(m, wc.precision, wc.kv_format, K);
+  const int a = run.add(), b = run.add();
+  int64_t length_a = 37, length_b = 20;
+  run.step({{a, length_a}, {b, length_b}});
+  for (int64_t k = 0; k <= K; ++k) {
+    run.step({{a, K + 1}, {b, K + 1}});  // verify steps: the bonus token and K drafts each
+    length_a += 1 + k;                   // a accepts k drafts, b K - k
+    length_b += 1 + K - k;
+    run.rollback(a, length_a);
+    run.rollback(b, length_b);
+  }
+  const int c = run.fork(a);
+  run.step({{c, K + 1}, {a, 2}});
+  run.rollback(c, length_a + 2);  // one draft accepted
+  run.step({{a, 1}, {b, 1}, {c, 3}});
+  const Agreement& r = run.agreement();
+  for (int l = 0; l < m.topology.size(); ++l) {
+    const double err = relative_l2(r.gpu[static_cast<size_t>(l)], r.cpu[static_cast<size_t>(l)]);
+    EXPECT_LE(err, kTolerance) << "layer " << l;
+  }
+  EXPECT_EQ(r.picks_invalid, 0);
+  EXPECT_GE(static_cast<double>(r.picks_equal), kMinPickAgreement * static_cast<double>(r.pick_rows));
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, EngineCudaWorkload,

@@ -74,6 +74,28 @@ def test_engine_steps_fork_release(tiny, rng):
     assert engine.cuda_stream == 0
 
 
+def test_speculative_verify_and_rollback(tiny, rng):
+    """A verify step (bonus token + 4 drafts), 2 drafts accepted: the sequence equals one that ran the
+    3 accepted tokens one by one, then and in its next step."""
+    engine = make_engine(tiny, max_rollback=4)
+    hidden = engine.config.hidden_size
+    spec, twin = engine.add_sequence(), engine.add_sequence()
+    prompt = rng.standard_normal((20, hidden)).astype(np.float32)
+    engine.step([(spec, 20), (twin, 20)], np.concatenate([prompt, prompt]))
+    tokens = rng.standard_normal((5, hidden)).astype(np.float32)
+    verify = engine.step({spec: 5}, tokens)
+    engine.accept(spec, 20, 2)
+    assert engine.sequence_length(spec) == 23
+    one_by_one = [engine.step({twin: 1}, tokens[i:i + 1]) for i in range(3)]
+    for layer, out in enumerate(verify):
+        np.testing.assert_array_equal(out[:3], np.concatenate([o[layer] for o in one_by_one]))
+    after = rng.standard_normal((1, hidden)).astype(np.float32)
+    for a, b in zip(engine.step({spec: 1}, after), engine.step({twin: 1}, after)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(dsv4.InvalidArgumentError, match=r"expected a length in \[21, 24\]"):
+        engine.rollback_sequence(spec, 19)
+
+
 def test_engine_layer_by_layer_and_picks(tiny, rng):
     engine = make_engine(tiny)
     config = engine.config
