@@ -71,6 +71,23 @@ TEST(CliRun, SmallWorkloadPassesItsCheck) {
   expect_check_error_is_zero(r.output);
 }
 
+// --speculative 3: decode steps verify the bonus token and 3 drafts, roll back the rejected ones;
+// the check recomputes the accepted tokens only, so any trace of a rejected draft would show. The
+// workload commits the same tokens as without speculation (prompts plus 12 decode tokens each).
+TEST(CliRun, SpeculativeDecodingPassesItsCheck) {
+  const CliResult r = run_cli(
+      "run --batch 3 --prompt-len 40 --gen-len 12 --chunk 16 --max-running 2 --step-tokens 24 --seed 7 --speculative 3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tolerance 2e-02: PASS"), std::string::npos) << r.output;
+  expect_check_error_is_zero(r.output);
+  const int64_t verifies = find_int(r.output, R"(speculative: (\d+) verify steps)");
+  EXPECT_GT(verifies, 0);
+  const int64_t kept = find_int(r.output, R"(decode-only steps kept (\d+) of)");
+  const int64_t computed = find_int(r.output, R"(decode-only steps kept \d+ of (\d+) tokens)");
+  EXPECT_LT(kept, computed);  // some drafts were rejected
+  EXPECT_EQ(find_int(r.output, R"(prefill: (\d+) tokens)"), 120);
+}
+
 TEST(CliRun, Fp32CheckPassesAtTightTolerance) {
   const CliResult r = run_cli(kSmallWorkload + " --precision fp32");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -137,7 +154,8 @@ TEST(CliRun, RejectsAnInvalidWorkload) {
   EXPECT_NE(chunk.output.find("dsv4: run: --chunk is 0, expected >= 1"), std::string::npos) << chunk.output;
   const CliResult budget = run_cli("run --max-running 8 --step-tokens 4");
   EXPECT_NE(budget.exit_code, 0);
-  EXPECT_NE(budget.output.find("--step-tokens is 4, expected >= --max-running (8)"), std::string::npos)
+  EXPECT_NE(budget.output.find("--step-tokens is 4, expected >= --max-running x (1 + --speculative) (8)"),
+            std::string::npos)
       << budget.output;
   const CliResult preset = run_cli("run --preset no-such-model");
   EXPECT_NE(preset.exit_code, 0);

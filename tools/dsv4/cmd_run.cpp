@@ -4,9 +4,15 @@
 // checks one sequence against an independent recomputation in a fresh engine.
 //
 // Layer inputs are synthetic: layer 0 of every token gets uniform random values of unit variance
-// that depend only on (seed, sequence, position); layer l+1 gets RMSNorm(h_l + attn_out_l) of
-// the same token (no weight), a residual stream in miniature. The check feeds the recomputation
+// that depend only on (seed, sequence, position, attempt); layer l+1 gets RMSNorm(h_l + attn_out_l)
+// of the same token (no weight), a residual stream in miniature. The check feeds the recomputation
 // the inputs each layer had in the workload, so that every layer is compared on its own.
+//
+// With --speculative K every decode step is a verify step, DSpark-style: each sequence past its
+// prompt carries its bonus token and K drafts, a seeded random number of the drafts is accepted and
+// the rest rolled back (Engine::rollback_sequence); a rejected position is decoded again in a later
+// attempt with other inputs, so the check (a recomputation over the accepted tokens only) finds any
+// trace a rejected draft left behind.
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -67,6 +73,7 @@ struct RunOptions {
   int64_t max_running = 0;
   int64_t step_tokens = 0;
   uint64_t seed = 1;
+  int64_t speculative = 0;
   double check_tolerance = 0.0;
   int threads = 0;
   std::string trace_path;
@@ -86,11 +93,13 @@ uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-// Layer-0 input of one token: uniform on [-sqrt(3), sqrt(3)] (unit variance).
-void fill_token_input(uint64_t seed, int64_t sequence, int64_t position, float* row, int64_t hidden) {
+// Layer-0 input of one token: uniform on [-sqrt(3), sqrt(3)] (unit variance). `attempt` tells
+// apart the tokens a position gets in successive verify steps (0 without speculation).
+void fill_token_input(uint64_t seed, int64_t sequence, int64_t position, int64_t attempt, float* row, int64_t hidden) {
   uint64_t state = seed;
   state = splitmix64(state) ^ static_cast<uint64_t>(sequence);
   state = splitmix64(state) ^ static_cast<uint64_t>(position);
+  if (attempt > 0) state = splitmix64(state) ^ static_cast<uint64_t>(attempt);
   const double half_width = std::sqrt(3.0);
   const double scale = 2.0 * half_width / 18446744073709551616.0;  // 2^64
   for (int64_t h = 0; h < hidden; ++h)
@@ -123,6 +132,8 @@ struct StepRows {
     int sequence;  // index into the workload
     int64_t first_position;
     int64_t tokens;
+    int64_t attempt = 0;  // verify steps of the sequence so far (--speculative)
+    bool verify = false;  // a verify step: the bonus token and drafts
   };
   std::vector<Span> spans;
   int64_t rows = 0;
@@ -134,7 +145,8 @@ void fill_step_inputs(uint64_t seed, const StepRows& step, int64_t hidden, std::
   for (const StepRows::Span& span : step.spans) {
 #pragma omp parallel for schedule(static) if (span.tokens * hidden >= kParallelElements)
     for (int64_t t = 0; t < span.tokens; ++t)
-      fill_token_input(seed, span.sequence, span.first_position + t, rows.data() + (row + t) * hidden, hidden);
+      fill_token_input(seed, span.sequence, span.first_position + t, span.attempt, rows.data() + (row + t) * hidden,
+                       hidden);
     row += span.tokens;
   }
 }
@@ -165,6 +177,7 @@ struct Workload {
   int64_t chunk = 0;
   int64_t max_running = 0;
   int64_t step_tokens = 0;
+  int64_t speculative = 0;  // drafts per verify step (0: plain decode)
   int64_t longest() const { return *std::max_element(prompt_lengths.begin(), prompt_lengths.end()) + gen_len; }
   int64_t total_tokens() const {
     int64_t total = 0;
@@ -190,12 +203,14 @@ struct SequenceState {
   Phase phase = Phase::waiting;
   SequenceId id = -1;
   int64_t length = 0;  // tokens already in the engine
+  int64_t attempts = 0;  // verify steps so far
   int64_t cache_bytes_at_end = 0;
 };
 
-// The next step, as a serving scheduler would plan it: one decode token for every running
-// sequence past its prompt, then prefill chunks for running sequences still in their prompt, then
-// newly admitted sequences while the token budget and the running limit allow.
+// The next step, as a serving scheduler would plan it: one decode token (with --speculative, a
+// verify step of up to 1 + K tokens) for every running sequence past its prompt, then prefill
+// chunks for running sequences still in their prompt, then newly admitted sequences while the
+// token budget and the running limit allow.
 StepRows plan_step(const Workload& w, std::vector<SequenceState>& states, Engine& engine) {
   StepRows step;
   int64_t budget = w.step_tokens;
@@ -208,7 +223,13 @@ StepRows plan_step(const Workload& w, std::vector<SequenceState>& states, Engine
   for (size_t i = 0; i < states.size(); ++i) {
     if (states[i].phase != SequenceState::Phase::running) continue;
     running += 1;
-    if (states[i].length >= w.prompt_lengths[i]) add(static_cast<int>(i), 1);
+    if (states[i].length < w.prompt_lengths[i]) continue;
+    const int64_t left = w.prompt_lengths[i] + w.gen_len - states[i].length;
+    add(static_cast<int>(i), std::min(1 + w.speculative, left));
+    if (w.speculative > 0) {
+      step.spans.back().attempt = ++states[i].attempts;
+      step.spans.back().verify = true;
+    }
   }
   for (size_t i = 0; i < states.size() && budget > 0; ++i) {
     const int64_t remaining = w.prompt_lengths[i] - states[i].length;
@@ -299,6 +320,9 @@ struct WorkloadStats {
   double wall_seconds = 0.0;
   int64_t peak_cache_bytes = 0;          // all running sequences together, after a step
   int64_t peak_device_bytes = 0;         // GPU memory in use after a step (cuda backend)
+  int64_t verifies = 0;                  // --speculative: verify steps of a sequence
+  int64_t drafts = 0, accepted = 0;      // ... drafts they carried, drafts accepted
+  int64_t committed_alone = 0;           // tokens kept by decode-only steps (decode_tokens_alone less rejected drafts)
   std::vector<int64_t> cache_bytes;      // per sequence, at its end
   // A hash of the last layer's outputs of every step, which depend on every earlier layer's (the
   // ranks of a tensor-parallel run compare theirs).
@@ -354,6 +378,18 @@ std::string run_kv_format(const std::string& requested, const ModelConfig& confi
   return config.family == ModelFamily::v4_1 ? "v4.1-native" : "fp8_ds_mla";
 }
 
+// How many of a verify step's `drafts` drafts are accepted: each in turn with probability 0.7 (a
+// typical DSpark acceptance rate), the first rejection ending the run; seeded per sequence and attempt.
+int64_t accepted_drafts(uint64_t seed, int sequence, int64_t attempt, int64_t drafts) {
+  constexpr double kAcceptance = 0.7;
+  uint64_t state = seed ^ 0xACCE97ull;
+  state = splitmix64(state) ^ static_cast<uint64_t>(sequence);
+  state = splitmix64(state) ^ static_cast<uint64_t>(attempt);
+  int64_t k = 0;
+  while (k < drafts && static_cast<double>(splitmix64(state) >> 11) * 0x1p-53 < kAcceptance) ++k;
+  return k;
+}
+
 WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe,
                     bool show_progress, Trace* trace) {
   const int64_t hidden = engine.config().hidden_size;
@@ -404,6 +440,25 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
     engine.end_step();
     engine_seconds += seconds_since(step_start);
 
+    // Verify steps keep the bonus token and the accepted drafts, and roll the rest back.
+    int64_t committed = 0;
+    for (const StepRows::Span& span : step.spans) {
+      int64_t kept = span.tokens;
+      if (span.verify) {
+        kept = 1 + accepted_drafts(seed, span.sequence, span.attempt, span.tokens - 1);
+        stats.verifies += 1;
+        stats.drafts += span.tokens - 1;
+        stats.accepted += kept - 1;
+        if (kept < span.tokens) {
+          step_start = Clock::now();
+          engine.rollback_sequence(states[span.sequence].id, span.first_position + kept);
+          engine_seconds += seconds_since(step_start);
+        }
+      }
+      states[span.sequence].length += kept;
+      committed += kept;
+    }
+
     stats.steps += 1;
     if (prefill_tokens > 0) {
       stats.prefill_steps += 1;
@@ -413,9 +468,9 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
     } else {
       stats.decode_steps += 1;
       stats.decode_tokens_alone += step.rows;
+      stats.committed_alone += committed;
       stats.decode_step_seconds += engine_seconds;
     }
-    for (const StepRows::Span& span : step.spans) states[span.sequence].length += span.tokens;
     int64_t cache_bytes = 0;
     for (const SequenceState& s : states)
       if (s.phase == SequenceState::Phase::running) cache_bytes += engine.sequence_cache_bytes(s.id);
@@ -429,7 +484,7 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
       s.phase = SequenceState::Phase::finished;
       finished += 1;
     }
-    tokens_done += step.rows;
+    tokens_done += committed;
     if (show_progress)
       progress.update(tokens_done, "step " + std::to_string(stats.steps) + " (" + std::to_string(step.rows) +
                                      " tokens of " + std::to_string(step.spans.size()) + " sequences), " +
@@ -581,8 +636,12 @@ int run(const RunOptions& o) {
   DSV4_CHECK(w.gen_len >= 0, "run: --gen-len is ", w.gen_len, ", expected >= 0");
   DSV4_CHECK(w.chunk >= 1, "run: --chunk is ", w.chunk, ", expected >= 1");
   DSV4_CHECK(w.max_running >= 1, "run: --max-running is ", w.max_running, ", expected >= 1");
-  DSV4_CHECK(w.step_tokens >= w.max_running, "run: --step-tokens is ", w.step_tokens, ", expected >= --max-running (",
-             w.max_running, "): every running sequence decodes one token per step");
+  w.speculative = o.speculative;
+  DSV4_CHECK(w.speculative >= 0 && w.speculative <= 64, "run: --speculative is ", w.speculative,
+             ", expected 0 ... 64 drafts per verify step");
+  DSV4_CHECK(w.step_tokens >= w.max_running * (1 + w.speculative), "run: --step-tokens is ", w.step_tokens,
+             ", expected >= --max-running x (1 + --speculative) (", w.max_running * (1 + w.speculative),
+             "): every running sequence decodes (or verifies) in every step");
   w.prompt_lengths = spread_prompt_lengths(sequences, prompt_len, prompt_spread, o.seed);
   const Precision precision = parse_precision(o.precision);
   const double tolerance = pick("--check-tol", o.check_tolerance, precision == Precision::fp32 ? 1e-4 : 2e-2);
@@ -608,6 +667,7 @@ int run(const RunOptions& o) {
   options.max_sequences = w.max_running;
   options.max_tokens_per_step = w.step_tokens;
   options.max_context = w.longest();
+  options.max_rollback = w.speculative;
   options.num_threads = o.threads;
   setup_start = Clock::now();
   // A tensor-parallel rank's engine runs the rank's shard of every layer (docs/parallel.md).
@@ -668,6 +728,16 @@ int run(const RunOptions& o) {
               static_cast<long long>(stats.decode_tokens_alone), stats.decode_step_seconds,
               format_rate(stats.decode_tokens_alone, stats.decode_step_seconds).c_str(),
               stats.decode_steps > 0 ? 1e3 * stats.decode_step_seconds / static_cast<double>(stats.decode_steps) : 0.0);
+  if (w.speculative > 0)
+    std::printf("speculative: %lld verify steps of the bonus token and up to %lld drafts, %.2f of %.2f drafts accepted "
+                "on average (acceptance 0.7 per draft); decode-only steps kept %lld of %lld tokens: %s accepted, "
+                "%.2f tokens per sequence and step\n",
+                static_cast<long long>(stats.verifies), static_cast<long long>(w.speculative),
+                stats.verifies ? static_cast<double>(stats.accepted) / static_cast<double>(stats.verifies) : 0.0,
+                stats.verifies ? static_cast<double>(stats.drafts) / static_cast<double>(stats.verifies) : 0.0,
+                static_cast<long long>(stats.committed_alone), static_cast<long long>(stats.decode_tokens_alone),
+                format_rate(stats.committed_alone, stats.decode_step_seconds).c_str(),
+                stats.verifies ? 1.0 + static_cast<double>(stats.accepted) / static_cast<double>(stats.verifies) : 0.0);
   const EngineMemory held = engine->memory();
   std::printf("engine memory (%s): weights %s, caches %s, workspace %s\n", backend == Backend::cuda ? "gpu" : "host",
               format_bytes(static_cast<double>(held.weights)).c_str(),
@@ -718,6 +788,10 @@ const CommandRegistration registration{
       flag("--max-running", o->max_running, "Sequences in flight at once (default 4; GPU 64)");
       flag("--step-tokens", o->step_tokens, "Token budget of one step (default 256; GPU 16384)");
       flag("--check-tol", o->check_tolerance, "Largest relative L2 error of the check (default 1e-4 fp32, 2e-2 reference)");
+      app.add_option("--speculative", o->speculative,
+                     "Verify steps of the bonus token and this many drafts, a seeded random number of them accepted "
+                     "and the rest rolled back (0: plain decode)")
+          ->capture_default_str();
       app.add_option("--precision", o->precision, "fp32 or reference")->capture_default_str();
       app.add_option("--kv-format", o->kv_format,
                      "KV cache format set, or float (default: v4.1-native for V4.1 models, fp8_ds_mla for V4.0)");
