@@ -70,6 +70,8 @@ void expect_same_config(const ModelConfig& a, const ModelConfig& b) {
   expect_rope_eq(a.compress_rope, b.compress_rope, "compress_rope");
   EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
   EXPECT_EQ(a.indexer_qat, b.indexer_qat);
+  EXPECT_EQ(a.dspark_target_layer_ids, b.dspark_target_layer_ids);
+  EXPECT_EQ(a.dspark_block_size, b.dspark_block_size);
   ASSERT_EQ(a.weight_quantization.has_value(), b.weight_quantization.has_value());
   if (a.weight_quantization) {
     EXPECT_EQ(a.weight_quantization->block_out, b.weight_quantization->block_out);
@@ -100,6 +102,8 @@ json released_v41_text_config() {
       {"hidden_size", 5120},
       {"num_hidden_layers", 40},
       {"num_nextn_predict_layers", 3},
+      {"dspark_target_layer_ids", {37, 38, 39}},
+      {"dspark_block_size", 5},
       {"num_attention_heads", 64},
       {"num_key_value_heads", 1},
       {"head_dim", 512},
@@ -142,6 +146,7 @@ json released_v41_model_args() {
       {"compress_ratios", concat({json{0, 0}, repeated({2}, 18), repeated({1}, 20), json{0, 0, 0}})},
       {"kv_source_layers", {2, 8, 14, 20}}, {"index_source_layers", {2, 8, 14, 20, 24, 28, 32, 36}},
       {"candidate_source_layer", 20}, {"candidate_topk_blocks", 2048}, {"candidate_block_size", 8},
+      {"dspark_target_layer_ids", {37, 38, 39}}, {"dspark_block_size", 5},
       {"index_n_heads", 32}, {"index_head_dim", 128}, {"index_topk", 512}, {"rope_theta", 10000.0},
       {"compress_rope_theta", 160000.0}, {"rope_factor", 16}, {"original_seq_len", 65536},
       {"beta_fast", 32}, {"beta_slow", 1}, {"norm_eps", 1e-20}, {"dtype", "fp8"}, {"scale_fmt", "ue8m0"},
@@ -444,6 +449,24 @@ TEST(ConfigParse, MalformedInputsNameFieldAndValue) {
   }
 }
 
+// DSpark keys: the same spelling in both forms; without target layers the MTP layers stay window layers.
+TEST(ConfigParse, DsparkKeys) {
+  json j = released_v41_model_args();
+  const ModelConfig with = parse_config_json(j.dump(), "a.json");
+  EXPECT_TRUE(with.has_dspark());
+  EXPECT_EQ(with.dspark_main_width(), 3 * 5120);
+  EXPECT_EQ(resolve_topology(with)[41].kind, AttentionKind::dspark);
+  j["dspark_target_layer_ids"] = json::array();
+  const ModelConfig without = parse_config_json(j.dump(), "b.json");
+  EXPECT_FALSE(without.has_dspark());
+  EXPECT_EQ(resolve_topology(without)[41].kind, AttentionKind::sliding);
+  EXPECT_EQ(resolve_topology(without)[41].dspark_stage, -1);
+  j["dspark_target_layer_ids"] = {37, 38, 39};
+  j.erase("dspark_block_size");
+  EXPECT_NE(error_of([&] { parse_config_json(j.dump(), "c.json"); }).find("field 'dspark_block_size' is missing"),
+            std::string::npos);
+}
+
 TEST(ConfigParse, LoadFileErrors) {
   const std::string message = error_of([] { load_config_file("/nonexistent/config.json"); });
   EXPECT_NE(message.find("cannot open config file '/nonexistent/config.json'"), std::string::npos) << message;
@@ -535,7 +558,8 @@ TEST(ConfigTopology, V41FlashMatchesTheReleasedSchedule) {
     const bool window_only = l < 2 || l >= 40;
     const int ratio = window_only ? 0 : l < 20 ? 2 : 1;
     EXPECT_EQ(p.compress_ratio, ratio);
-    EXPECT_EQ(p.kind, window_only ? AttentionKind::sliding : AttentionKind::compressed);
+    EXPECT_EQ(p.kind, l >= 40 ? AttentionKind::dspark : window_only ? AttentionKind::sliding : AttentionKind::compressed);
+    EXPECT_EQ(p.dspark_stage, l >= 40 ? l - 40 : -1);
     EXPECT_EQ(p.uses_compress_rope, !window_only);
     const int kv = window_only ? -1 : l < 8 ? 2 : l < 14 ? 8 : l < 20 ? 14 : 20;
     EXPECT_EQ(p.kv_source, kv);
@@ -651,6 +675,13 @@ TEST(ConfigValidate, EveryRuleNamesFieldValueAndRule) {
       {"v4.1-flash", [](ModelConfig& c) { c.compress_rope.original_max_position = 0; },
        {"field 'compress_rope.original_max_position' = 0"}},
       {"v4.1-flash", [](ModelConfig& c) { c.compress_rope.beta_slow = -1; }, {"field 'compress_rope.beta_slow' = -1"}},
+      {"v4.1-flash", [](ModelConfig& c) { c.dspark_target_layer_ids = {37, 40}; },
+       {"field 'dspark_target_layer_ids[1]' = 40", "backbone layers 0..39"}},
+      {"v4.1-flash", [](ModelConfig& c) { c.dspark_target_layer_ids = {37, 37}; },
+       {"field 'dspark_target_layer_ids[1]' = 37", "listed twice"}},
+      {"v4.1-flash", [](ModelConfig& c) { c.dspark_block_size = 0; }, {"field 'dspark_block_size' = 0"}},
+      {"v4.1-flash", [](ModelConfig& c) { c.num_mtp_layers = 0; },
+       {"field 'dspark_target_layer_ids' = [37, 38, 39]", "no MTP (draft) layers"}},
   };
   for (const auto& rule : cases) {
     ModelConfig c = preset_config(rule.preset);
@@ -676,7 +707,7 @@ TEST(ConfigValidate, OptionalPartsMayBeAbsent) {
   c.index_source_layers.clear();
   c.index_topk = 0;
   const ModelTopology t = resolve_topology(c);
-  for (const auto& p : t.layers) EXPECT_EQ(p.kind, AttentionKind::sliding);
+  for (const auto& p : t.layers) EXPECT_EQ(p.kind, p.is_mtp ? AttentionKind::dspark : AttentionKind::sliding);
 }
 
 // ---------------------------------------------------------------------------------------------

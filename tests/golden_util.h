@@ -28,6 +28,8 @@ struct GoldenSet {
   std::shared_ptr<SafetensorsFile> calls;
   int64_t batch = 0;
   int num_calls = 0;
+  // DSpark sets (v41ds_a) hold only the draft layers' weights and calls: replayed by a drafter.
+  LayerSet layers = LayerSet::all;
 
   bool has(const std::string& name) const { return calls->find(name) != nullptr; }
   // Any recorded tensor converted to f32 (integers become their values).
@@ -45,18 +47,21 @@ struct GoldenSet {
   }
 };
 
-// `name`: "v41a" (sharded weights) or "v40a".
+// `name`: "v41a" (sharded weights), "v40a", "v41ds_a" (a DSpark set: calls carry main_hidden).
 inline GoldenSet load_golden_set(const std::string& name) {
   GoldenSet g;
   g.config = load_config_file(data_path(name + ".config.json"));
   g.topology = resolve_topology(g.config);
+  g.calls = SafetensorsFile::open(data_path(name + ".calls.safetensors"));
+  while (g.has(GoldenSet::call_name(g.num_calls, "position_ids"))) ++g.num_calls;
+  const bool dspark = g.has(GoldenSet::call_name(0, "main_hidden"));
+  g.layers = dspark ? LayerSet::draft : LayerSet::all;
+  g.batch = g.shape(dspark ? GoldenSet::call_name(0, "main_hidden") : GoldenSet::layer_name(0, 0, "hidden_in"))[0];
   const std::string sharded = data_path(name + ".weights.index.json");
   const std::string single = data_path(name + ".weights.safetensors");
   const bool is_sharded = std::ifstream(sharded).good();
-  g.weights = std::make_shared<ModelWeights>(load_weights(is_sharded ? sharded : single, g.config, g.topology));
-  g.calls = SafetensorsFile::open(data_path(name + ".calls.safetensors"));
-  while (g.has(GoldenSet::call_name(g.num_calls, "position_ids"))) ++g.num_calls;
-  g.batch = g.shape(GoldenSet::layer_name(0, 0, "hidden_in"))[0];
+  g.weights =
+      std::make_shared<ModelWeights>(load_weights(is_sharded ? sharded : single, g.config, g.topology, g.layers));
   return g;
 }
 
@@ -113,6 +118,39 @@ inline CallOutputs replay_call(Engine& engine, const GoldenSet& g, int c, const 
         std::copy_n(picks.as<int32_t>() + static_cast<int64_t>(i) * S * k, S * k, out.picks[l].data() + rows[i] * S * k);
     }
     engine.end_step();
+  }
+  return out;
+}
+
+// One call of a DSpark set (README.upstream.md, v41ds_a) through a drafter engine: a call whose
+// main positions start at 0 replaces `sequences` by new ones; the call's main rows go through one
+// step (run_draft_context); a draft call then runs every stage's block. Returns per stage the
+// outputs [B, block, hidden] (nothing for a prefill).
+inline std::vector<std::vector<float>> replay_dspark_call(Engine& engine, const GoldenSet& g, int c,
+                                                          std::vector<SequenceId>& sequences) {
+  const std::vector<float> main_positions = g.floats(GoldenSet::call_name(c, "main_position_ids"));
+  const int64_t n = static_cast<int64_t>(main_positions.size()), H = g.config.hidden_size;
+  if (main_positions[0] == 0.0f) {
+    for (SequenceId s : sequences) engine.release_sequence(s);
+    sequences.clear();
+    for (int64_t b = 0; b < g.batch; ++b) sequences.push_back(engine.add_sequence());
+  }
+  std::vector<float> main_hidden = g.floats(GoldenSet::call_name(c, "main_hidden"));
+  std::vector<StepEntry> entries;
+  for (SequenceId s : sequences) entries.push_back({s, n});
+  engine.begin_step(entries);
+  engine.run_draft_context(
+      TensorView::contiguous(main_hidden.data(), DType::f32, {g.batch * n, g.config.dspark_main_width()}));
+  engine.end_step();
+
+  std::vector<std::vector<float>> out;
+  if (!g.has(GoldenSet::layer_name(c, 0, "hidden_in"))) return out;
+  const int64_t rows = g.batch * g.config.dspark_block_size;
+  for (int stage = 0; stage < g.config.num_mtp_layers; ++stage) {
+    std::vector<float> in = g.floats(GoldenSet::layer_name(c, stage, "hidden_in"));
+    std::vector<float>& result = out.emplace_back(static_cast<size_t>(rows * H));
+    engine.run_draft_block(g.config.num_layers + stage, sequences, TensorView::contiguous(in.data(), DType::f32, {rows, H}),
+                           TensorView::contiguous(result.data(), DType::f32, {rows, H}));
   }
   return out;
 }

@@ -180,7 +180,11 @@ TEST(Weights, ExpectedShapesOfV41Flash) {
   const auto idx24 = expected_shapes(c, 24);  // index source reading layer 20's keys
   EXPECT_EQ(idx24.size(), 10u);
   EXPECT_EQ(idx24.count(WeightRole::indexer_wk), 0u);
-  EXPECT_EQ(expected_shapes(c, 41).size(), 8u);  // DSpark / MTP
+  EXPECT_EQ(expected_shapes(c, 41).size(), 8u);  // DSpark stage 1
+  const auto stage0 = expected_shapes(c, 40);    // DSpark stage 0: also the draft model's entry
+  EXPECT_EQ(stage0.size(), 10u);
+  EXPECT_EQ(stage0.at(WeightRole::main_proj), (S{5120, 3 * 5120}));
+  EXPECT_EQ(stage0.at(WeightRole::main_norm), (S{5120}));
   // Projections may be fp8, norms and sinks and the compressor/indexer bf16 ones may not.
   for (const ExpectedWeight& e : expected_layer_weights(c, resolve_topology(c)[2])) {
     const bool fp8 = e.role == WeightRole::wq_a || e.role == WeightRole::wq_b || e.role == WeightRole::wkv ||

@@ -14,10 +14,11 @@ const char* family_name(ModelFamily f);
 
 // What a layer's attention does beyond the sliding window.
 enum class AttentionKind : uint8_t {
-  sliding,       // window only (ratio 0, also MTP / DSpark layers)
+  sliding,       // window only (ratio 0, also MTP layers of a model without DSpark)
   compressed,    // V4.1: ratio 1 or 2, compressed cache of the kv source, picks of the index source
   csa,           // V4.0: overlapped compressor (ratio 4) + its own indexer with its own compressor
   hca,           // V4.0: non-overlapping compressor, every visible compressed entry attended
+  dspark,        // DSpark draft layer (SPEC §13.1): window rows from the target model, a non-causal draft block
 };
 const char* attention_kind_name(AttentionKind k);
 
@@ -79,10 +80,23 @@ struct ModelConfig {
   RopeParams compress_rope;              // layers with ratio > 0 (YaRN)
   double rms_norm_eps = 1e-6;
 
+  // DSpark speculative decoding (SPEC §13.1): when dspark_target_layer_ids is not empty, the MTP
+  // layers are DSpark draft stages. Their window rows for committed positions come from the target
+  // model: the hidden states entering these backbone layers (each averaged over the hc copies),
+  // concatenated in this order, through stage 0's main_proj and main_norm. A draft block is
+  // dspark_block_size query rows.
+  std::vector<int> dspark_target_layer_ids;
+  int64_t dspark_block_size = 0;
+
   std::optional<WeightQuantization> weight_quantization;  // absent: bf16 / fp32 weights
   int tensor_parallel_size = 1;
 
   int total_layers() const { return num_layers + num_mtp_layers; }
+  bool has_dspark() const { return num_mtp_layers > 0 && !dspark_target_layer_ids.empty(); }
+  // Width of main_proj's input: hidden_size per target layer.
+  int64_t dspark_main_width() const {
+    return hidden_size * static_cast<int64_t>(dspark_target_layer_ids.size());
+  }
   int compress_ratio(int layer) const {
     return layer < static_cast<int>(compress_ratios.size()) ? compress_ratios[layer] : 0;
   }
@@ -94,6 +108,7 @@ struct LayerPlan {
   AttentionKind kind = AttentionKind::sliding;
   int compress_ratio = 0;
   bool is_mtp = false;
+  int dspark_stage = -1;                 // DSpark draft layers: the stage (layer − num_layers); else −1
   bool uses_compress_rope = false;       // compress theta + YaRN, else main theta
   int kv_source = -1;                    // layer whose compressed cache this layer reads; -1: none
   int index_source = -1;                 // layer whose picks this layer uses; -1: none (HCA: all)
@@ -103,6 +118,20 @@ struct LayerPlan {
   bool is_candidate_source = false;
   bool uses_candidates = false;          // index source that masks its scores to the candidates
 };
+
+// Which layers a weight set and an engine cover.
+enum class LayerSet : uint8_t {
+  all,    // the backbone and the MTP layers
+  // Only the DSpark draft layers: a drafter beside the target model's engine, which feeds it the
+  // target's hidden states (SPEC §13.1; vLLM runs its DSpark drafter this way). The backbone needs
+  // no weights and does not run.
+  draft,
+};
+const char* layer_set_name(LayerSet s);
+// Whether `set` covers `plan`'s layer.
+inline bool layer_in_set(const LayerPlan& plan, LayerSet set) {
+  return set == LayerSet::all || plan.kind == AttentionKind::dspark;
+}
 
 struct ModelTopology {
   std::vector<LayerPlan> layers;         // total_layers() entries

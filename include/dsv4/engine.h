@@ -56,6 +56,11 @@ struct EngineOptions {
   std::shared_ptr<Communicator> communicator;
   // With a communicator: whether the shard's indexer holds every index head or the rank's share.
   IndexerSharding indexer_sharding = IndexerSharding::replicated;
+
+  // The layers the engine runs (the weights need only those): every layer, or only the DSpark draft
+  // layers, a drafter beside the target model's engine (LayerSet::draft; load its weights with
+  // load_weights(..., LayerSet::draft)). A drafter's steps run no backbone layer.
+  LayerSet layers = LayerSet::all;
 };
 
 // Memory an engine holds on its backend's device (host memory for the cpu backend).
@@ -105,6 +110,31 @@ class Engine {
   // Commits the step: sequence lengths advance. Every backbone layer must have run; MTP layers
   // are optional, but a sequence whose step skipped one cannot run that layer any more.
   virtual void end_step() = 0;
+
+  // ----- DSpark draft layers (config().has_dspark(); SPEC §13.1, docs/speculative.md)
+  //
+  // The draft layers keep a window of rows per sequence like every layer, but the rows of committed
+  // tokens come from the target model, and queries come in draft blocks that are never committed:
+  //   begin_step(...); run_layer(...) for the backbone; run_draft_context(main_hidden); end_step();
+  //   run_draft_block(stage 0 layer, sequences, ...); [the caller's draft block]; ... next stage ...
+  //
+  // Inside a step, in place of run_layer for the draft layers: main_hidden [step_tokens,
+  // hidden_size · |dspark_target_layer_ids|] f32 on the engine's device holds, per token, the
+  // hidden states entering the target layers (each the mean over the hc copies of the residual
+  // stream), concatenated in dspark_target_layer_ids order. The engine computes main_x =
+  // main_norm(main_proj(main_hidden)) once, and every draft layer stores its window row of each
+  // token from it (its own wkv, kv_norm, RoPE, row quantization). A step that leaves this out
+  // cannot draft for its sequences afterwards (as for a skipped MTP layer).
+  virtual void run_draft_context(const TensorView& main_hidden) = 0;
+  // Outside a step: draft layer `layer` over one block of dspark_block_size = B rows per sequence,
+  // the block of `sequences[i]` at rows i·B … i·B + B − 1 of hidden_in / attn_out ([sequences · B,
+  // hidden_size] f32 on the engine's device, may be the same memory; sequences · B <=
+  // max_tokens_per_step). With p0 = sequence_length − 1 (>= 0) the last committed token, block
+  // row j sits at position p0 + 1 + j and attends the window rows of positions max(0, p0 − W + 1)
+  // … p0 and all B rows of its block, itself and the later ones included (non-causal). The
+  // block's keys are not stored: caches and lengths are unchanged, and a block may be run again.
+  virtual void run_draft_block(int layer, const std::vector<SequenceId>& sequences, const TensorView& hidden_in,
+                               const TensorView& attn_out) = 0;
 
   // Bytes of cache currently held by a sequence (all layers, all caches).
   virtual int64_t sequence_cache_bytes(SequenceId sequence) const = 0;

@@ -22,6 +22,8 @@ enum class WeightRole : uint8_t {
   indexer_wq_b, indexer_weights_proj, indexer_wk, indexer_k_norm,
   // V4.0 CSA: the indexer's own compressor
   indexer_compressor_wkv, indexer_compressor_wgate, indexer_compressor_norm, indexer_compressor_ape,
+  // DSpark stage 0: the projection of the target model's hidden states to the draft width, and its norm
+  main_proj, main_norm,
   count
 };
 inline constexpr int kNumWeightRoles = static_cast<int>(WeightRole::count);
@@ -76,8 +78,10 @@ std::string describe_plan(const LayerPlan& plan);
 // sharded checkpoint's index JSON or a directory. Names may be DeepSeek native or transformers
 // deepseek_v4 ones (docs/weights.md); other tensors are ignored. Tensors stay in the file mapping
 // (copied only when misaligned for their dtype). Errors name layer, tensor, shape and expectation;
-// an MTP layer absent from the checkpoint as a whole is left empty.
-ModelWeights load_weights(const std::string& path, const ModelConfig& config, const ModelTopology& topology);
+// an MTP layer absent from the checkpoint as a whole is left empty. With LayerSet::draft only the
+// DSpark draft layers are loaded (and required); the backbone's tensors are ignored and its layers left empty.
+ModelWeights load_weights(const std::string& path, const ModelConfig& config, const ModelTopology& topology,
+                          LayerSet layers = LayerSet::all);
 
 // What `dsv4 inspect` prints: per layer, found / missing / unexpected tensors.
 struct InspectedTensor {

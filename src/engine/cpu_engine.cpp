@@ -32,7 +32,8 @@ int64_t parameter_bytes(const reference::LayerParameters& L) {
                                          &L.indexer_weights_proj, &L.compressor.projection,
                                          &L.index_compressor.projection})
     bytes += float_bytes(p->weight);
-  for (const std::vector<float>* v : {&L.q_norm, &L.kv_norm, &L.attn_sink, &L.indexer_k_norm, &L.compressor.norm,
+  bytes += float_bytes(L.main_proj.weight);
+  for (const std::vector<float>* v : {&L.q_norm, &L.kv_norm, &L.attn_sink, &L.indexer_k_norm, &L.compressor.norm, &L.main_norm,
                                       &L.compressor.position_bias, &L.index_compressor.norm,
                                       &L.index_compressor.position_bias})
     bytes += float_bytes(*v);
@@ -86,6 +87,26 @@ void CpuEngine::run_layer_step(int layer, const TensorView& hidden_in, const Ten
   reference::run_layer_step(config(), layers_[static_cast<size_t>(layer)], step(), *caches_, hidden_in.ptr<float>(),
                             attn_out.ptr<float>(), published_, record_index_scores_,
                             {options().communicator.get(), options().indexer_sharding == IndexerSharding::split});
+}
+
+void CpuEngine::run_draft_context_step(const TensorView& main_hidden) {
+  ThreadCountScope threads(options().num_threads);
+  const int first = config().num_layers;
+  std::vector<float> main_x(static_cast<size_t>(step().tokens() * config().hidden_size));
+  reference::draft_main_input(config(), layers_[static_cast<size_t>(first)], step().tokens(), main_hidden.ptr<float>(),
+                              main_x.data());
+  for (int l = first; l < topology().size(); ++l)
+    reference::write_draft_context(config(), layers_[static_cast<size_t>(l)], step(), *caches_, main_x.data());
+}
+
+void CpuEngine::run_draft_block_layer(int layer, const std::vector<SequenceId>& sequences,
+                                      const std::vector<int64_t>& lengths, const TensorView& hidden_in,
+                                      const TensorView& attn_out) {
+  ThreadCountScope threads(options().num_threads);
+  std::vector<reference::DraftBlock> blocks;
+  for (size_t i = 0; i < sequences.size(); ++i) blocks.push_back({sequences[i], lengths[i]});
+  reference::run_draft_block(config(), layers_[static_cast<size_t>(layer)], blocks, *caches_, hidden_in.ptr<float>(),
+                             attn_out.ptr<float>());
 }
 
 HostTensor CpuEngine::read_picks(int layer) const {

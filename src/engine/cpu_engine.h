@@ -38,6 +38,9 @@ class CpuEngine final : public StepEngine {
   bool accepts_activations_on(Device device) const override { return device == Device::cpu; }
   HostTensor read_picks(int layer) const override;
   void commit_sequence(const StepChunk& chunk) override { caches_->commit(chunk.sequence, chunk.tokens); }
+  void run_draft_context_step(const TensorView& main_hidden) override;
+  void run_draft_block_layer(int layer, const std::vector<SequenceId>& sequences, const std::vector<int64_t>& lengths,
+                             const TensorView& hidden_in, const TensorView& attn_out) override;
 
   std::vector<reference::LayerParameters> layers_;  // absent MTP layers: the recipe only
   std::unique_ptr<reference::CacheStore> caches_;

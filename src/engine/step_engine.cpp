@@ -28,8 +28,9 @@ StepEngine::StepEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
   const int ranks = options.communicator ? options.communicator->size() : 1;
   const int64_t counted = index_heads_counted(config, options.indexer_sharding, ranks);
   for (int l = 0; l < topology_.size(); ++l) {
-    // transformers checkpoints leave the MTP layers out; such a layer cannot run.
-    const bool present = !topology_[l].is_mtp || has_any_weight(weights_->layers[static_cast<size_t>(l)]);
+    // transformers checkpoints leave the MTP layers out, a drafter the backbone; such a layer cannot run.
+    const bool present = layer_in_set(topology_[l], options.layers) &&
+                         (!topology_[l].is_mtp || has_any_weight(weights_->layers[static_cast<size_t>(l)]));
     present_.push_back(present ? 1 : 0);
     LayerRecipe& r = recipes_.emplace_back(layer_recipe(config, topology_[l], options.precision, counted));
     for (std::optional<CompressorGeometry>* c : {&r.compressor, &r.index_compressor})
@@ -116,28 +117,38 @@ void StepEngine::check_layer(const char* operation, int layer) const {
              " does not exist (the model has ", topology_.size(), " layers)");
 }
 
-void StepEngine::check_activation(const char* name, const TensorView& v, int layer) const {
-  const std::vector<int64_t> expected{step_.tokens(), config_.hidden_size};
+// `operation` names the call and the layer, e.g. "run_layer: layer 3".
+void StepEngine::check_activation(const char* operation, const char* name, const TensorView& v, int64_t rows,
+                                  int64_t width, const char* shape_meaning) const {
+  const std::vector<int64_t> expected{rows, width};
   const std::vector<int64_t> given(v.shape.begin(), v.shape.begin() + std::clamp(v.rank, 0, kMaxRank));
-  DSV4_CHECK(accepts_activations_on(v.device), "engine: run_layer: layer ", layer, " ", name, " is on ",
-             device_name(v.device), ", which the ", backend_name(options_.backend), " backend cannot read");
-  DSV4_CHECK(v.dtype == DType::f32, "engine: run_layer: layer ", layer, " ", name, " has dtype ", dtype_name(v.dtype),
+  DSV4_CHECK(accepts_activations_on(v.device), "engine: ", operation, " ", name, " is on ", device_name(v.device),
+             ", which the ", backend_name(options_.backend), " backend cannot read");
+  DSV4_CHECK(v.dtype == DType::f32, "engine: ", operation, " ", name, " has dtype ", dtype_name(v.dtype),
              ", expected F32");
-  DSV4_CHECK(given == expected, "engine: run_layer: layer ", layer, " ", name, " has shape ", shape_string(given),
-             ", expected ", shape_string(expected), " (step tokens, hidden_size)");
-  DSV4_CHECK(v.is_contiguous() && v.data != nullptr, "engine: run_layer: layer ", layer, " ", name,
+  DSV4_CHECK(given == expected, "engine: ", operation, " ", name, " has shape ", shape_string(given), ", expected ",
+             shape_string(expected), " (", shape_meaning, ")");
+  DSV4_CHECK(v.is_contiguous() && v.data != nullptr, "engine: ", operation, " ", name,
              " must be a contiguous view of existing memory");
 }
 
 void StepEngine::run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
   DSV4_CHECK(in_step_, "engine: run_layer: no step is in progress; call begin_step first");
   check_layer("run_layer", layer);
+  DSV4_CHECK(topology_[layer].kind != AttentionKind::dspark, "engine: run_layer: layer ", layer,
+             " is a DSpark draft layer: give it the target's hidden states with run_draft_context and run its "
+             "blocks with run_draft_block");
+  DSV4_CHECK(layer_in_set(topology_[layer], options_.layers), "engine: run_layer: layer ", layer,
+             " is a backbone layer, which a drafter engine (EngineOptions::layers = draft) does not run");
   bool skipped = false;
   for (const StepChunk& ch : step_.chunks)
     skipped = skipped || sequences_.skipped_layers("run_layer", ch.sequence)[static_cast<size_t>(layer)];
   check_layer_may_run(config_, topology_, layer, layer_present(layer), skipped, [&](int l) { return layer_ran(l); });
-  check_activation("hidden_in", hidden_in, layer);
-  check_activation("attn_out", attn_out, layer);
+  const std::string operation = "run_layer: layer " + std::to_string(layer);
+  check_activation(operation.c_str(), "hidden_in", hidden_in, step_.tokens(), config_.hidden_size,
+                   "step tokens, hidden_size");
+  check_activation(operation.c_str(), "attn_out", attn_out, step_.tokens(), config_.hidden_size,
+                   "step tokens, hidden_size");
   run_layer_step(layer, hidden_in, attn_out);
   ran_[static_cast<size_t>(layer)] = 1;
 }
@@ -155,7 +166,8 @@ void StepEngine::end_step() {
   DSV4_CHECK(in_step_, "engine: end_step: no step is in progress");
   // MTP layers are optional: a sequence whose step skipped one can no longer run it.
   for (int l = 0; l < config_.num_layers; ++l)
-    DSV4_CHECK(layer_ran(l), "engine: end_step: layer ", l, " has not run in this step");
+    DSV4_CHECK(layer_ran(l) || !layer_in_set(topology_[l], options_.layers), "engine: end_step: layer ", l,
+               " has not run in this step");
   for (const StepChunk& ch : step_.chunks) {
     std::vector<uint8_t>& skipped = sequences_.skipped_layers("end_step", ch.sequence);
     for (int l = config_.num_layers; l < topology_.size(); ++l)
@@ -164,6 +176,62 @@ void StepEngine::end_step() {
     sequences_.note_length(ch.sequence, cached_length(ch.sequence));
   }
   in_step_ = false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// DSpark draft layers
+
+void StepEngine::run_draft_context(const TensorView& main_hidden) {
+  DSV4_CHECK(config_.has_dspark(), "engine: run_draft_context: config ", config_.name,
+             " has no DSpark draft layers (no dspark_target_layer_ids)");
+  DSV4_CHECK(in_step_, "engine: run_draft_context: no step is in progress; call begin_step first");
+  const int first = config_.num_layers;
+  DSV4_CHECK(!layer_ran(first), "engine: run_draft_context: already ran in this step");
+  for (int l = first; l < topology_.size(); ++l) {
+    DSV4_CHECK(layer_present(l), "engine: run_draft_context: draft layer ", l, " has no weights in the checkpoint");
+    for (const StepChunk& ch : step_.chunks)
+      DSV4_CHECK(!sequences_.skipped_layers("run_draft_context", ch.sequence)[static_cast<size_t>(l)],
+                 "engine: run_draft_context: sequence ", ch.sequence,
+                 " skipped the draft context in an earlier step; its draft windows are incomplete");
+  }
+  check_activation("run_draft_context", "main_hidden", main_hidden, step_.tokens(), config_.dspark_main_width(),
+                   "step tokens, hidden_size x dspark_target_layer_ids");
+  run_draft_context_step(main_hidden);
+  for (int l = first; l < topology_.size(); ++l) ran_[static_cast<size_t>(l)] = 1;
+}
+
+void StepEngine::run_draft_block(int layer, const std::vector<SequenceId>& sequences, const TensorView& hidden_in,
+                                 const TensorView& attn_out) {
+  check_layer("run_draft_block", layer);
+  DSV4_CHECK(topology_[layer].kind == AttentionKind::dspark, "engine: run_draft_block: layer ", layer, " is ",
+             describe_plan(topology_[layer]), ", not a DSpark draft layer");
+  DSV4_CHECK(layer_present(layer), "engine: run_draft_block: draft layer ", layer, " has no weights in the checkpoint");
+  DSV4_CHECK(!in_step_, "engine: run_draft_block: a step is in progress; draft blocks read committed windows, "
+             "run them after end_step");
+  DSV4_CHECK(!sequences.empty(), "engine: run_draft_block: no sequences given");
+  const int64_t B = config_.dspark_block_size;
+  const int64_t rows = static_cast<int64_t>(sequences.size()) * B;
+  DSV4_CHECK(rows <= options_.max_tokens_per_step, "engine: run_draft_block: ", sequences.size(),
+             " blocks of ", B, " rows exceed max_tokens_per_step = ", options_.max_tokens_per_step);
+  std::vector<int64_t> lengths;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    const SequenceId s = sequences[i];
+    DSV4_CHECK(std::find(sequences.begin(), sequences.begin() + static_cast<std::ptrdiff_t>(i), s) ==
+                   sequences.begin() + static_cast<std::ptrdiff_t>(i),
+               "engine: run_draft_block: sequence ", s, " is given twice");
+    DSV4_CHECK(!sequences_.skipped_layers("run_draft_block", s)[static_cast<size_t>(layer)],
+               "engine: run_draft_block: sequence ", s, " skipped the draft context in an earlier step; the window of "
+               "draft layer ", layer, " is incomplete");
+    lengths.push_back(cached_length(s));
+    DSV4_CHECK(lengths.back() >= 1, "engine: run_draft_block: sequence ", s,
+               " has no committed token; a draft block follows the last committed token p0");
+  }
+  const std::string operation = "run_draft_block: layer " + std::to_string(layer);
+  check_activation(operation.c_str(), "hidden_in", hidden_in, rows, config_.hidden_size,
+                   "sequences x dspark_block_size, hidden_size");
+  check_activation(operation.c_str(), "attn_out", attn_out, rows, config_.hidden_size,
+                   "sequences x dspark_block_size, hidden_size");
+  run_draft_block_layer(layer, sequences, lengths, hidden_in, attn_out);
 }
 
 }  // namespace dsv4

@@ -32,6 +32,9 @@ class StepEngine : public Engine {
   void run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) final;
   HostTensor layer_picks(int layer) const final;
   void end_step() final;
+  void run_draft_context(const TensorView& main_hidden) final;
+  void run_draft_block(int layer, const std::vector<SequenceId>& sequences, const TensorView& hidden_in,
+                       const TensorView& attn_out) final;
 
  protected:
   // Engine::create checked the options against the config and the weights.
@@ -60,11 +63,20 @@ class StepEngine : public Engine {
   virtual HostTensor read_picks(int layer) const = 0;
   // Advances the chunk's sequence by the chunk's tokens.
   virtual void commit_sequence(const StepChunk& chunk) = 0;
+  // DSpark: stores every draft layer's window rows of step()'s tokens from main_hidden
+  // [step tokens, dspark_main_width] f32 (SPEC §13.1 step 1).
+  virtual void run_draft_context_step(const TensorView& main_hidden) = 0;
+  // DSpark: draft layer `layer` over the blocks of live sequences of committed length >= 1, not in a
+  // step; hidden_in, attn_out [blocks · dspark_block_size, hidden_size] f32, contiguous.
+  virtual void run_draft_block_layer(int layer, const std::vector<SequenceId>& sequences,
+                                     const std::vector<int64_t>& lengths, const TensorView& hidden_in,
+                                     const TensorView& attn_out) = 0;
 
   // ----- for the backends
   const ModelWeights& weights() const { return *weights_; }
   const EngineOptions& options() const { return options_; }
-  // False for an MTP layer the checkpoint leaves out (transformers checkpoints): it cannot run.
+  // False for an MTP layer the checkpoint leaves out (transformers checkpoints) and for a layer
+  // outside options().layers: it cannot run.
   bool layer_present(int layer) const { return present_[static_cast<size_t>(layer)] != 0; }
   // How each layer computes (one per layer, also for absent ones), and the formats of paged
   // caches (options().kv_format, or default_kv_formats): decided once for every backend.
@@ -76,7 +88,8 @@ class StepEngine : public Engine {
 
  private:
   void check_layer(const char* operation, int layer) const;
-  void check_activation(const char* name, const TensorView& v, int layer) const;
+  void check_activation(const char* operation, const char* name, const TensorView& v, int64_t rows, int64_t width,
+                        const char* shape_meaning) const;
   bool in_running_step(SequenceId sequence) const;
 
   ModelConfig config_;

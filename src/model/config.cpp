@@ -27,6 +27,15 @@ const char* attention_kind_name(AttentionKind k) {
     case AttentionKind::compressed: return "compressed";
     case AttentionKind::csa: return "csa";
     case AttentionKind::hca: return "hca";
+    case AttentionKind::dspark: return "dspark";
+  }
+  return "?";
+}
+
+const char* layer_set_name(LayerSet s) {
+  switch (s) {
+    case LayerSet::all: return "all";
+    case LayerSet::draft: return "draft";
   }
   return "?";
 }
@@ -484,6 +493,13 @@ ModelConfig parse_root(const json& root, const std::string& source) {
     r.invalid(r.path("indexer_qat"), *qat, "selects the V4.0 indexer's Hadamard + FP4 path; a V4.1 config has none "
                                            "(its FP4 index quantization is always on in reference precision)");
   c.indexer_qat = r.boolean("indexer_qat", !v41 && model_args);
+  // Same spelling in both forms. Without target layers the MTP layers are plain window layers (a
+  // block size alone means nothing, as in ModelArgs dumps of models without DSpark).
+  c.dspark_target_layer_ids = r.int_list("dspark_target_layer_ids");
+  if (!c.dspark_target_layer_ids.empty()) {
+    if (!r.has("dspark_block_size")) r.missing("dspark_block_size", "DSpark draft layers need their block size");
+    c.dspark_block_size = r.integer<int64_t>("dspark_block_size", 0);
+  }
 
   if (model_args) {
     read_model_args_rope(r, released, c);

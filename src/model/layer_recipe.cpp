@@ -16,6 +16,7 @@ WeightRecipe weight_recipe(WeightRole role) {
     case WeightRole::wkv:
     case WeightRole::wo_b:
     case WeightRole::indexer_wq_b:
+    case WeightRole::main_proj:
       return {.projection = true, .fp8_activations = true};
     // Dequantized and multiplied without activation quantization.
     case WeightRole::wo_a:

@@ -65,6 +65,8 @@ ModelConfig v41_flash() {
   c.index_topk = 512;
   c.rms_norm_eps = 1e-20;
   c.weight_quantization = WeightQuantization{.block_out = 32, .block_in = 32, .ue8m0_scales = true};
+  c.dspark_target_layer_ids = {37, 38, 39};
+  c.dspark_block_size = 5;
   return c;
 }
 

@@ -24,6 +24,7 @@ constexpr int64_t kMaxCandidateBlockSize = int64_t{1} << 20;
 constexpr int64_t kMaxPositions = int64_t{1} << 40;
 constexpr int64_t kMaxWeightBlock = 4096;
 constexpr int64_t kMaxTensorParallel = 1024;
+constexpr int64_t kMaxDsparkBlock = 1024;
 
 // The largest entry of an ascending list that is <= layer, or -1.
 int latest_at_or_below(const std::vector<int>& ascending, int layer) {
@@ -61,6 +62,7 @@ class ConfigChecker {
     if (!(std::isfinite(c_.rms_norm_eps) && c_.rms_norm_eps > 0.0 && c_.rms_norm_eps < 1.0))
       invalid("rms_norm_eps", c_.rms_norm_eps, "must be a finite number in (0, 1)");
     check_weight_quantization();
+    check_dspark();
   }
 
  private:
@@ -231,6 +233,24 @@ class ConfigChecker {
         invalid(field, value, "must be a multiple of the " + block);
   }
 
+  // DSpark: distinct backbone target layers, a block size; draft stages are the MTP layers.
+  void check_dspark() const {
+    const auto& targets = c_.dspark_target_layer_ids;
+    if (targets.empty()) return;
+    if (c_.num_mtp_layers == 0)
+      invalid("dspark_target_layer_ids", join(targets), "names DSpark target layers, but the model has no MTP (draft) layers");
+    for (size_t i = 0; i < targets.size(); ++i) {
+      if (targets[i] < 0 || targets[i] >= c_.num_layers)
+        invalid(indexed("dspark_target_layer_ids", i), targets[i],
+                "DSpark target layers are backbone layers 0.." + std::to_string(c_.num_layers - 1));
+      if (std::find(targets.begin(), targets.begin() + static_cast<std::ptrdiff_t>(i), targets[i]) !=
+          targets.begin() + static_cast<std::ptrdiff_t>(i))
+        invalid(indexed("dspark_target_layer_ids", i), targets[i], "is listed twice");
+    }
+    in_range("dspark_block_size", c_.dspark_block_size, 1, kMaxDsparkBlock);
+    in_range("dspark_main_width", c_.dspark_main_width(), 1, kMaxWidth);
+  }
+
   const ModelConfig& c_;
   std::string source_;
 };
@@ -249,6 +269,10 @@ ModelTopology resolve_topology(const ModelConfig& config) {
     p.is_mtp = l >= config.num_layers;
     p.compress_ratio = p.is_mtp ? 0 : config.compress_ratio(l);
     p.uses_compress_rope = p.compress_ratio > 0;
+    if (p.is_mtp && config.has_dspark()) {
+      p.kind = AttentionKind::dspark;
+      p.dspark_stage = l - config.num_layers;
+    }
     if (p.compress_ratio == 0) continue;  // sliding window only
     if (config.family == ModelFamily::v4_1) {
       p.kind = AttentionKind::compressed;

@@ -338,6 +338,51 @@ void gather_attended_rows(const ModelConfig& config, const LayerParameters& L, c
   }
 }
 
+// Queries (SPEC §2.2 steps 1-4; V4.0 §12 adds the per-head normalization): qr [T, q_lora], q [T, H, D].
+void project_queries(const ModelConfig& config, const LayerParameters& L, const float* x, int64_t T,
+                     const int64_t* positions, std::vector<float>& qr, std::vector<float>& q) {
+  const int64_t H = config.num_heads, D = config.head_dim;
+  const bool bf16 = L.recipe.round_bf16;
+  qr.assign(static_cast<size_t>(T * config.q_lora_rank), 0.0f);
+  q.assign(static_cast<size_t>(T * H * D), 0.0f);
+  project(x, T, L.wq_a, qr.data(), bf16);
+  rms_norm(qr.data(), T, config.q_lora_rank, L.q_norm.data(), L.recipe.eps, qr.data(), bf16);
+  project(qr.data(), T, L.wq_b, q.data(), bf16);
+  if (L.recipe.q_head_norm) rms_norm(q.data(), T * H, D, nullptr, L.recipe.eps, q.data(), bf16);
+  apply_rope(q.data(), T, H, D, L.recipe.rope_frequencies.data(), config.rope_head_dim, positions, false, bf16);
+}
+
+// Window rows of T tokens (steps 5-6), as the layer's window cache returns them: [T, D].
+std::vector<float> window_rows_of(const ModelConfig& config, const LayerParameters& L, const float* x, int64_t T,
+                                  const int64_t* positions, const CacheStore& caches) {
+  const int64_t D = config.head_dim, rd = config.rope_head_dim;
+  const bool bf16 = L.recipe.round_bf16;
+  std::vector<float> kv(static_cast<size_t>(T * D));
+  project(x, T, L.wkv, kv.data(), bf16);
+  rms_norm(kv.data(), T, D, L.kv_norm.data(), L.recipe.eps, kv.data(), bf16);
+  apply_rope(kv.data(), T, 1, D, L.recipe.rope_frequencies.data(), rd, positions, false, bf16);
+  quantize_rows(L.recipe.window_rows, kv.data(), T, D, rd);
+  caches.round_trip_window_rows(L.recipe.plan.layer, kv.data(), T);
+  return kv;
+}
+
+// Output projection (SPEC §6) of the attention output o [T, H, D] (rotated back in place).
+void project_output(const ModelConfig& config, const LayerParameters& L, std::vector<float>& o, int64_t T,
+                    const int64_t* positions, float* attn_out, const RankReduction& ranks) {
+  const int64_t H = config.num_heads, D = config.head_dim, G = config.o_groups, R = config.o_lora_rank;
+  const bool bf16 = L.recipe.round_bf16;
+  apply_rope(o.data(), T, H, D, L.recipe.rope_frequencies.data(), config.rope_head_dim, positions, true, bf16);
+  std::vector<float> y(static_cast<size_t>(T * G * R));
+  grouped_linear(o.data(), T, G, H / G * D, L.wo_a.weight.data(), R, y.data(), bf16);
+  // A tensor-parallel rank's output is a partial sum over its heads: fp32 until the ranks' partial
+  // sums are added up, then rounded as the whole output is.
+  project(y.data(), T, L.wo_b, attn_out, bf16, ranks.communicator == nullptr);
+  if (ranks.communicator) {
+    ranks.communicator->all_reduce_sum(attn_out, T * config.hidden_size, nullptr);
+    round_bf16(attn_out, T * config.hidden_size, bf16);
+  }
+}
+
 }  // namespace
 
 LayerParameters prepare_layer(const ModelConfig& config, const LayerRecipe& recipe, const LayerWeights& weights) {
@@ -374,6 +419,10 @@ LayerParameters prepare_layer(const ModelConfig& config, const LayerRecipe& reci
     L.indexer_wq_b = r.projection(WeightRole::indexer_wq_b, nI * dI, config.q_lora_rank);
     L.indexer_weights_proj = r.projection(WeightRole::indexer_weights_proj, nI, hidden);
   }
+  if (plan.dspark_stage == 0) {
+    L.main_proj = r.projection(WeightRole::main_proj, hidden, config.dspark_main_width());
+    L.main_norm = r.values(WeightRole::main_norm, {hidden});
+  }
   return L;
 }
 
@@ -393,27 +442,14 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
                     const float* hidden_in, float* attn_out, std::vector<LayerPublication>& published,
                     bool record_index_scores, const RankReduction& ranks) {
   const int64_t T = step.tokens(), hidden = config.hidden_size, H = config.num_heads, D = config.head_dim;
-  const int64_t rd = config.rope_head_dim, G = config.o_groups, R = config.o_lora_rank;
   const bool bf16 = L.recipe.round_bf16;
 
   std::vector<float> x(hidden_in, hidden_in + T * hidden);
   round_bf16(x.data(), T * hidden, bf16);
 
-  // Queries (SPEC §2.2 steps 1-4; V4.0 §12 adds the per-head normalization).
-  std::vector<float> qr(static_cast<size_t>(T * config.q_lora_rank)), q(static_cast<size_t>(T * H * D));
-  project(x.data(), T, L.wq_a, qr.data(), bf16);
-  rms_norm(qr.data(), T, config.q_lora_rank, L.q_norm.data(), L.recipe.eps, qr.data(), bf16);
-  project(qr.data(), T, L.wq_b, q.data(), bf16);
-  if (L.recipe.q_head_norm) rms_norm(q.data(), T * H, D, nullptr, L.recipe.eps, q.data(), bf16);
-  apply_rope(q.data(), T, H, D, L.recipe.rope_frequencies.data(), rd, step.positions.data(), false, bf16);
-
-  // The step's window rows (steps 5-6).
-  std::vector<float> kv(static_cast<size_t>(T * D));
-  project(x.data(), T, L.wkv, kv.data(), bf16);
-  rms_norm(kv.data(), T, D, L.kv_norm.data(), L.recipe.eps, kv.data(), bf16);
-  apply_rope(kv.data(), T, 1, D, L.recipe.rope_frequencies.data(), rd, step.positions.data(), false, bf16);
-  quantize_rows(L.recipe.window_rows, kv.data(), T, D, rd);
-  caches.round_trip_window_rows(L.recipe.plan.layer, kv.data(), T);
+  std::vector<float> qr, q;
+  project_queries(config, L, x.data(), T, step.positions.data(), qr, q);
+  const std::vector<float> kv = window_rows_of(config, L, x.data(), T, step.positions.data(), caches);
 
   if (L.recipe.plan.owns_compressor) update_compressed_caches(config, L, step, caches, x.data());
   if (L.recipe.plan.owns_indexer)
@@ -435,18 +471,68 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& L, const S
   for (const StepChunk& ch : step.chunks)
     caches.write_window_rows(ch.sequence, L.recipe.plan.layer, ch.start, ch.tokens, kv.data() + ch.first_token * D);
 
-  // Output projection (SPEC §6).
-  apply_rope(o.data(), T, H, D, L.recipe.rope_frequencies.data(), rd, step.positions.data(), true, bf16);
-  std::vector<float> y(static_cast<size_t>(T * G * R));
-  grouped_linear(o.data(), T, G, H / G * D, L.wo_a.weight.data(), R, y.data(), bf16);
-  // A tensor-parallel rank's output is a partial sum over its heads: fp32 until the ranks' partial
-  // sums are added up, then rounded as the whole output is.
-  project(y.data(), T, L.wo_b, attn_out, bf16, ranks.communicator == nullptr);
-  if (ranks.communicator) {
-    ranks.communicator->all_reduce_sum(attn_out, T * hidden, nullptr);
-    round_bf16(attn_out, T * hidden, bf16);
-  }
+  project_output(config, L, o, T, step.positions.data(), attn_out, ranks);
   published[static_cast<size_t>(L.recipe.plan.layer)].ran = true;
+}
+
+void draft_main_input(const ModelConfig& config, const LayerParameters& stage0, int64_t T, const float* main_hidden,
+                      float* main_x) {
+  DSV4_CHECK(stage0.recipe.plan.dspark_stage == 0, "engine: layer ", stage0.recipe.plan.layer,
+             " is not DSpark stage 0, which holds main_proj and main_norm");
+  const bool bf16 = stage0.recipe.round_bf16;
+  const int64_t width = config.dspark_main_width();
+  // The reference's main_hidden is the bf16 mean of bf16 residual copies.
+  std::vector<float> h(main_hidden, main_hidden + T * width);
+  round_bf16(h.data(), T * width, bf16);
+  project(h.data(), T, stage0.main_proj, main_x, bf16);
+  rms_norm(main_x, T, config.hidden_size, stage0.main_norm.data(), stage0.recipe.eps, main_x, bf16);
+}
+
+void write_draft_context(const ModelConfig& config, const LayerParameters& L, const StepLayout& step,
+                         CacheStore& caches, const float* main_x) {
+  const int64_t T = step.tokens(), D = config.head_dim;
+  std::vector<float> x(main_x, main_x + T * config.hidden_size);
+  round_bf16(x.data(), T * config.hidden_size, L.recipe.round_bf16);
+  const std::vector<float> kv = window_rows_of(config, L, x.data(), T, step.positions.data(), caches);
+  for (const StepChunk& ch : step.chunks)
+    caches.write_window_rows(ch.sequence, L.recipe.plan.layer, ch.start, ch.tokens, kv.data() + ch.first_token * D);
+}
+
+void run_draft_block(const ModelConfig& config, const LayerParameters& L, const std::vector<DraftBlock>& blocks,
+                     const CacheStore& caches, const float* hidden_in, float* attn_out) {
+  const int64_t B = config.dspark_block_size, W = config.sliding_window;
+  const int64_t T = static_cast<int64_t>(blocks.size()) * B, hidden = config.hidden_size;
+  const int64_t H = config.num_heads, D = config.head_dim;
+  const bool bf16 = L.recipe.round_bf16;
+  // Block row j of a sequence of committed length n sits at position n + j (p0 = n − 1).
+  std::vector<int64_t> positions(static_cast<size_t>(T));
+  for (size_t b = 0; b < blocks.size(); ++b)
+    for (int64_t j = 0; j < B; ++j) positions[b * B + j] = blocks[b].length + j;
+
+  std::vector<float> x(hidden_in, hidden_in + T * hidden);
+  round_bf16(x.data(), T * hidden, bf16);
+  std::vector<float> qr, q;
+  project_queries(config, L, x.data(), T, positions.data(), qr, q);
+  // The block's keys, rounded as the window format stores rows; never stored (SPEC §13.1 step 5).
+  const std::vector<float> block_kv = window_rows_of(config, L, x.data(), T, positions.data(), caches);
+
+  std::vector<float> o(static_cast<size_t>(T * H * D));
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    // Context: the committed window rows p0 − W + 1 … p0; then every row of the block, non-causally.
+    const int64_t p0 = blocks[b].length - 1, first = std::max<int64_t>(0, p0 - W + 1), n_window = p0 - first + 1;
+    std::vector<float> window(static_cast<size_t>(n_window * D));
+    caches.read_window_rows(blocks[b].sequence, L.recipe.plan.layer, first, n_window, window.data());
+    std::vector<const float*> rows;
+    for (int64_t i = 0; i < n_window; ++i) rows.push_back(window.data() + i * D);
+    for (int64_t j = 0; j < B; ++j) rows.push_back(block_kv.data() + (static_cast<int64_t>(b) * B + j) * D);
+#pragma omp parallel for schedule(static) if (B * static_cast<int64_t>(rows.size()) * H * D >= kMinParallelWork)
+    for (int64_t j = 0; j < B; ++j) {
+      const int64_t t = static_cast<int64_t>(b) * B + j;
+      sparse_attention(q.data() + t * H * D, H, D, rows.data(), static_cast<int64_t>(rows.size()), L.attn_sink.data(),
+                       L.recipe.softmax_scale, bf16, o.data() + t * H * D);
+    }
+  }
+  project_output(config, L, o, T, positions.data(), attn_out, {});
 }
 
 }  // namespace dsv4::reference

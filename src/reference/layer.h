@@ -51,6 +51,9 @@ struct LayerParameters {
   CompressorParameters index_compressor;
   // index sources
   Projection indexer_wq_b, indexer_weights_proj;
+  // DSpark stage 0: the draft model's entry from the target's hidden states (SPEC §13.1)
+  Projection main_proj;
+  std::vector<float> main_norm;
 };
 
 // Checks the layer's tensors against the recipe's plan and converts them. Throws naming layer,
@@ -92,5 +95,29 @@ void run_layer_step(const ModelConfig& config, const LayerParameters& layer, con
                     CacheStore& caches, const float* hidden_in, float* attn_out,
                     std::vector<LayerPublication>& published, bool record_index_scores,
                     const RankReduction& ranks = {});
+
+// ----- DSpark draft layers (SPEC §13.1)
+
+// main_x [T, hidden] = main_norm(main_proj(main_hidden)), main_hidden [T, hidden · targets]: the
+// draft model's context input, computed once with stage 0's weights and given to every stage.
+void draft_main_input(const ModelConfig& config, const LayerParameters& stage0, int64_t T, const float* main_hidden,
+                      float* main_x);
+
+// A draft stage's window rows of the step's tokens from main_x [T, hidden] (its own wkv, kv_norm,
+// RoPE at the token's position and row quantizer), stored at the tokens' positions.
+void write_draft_context(const ModelConfig& config, const LayerParameters& stage, const StepLayout& step,
+                         CacheStore& caches, const float* main_x);
+
+// One sequence's draft block: dspark_block_size rows at positions length … length + B − 1.
+struct DraftBlock {
+  SequenceId sequence = 0;
+  int64_t length = 0;  // committed tokens (p0 + 1), >= 1
+};
+
+// A draft stage over blocks (hidden_in, attn_out [blocks · B, hidden], may alias): every row
+// attends the committed window rows of positions max(0, p0 − W + 1) … p0 and all B rows of its
+// block, itself included. Reads the caches; the block's keys are not stored.
+void run_draft_block(const ModelConfig& config, const LayerParameters& stage, const std::vector<DraftBlock>& blocks,
+                     const CacheStore& caches, const float* hidden_in, float* attn_out);
 
 }  // namespace dsv4::reference

@@ -40,6 +40,9 @@ constexpr RoleNames kRoleNames[kNumWeightRoles] = {
     {WeightRole::indexer_compressor_norm, "attn.indexer.compressor.norm.weight",
      "self_attn.compressor.indexer.kv_norm.weight"},
     {WeightRole::indexer_compressor_ape, "attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"},
+    // Outside the attention module in both spellings (`mtp.0.main_proj.weight`, `model.layers.{L}.main_proj.weight`).
+    {WeightRole::main_proj, "main_proj.weight", nullptr},
+    {WeightRole::main_norm, "main_norm.weight", nullptr},
 };
 
 constexpr bool roles_in_enum_order() {
@@ -123,6 +126,7 @@ std::optional<Parsed> parse(const std::string& name, const ModelConfig& config) 
   } else if (const auto mtp = take_index(rest, "mtp.")) {
     if (*mtp > std::numeric_limits<int>::max() - config.num_layers) return std::nullopt;
     p.layer = config.num_layers + *mtp;
+    p.style.mtp_base = config.num_layers;
   } else {
     return std::nullopt;
   }
@@ -142,7 +146,10 @@ std::string name_of(int layer, WeightRole role, Style style, bool scale) {
   const std::string suffix =
       scale ? scale_name(tensor, transformers ? kTransformersScaleSuffix : kNativeScaleSuffix) : tensor;
   DSV4_CHECK(!suffix.empty(), "weights: tensor '", tensor, "' is not a projection and has no scales");
-  return (style.model_prefix ? "model.layers." : "layers.") + std::to_string(layer) + "." + suffix;
+  const std::string prefix = style.model_prefix ? "model." : "";
+  if (style.mtp_base >= 0 && layer >= style.mtp_base)
+    return prefix + "mtp." + std::to_string(layer - style.mtp_base) + "." + suffix;
+  return prefix + "layers." + std::to_string(layer) + "." + suffix;
 }
 
 std::string scale_role_name(WeightRole role) { return scale_name(names_of(role).native, kNativeScaleSuffix); }

@@ -39,7 +39,7 @@ enum class Init : uint8_t {
 Init init_of(WeightRole r) {
   switch (r) {
     case WeightRole::q_norm: case WeightRole::kv_norm: case WeightRole::compressor_norm:
-    case WeightRole::indexer_k_norm: case WeightRole::indexer_compressor_norm:
+    case WeightRole::indexer_k_norm: case WeightRole::indexer_compressor_norm: case WeightRole::main_norm:
       return Init::norm;
     case WeightRole::attn_sink: case WeightRole::compressor_ape: case WeightRole::indexer_compressor_ape:
       return Init::small;

@@ -17,6 +17,8 @@ enum class Scheme : uint8_t { native, transformers };
 struct Style {
   Scheme scheme = Scheme::native;
   bool model_prefix = false;
+  // >= 0 when MTP layers are spelled `mtp.{j}` (layer mtp_base + j, mtp_base = num_layers).
+  int mtp_base = -1;
 };
 
 struct Parsed {

@@ -111,6 +111,11 @@ std::vector<ExpectedWeight> expected_layer_weights(const ModelConfig& config, co
     add(WeightRole::indexer_wk, {index_dim, head_dim});
     add(WeightRole::indexer_k_norm, {index_dim});
   }
+  if (plan.dspark_stage == 0) {
+    // The draft model's entry (SPEC §13.1): main_x = main_norm(main_proj(main_hidden)), for every stage.
+    add(WeightRole::main_proj, {hidden, config.dspark_main_width()}, true);
+    add(WeightRole::main_norm, {hidden});
+  }
   return w;
 }
 
@@ -118,6 +123,7 @@ std::string describe_plan(const LayerPlan& plan) {
   std::ostringstream os;
   os << attention_kind_name(plan.kind);
   if (plan.compress_ratio > 0) os << ", ratio " << plan.compress_ratio;
+  if (plan.kind == AttentionKind::dspark) os << " draft stage " << plan.dspark_stage;
   if (plan.is_mtp) os << ", MTP";
   if (plan.kind == AttentionKind::compressed) {
     if (plan.owns_compressor) os << ", kv source" << (plan.owns_index_keys ? " with index keys" : "");
@@ -237,7 +243,7 @@ void check_role(int layer, WeightRole role, const LayerPlan& plan, const std::op
   a.report.tensors.insert(a.report.tensors.end(), rows.begin(), rows.end());
 }
 
-Analysis analyze(const Checkpoint& ckpt, const ModelConfig& config, const ModelTopology& topology) {
+Analysis analyze(const Checkpoint& ckpt, const ModelConfig& config, const ModelTopology& topology, LayerSet set) {
   Analysis a;
   const int num_layers = topology.size();
   a.layers.resize(static_cast<size_t>(num_layers));
@@ -257,6 +263,7 @@ Analysis analyze(const Checkpoint& ckpt, const ModelConfig& config, const ModelT
     }
     if (parsed->style.scheme == weight_names::Scheme::transformers) style.scheme = parsed->style.scheme;
     style.model_prefix = style.model_prefix || parsed->style.model_prefix;
+    style.mtp_base = std::max(style.mtp_base, parsed->style.mtp_base);
     const auto [file, entry] = ckpt.find(name);
     const Located t{name, owner_of.at(file), entry};
     if (parsed->layer >= num_layers) {
@@ -274,10 +281,12 @@ Analysis analyze(const Checkpoint& ckpt, const ModelConfig& config, const ModelT
 
   for (int l = 0; l < num_layers; ++l) {
     const LayerPlan& plan = topology[l];
+    if (!layer_in_set(plan, set)) continue;
     std::array<std::optional<ExpectedWeight>, kNumWeightRoles> expected;
     for (ExpectedWeight& e : expected_layer_weights(config, plan)) expected[static_cast<int>(e.role)] = std::move(e);
     const auto& layer_found = found[static_cast<size_t>(l)];
-    if (plan.is_mtp && std::all_of(layer_found.begin(), layer_found.end(),
+    // A drafter's draft layers are what it loads: never optional there.
+    if (plan.is_mtp && set == LayerSet::all && std::all_of(layer_found.begin(), layer_found.end(),
                                    [](const Found& f) { return f.tensors.empty() && f.scales.empty(); })) {
       a.report.absent_mtp_layers.push_back(l);
       continue;
@@ -324,11 +333,14 @@ WeightTensor make_weight(const Resolved& r, const ModelConfig& config) {
 
 }  // namespace
 
-ModelWeights load_weights(const std::string& path, const ModelConfig& config, const ModelTopology& topology) {
+ModelWeights load_weights(const std::string& path, const ModelConfig& config, const ModelTopology& topology,
+                          LayerSet layers) {
   DSV4_CHECK(topology.size() == config.total_layers(), "weights: topology has ", topology.size(),
              " layers, the config ", config.total_layers());
+  DSV4_CHECK(layers == LayerSet::all || config.has_dspark(), "weights: the layer set '", layer_set_name(layers),
+             "' holds the DSpark draft layers, but config ", config.name, " has none (no dspark_target_layer_ids)");
   const Checkpoint ckpt = Checkpoint::open(path);
-  const Analysis a = analyze(ckpt, config, topology);
+  const Analysis a = analyze(ckpt, config, topology, layers);
   if (!a.errors.empty()) {
     if (a.errors.size() == 1) fail("weights: ", a.errors[0]);
     fail("weights: ", a.errors[0], " (and ", a.errors.size() - 1, a.errors.size() == 2 ? " more problem" : " more problems",
@@ -348,7 +360,7 @@ ModelWeights load_weights(const std::string& path, const ModelConfig& config, co
 
 InspectReport inspect_weights(const std::string& path, const ModelConfig& config) {
   const ModelTopology topology = resolve_topology(config);
-  return analyze(Checkpoint::open(path), config, topology).report;
+  return analyze(Checkpoint::open(path), config, topology, LayerSet::all).report;
 }
 
 }  // namespace dsv4

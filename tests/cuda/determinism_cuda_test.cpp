@@ -32,6 +32,7 @@ ModelConfig flash_prefix() {
   ModelConfig c = preset_config("v4.1-flash");
   c.num_layers = kLayers;
   c.num_mtp_layers = 0;
+  c.dspark_target_layer_ids.clear();
   c.compress_ratios.resize(kLayers);
   c.index_source_layers = {2, 8, 14, 20};
   return c;

@@ -64,6 +64,7 @@ ModelConfig single_layer_config(ModelConfig c) {
              family_name(c.family));
   c.num_layers = 1;
   c.num_mtp_layers = 0;
+  c.dspark_target_layer_ids.clear();
   c.compress_ratios = {1};
   c.kv_source_layers = {0};
   c.index_source_layers = {0};

@@ -82,6 +82,7 @@ void print_config_summary(const ModelConfig& c) {
   std::printf("  window %" PRId64 "; indexer %d heads x %" PRId64 ", top-k %" PRId64, c.sliding_window,
               c.index_n_heads, c.index_head_dim, c.index_topk);
   if (c.indexer_qat) std::printf(" with the official QAT (Hadamard + FP4 q and k in reference precision)");
+  if (c.has_dspark()) std::printf("; DSpark blocks of %" PRId64, c.dspark_block_size);
   if (c.candidate_source_layer >= 0)
     std::printf("; candidates from layer %d: %" PRId64 " blocks x %" PRId64 " entries", c.candidate_source_layer,
                 c.candidate_topk_blocks, c.candidate_block_size);
@@ -121,6 +122,31 @@ void print_layer_table(const ModelTopology& t) {
   }
 }
 
+// DSpark draft layers and the ring sizes speculative decoding with K = dspark_block_size drafts
+// per step needs (SPEC §13.3, §13.4): a verify step writes K + 1 positions while its first token
+// still reads W − 1 older ones, so a window ring keeps W + K slots; a ratio-2 compressor keeps the
+// rows of its open group position-addressed, K + 2 rows (the previous row, the bonus token, K drafts).
+void print_dspark(const ModelConfig& c, const std::vector<int>& draft_layers) {
+  std::string targets;
+  for (int t : c.dspark_target_layer_ids) targets += (targets.empty() ? "" : ", ") + std::to_string(t);
+  const int64_t K = c.dspark_block_size, W = c.sliding_window;
+  std::printf("\nDSpark draft layers: %s (stages 0..%d), blocks of %" PRId64 " rows, non-causal inside the block\n",
+              layer_ranges(draft_layers).c_str(), c.num_mtp_layers - 1, K);
+  std::printf("  context rows of committed tokens from the target model: the hidden states entering layers [%s], "
+              "main_proj %" PRId64 " -> %" PRId64 ", main_norm (run_draft_context)\n",
+              targets.c_str(), c.dspark_main_width(), c.hidden_size);
+  std::printf("  a draft block attends min(p0 + 1, %" PRId64 ") window rows + %" PRId64
+              " block rows (at most %" PRId64 "); its own rows are never stored\n", W, K, W + K);
+  std::printf("rings for speculative decoding with K = %" PRId64 " drafts (verify steps of %" PRId64 " tokens):\n",
+              K, K + 1);
+  std::printf("  window rings (every layer, draft layers included): W + K = %" PRId64 " slots (%" PRId64
+              " without speculation)\n", W + K, W);
+  const bool ratio_two = std::find(c.compress_ratios.begin(), c.compress_ratios.end(), 2) != c.compress_ratios.end();
+  if (ratio_two)
+    std::printf("  ratio-2 compressor state: K + 2 = %" PRId64 " position-addressed rows of [kv | score] per kv source "
+                "(2 without speculation)\n", K + 2);
+}
+
 void print_roles(const ModelConfig& c, const ModelTopology& t) {
   auto layers_where = [&](auto predicate) {
     std::vector<int> out;
@@ -151,6 +177,7 @@ void print_roles(const ModelConfig& c, const ModelTopology& t) {
   }
   std::printf("window-only: %s\n",
               layer_ranges(layers_where([](const LayerPlan& p) { return p.compress_ratio == 0; })).c_str());
+  if (c.has_dspark()) print_dspark(c, layers_where([](const LayerPlan& p) { return p.kind == AttentionKind::dspark; }));
 }
 
 // ---------------------------------------------------------------------------------------------

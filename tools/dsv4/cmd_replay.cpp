@@ -41,6 +41,7 @@ void fit_layers_to_schedule(ModelConfig& config, int file_layers, const std::str
   std::fprintf(stderr, "dsv4: replay: %s has no MTP layers; replaying the %d backbone layers only\n",
                calls_path.c_str(), config.num_layers);
   config.num_mtp_layers = 0;
+  config.dspark_target_layer_ids.clear();
 }
 
 // Copies the picks of one step ([rows, k'] i32, k' <= k) into rows first_row.. of [B, S, k].
@@ -55,6 +56,76 @@ void store_picks(const HostTensor& step_picks, int layer, int64_t rows, HostTens
     std::copy_n(step_picks.as<int32_t>() + r * step_k, step_k, picks.as<int32_t>() + (first_row + r) * k);
 }
 
+// A DSpark set through a drafter engine (EngineOptions::layers = draft): each call's main rows
+// in one step (run_draft_context), then each draft call's block through every stage
+// (run_draft_block); calls.{c}.layers.{l}.attn_out with l the stage.
+int replay_dspark(const ReplayOptions& o, EngineOptions options, const ModelConfig& config,
+                  const std::shared_ptr<SafetensorsFile>& calls, const std::chrono::steady_clock::time_point started) {
+  DSV4_CHECK(config.has_dspark(), "replay: ", o.calls_path, " is a DSpark set (calls.0.main_hidden), but config ",
+             config.name, " has no DSpark draft layers (dspark_target_layer_ids)");
+  const int64_t hidden = config.hidden_size, B = config.dspark_block_size, width = config.dspark_main_width();
+  const DsparkSchedule schedule = read_dspark_schedule(*calls, hidden, width, B, config.num_mtp_layers);
+  const ModelTopology topology = resolve_topology(config);
+  auto weights = std::make_shared<const ModelWeights>(load_weights(o.weights_path, config, topology, LayerSet::draft));
+  const int64_t batch = schedule.batch;
+  int64_t longest_call = batch * B;
+  for (const DsparkCall& call : schedule.calls) longest_call = std::max(longest_call, batch * call.main_rows);
+  options.layers = LayerSet::draft;
+  options.max_sequences = batch;
+  options.max_tokens_per_step = longest_call;
+  options.max_context = schedule.longest_sequence;
+  const std::unique_ptr<Engine> engine = Engine::create(config, weights, options);
+
+  DeviceRows main_rows(*engine, longest_call, width);
+  DeviceRows hidden_rows(*engine, batch * B, hidden), out_rows(*engine, batch * B, hidden);
+  SafetensorsWriter writer;
+  writer.set_metadata("dsv4.command", "replay");
+  writer.set_metadata("dsv4.config", config.name);
+  writer.set_metadata("dsv4.backend", backend_name(options.backend));
+  writer.set_metadata("dsv4.precision", precision_name(options.precision));
+  writer.set_metadata("dsv4.kv_format", cache_storage_label(options));
+  writer.set_metadata("dsv4.layers", "draft");
+  int64_t tensors_written = 0, blocks = 0;
+  std::vector<SequenceId> sequences;
+  for (const DsparkCall& call : schedule.calls) {
+    if (call.first_main_position == 0) {
+      for (SequenceId s : sequences) engine->release_sequence(s);
+      sequences.clear();
+      for (int64_t b = 0; b < batch; ++b) sequences.push_back(engine->add_sequence());
+    }
+    const HostTensor main_hidden = calls->read_as(call_tensor_name(call.index, kMainHidden), DType::f32);
+    std::vector<StepEntry> entries;
+    for (SequenceId s : sequences) entries.push_back({s, call.main_rows});
+    engine->begin_step(entries);
+    main_rows.upload(main_hidden.as<float>(), batch * call.main_rows);
+    engine->run_draft_context(main_rows.view(batch * call.main_rows));
+    engine->end_step();
+    if (!call.draft) continue;
+    const std::string positions_name = call_tensor_name(call.index, kPositionIds);
+    writer.add(positions_name, calls->read(positions_name));
+    tensors_written += 1;
+    for (int stage = 0; stage < config.num_mtp_layers; ++stage) {
+      const HostTensor hidden_in = calls->read_as(layer_tensor_name(call.index, stage, kHiddenIn), DType::f32);
+      HostTensor attn_out(DType::f32, {batch, B, hidden});
+      hidden_rows.upload(hidden_in.as<float>(), batch * B);
+      engine->run_draft_block(config.num_layers + stage, sequences, hidden_rows.view(batch * B), out_rows.view(batch * B));
+      out_rows.download(attn_out.as<float>(), batch * B);
+      writer.add(layer_tensor_name(call.index, stage, kAttnOut), attn_out);
+      tensors_written += 1;
+    }
+    blocks += 1;
+  }
+  writer.write(o.out_path);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  std::printf("replay: DSpark set, %zu calls (%lld with a draft block) x %d draft stages x %lld sequences of %s, "
+              "backend %s, precision %s, kv format %s: wrote %lld tensors to %s in %.2f s\n",
+              schedule.calls.size(), static_cast<long long>(blocks), config.num_mtp_layers,
+              static_cast<long long>(batch), config.name.c_str(), backend_name(options.backend),
+              precision_name(options.precision), cache_storage_label(options).c_str(),
+              static_cast<long long>(tensors_written), o.out_path.c_str(), seconds);
+  return 0;
+}
+
 int replay(const ReplayOptions& o) {
   const auto started = std::chrono::steady_clock::now();
   EngineOptions options;
@@ -65,6 +136,10 @@ int replay(const ReplayOptions& o) {
   options.num_threads = o.threads;
   ModelConfig config = load_config_file(o.config_path);
   const std::shared_ptr<SafetensorsFile> calls = SafetensorsFile::open(o.calls_path);
+  if (is_dspark_schedule(*calls)) {
+    DSV4_CHECK(!o.split_steps, "replay: --split-steps is not available for a DSpark set");
+    return replay_dspark(o, options, config, calls, started);
+  }
   const ReplaySchedule schedule = read_replay_schedule(*calls, config.hidden_size);
   fit_layers_to_schedule(config, schedule.num_layers, o.calls_path);
   const ModelTopology topology = resolve_topology(config);
@@ -164,7 +239,8 @@ const CommandRegistration registration{
       auto o = std::make_shared<ReplayOptions>();
       app.add_option("--config", o->config_path, "Model config (any config.json form)")->required();
       app.add_option("--weights", o->weights_path, "Weights: a .safetensors file or a sharded index JSON")->required();
-      app.add_option("--calls", o->calls_path, "The schedule: calls.{c}.position_ids and layers.{l}.hidden_in")
+      app.add_option("--calls", o->calls_path,
+                     "The schedule: calls.{c}.position_ids and layers.{l}.hidden_in (a DSpark set: also main_hidden)")
           ->required();
       app.add_option("--out", o->out_path, "Output .safetensors: calls.{c}.layers.{l}.attn_out (and topk)")
           ->required();

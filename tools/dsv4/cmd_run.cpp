@@ -390,10 +390,17 @@ int64_t accepted_drafts(uint64_t seed, int sequence, int64_t attempt, int64_t dr
   return k;
 }
 
+// The layers the main job runs with run_layer, 0 .. n−1: every layer but the DSpark draft layers
+// (the trailing MTP layers of a DSpark model), which take the target's hidden states and draft
+// blocks instead (docs/speculative.md).
+int run_layer_count(const ModelConfig& config) {
+  return config.has_dspark() ? config.num_layers : config.total_layers();
+}
+
 WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe,
                     bool show_progress, Trace* trace) {
   const int64_t hidden = engine.config().hidden_size;
-  const int layers = engine.config().total_layers();
+  const int layers = run_layer_count(engine.config());
   const ModelTopology& topology = engine.topology();
   std::vector<SequenceState> states(w.prompt_lengths.size());
   DeviceRows device_in(engine, w.step_tokens, hidden), device_out(engine, w.step_tokens, hidden);
@@ -532,7 +539,7 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
   std::vector<int32_t> recomputed_picks(probe.picks.size(), -1);
   DeviceRows device_in(*engine, probe.length, hidden), device_out(*engine, probe.length, hidden);
   engine->begin_step({{engine->add_sequence(), probe.length}});
-  for (int l = 0; l < config.total_layers(); ++l) {
+  for (int l = 0; l < run_layer_count(config); ++l) {
     run_layer_on_host_rows(*engine, l, probe.length, probe.layer_inputs(l, hidden), outputs.data(),
                            device_in, device_out);
     probe.record_sampled(recomputed, l, 0, probe.length, outputs.data(), 0, hidden);
@@ -548,7 +555,7 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
     return std::equal(probe.picks.begin() + first, probe.picks.begin() + first + probe.topk,
                       recomputed_picks.begin() + first);
   };
-  for (int l = 0; l < config.total_layers(); ++l)
+  for (int l = 0; l < run_layer_count(config); ++l)
     if (topology[l].owns_indexer)
       for (int64_t i = 0; i < positions; ++i) {
         result.pick_rows += 1;
@@ -556,7 +563,7 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
       }
   double error_sq = 0.0, norm_sq = 0.0;
   result.worst_layer_rel_l2 = -1.0;
-  for (int l = 0; l < config.total_layers(); ++l) {
+  for (int l = 0; l < run_layer_count(config); ++l) {
     double layer_error_sq = 0.0, layer_norm_sq = 0.0;
     for (int64_t i = 0; i < positions; ++i) {
       const int source = topology[l].index_source;
@@ -679,7 +686,7 @@ int run(const RunOptions& o) {
                  seconds_since(setup_start));
 
 
-  Probe probe(w, o.seed, config.total_layers(), config.hidden_size, config.index_topk);
+  Probe probe(w, o.seed, run_layer_count(config), config.hidden_size, config.index_topk);
   const WorkloadStats stats = serve(*engine, backend, w, o.seed, probe, reports, trace ? &*trace : nullptr);
   // Every rank holds the all-reduced outputs: they must be the same bits everywhere.
   const bool ranks_agree = !ranks || ranks->same_on_all_ranks(stats.output_checksum);
@@ -760,7 +767,7 @@ int run(const RunOptions& o) {
       "least %.0f%% required), %lld of %lld outputs left out for attending other picks: rel L2 %.2e (worst layer "
       "%d: %.2e), tolerance %.0e: %s\n",
       probe.sequence, static_cast<long long>(probe.length), static_cast<long long>(probe.length),
-      ranks ? "single-GPU (unsharded) " : "", probe.positions.size(), config.total_layers(),
+      ranks ? "single-GPU (unsharded) " : "", probe.positions.size(), run_layer_count(config),
       static_cast<long long>(check.picks_equal), static_cast<long long>(check.pick_rows), 100.0 * kMinPickAgreement,
       static_cast<long long>(check.left_out), static_cast<long long>(check.left_out + check.compared), check.rel_l2,
       check.worst_layer, check.worst_layer_rel_l2, tolerance,

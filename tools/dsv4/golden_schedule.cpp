@@ -185,4 +185,86 @@ ReplaySchedule read_replay_schedule(const SafetensorsFile& file, int64_t hidden_
   return schedule;
 }
 
+bool is_dspark_schedule(const SafetensorsFile& file) {
+  return file.find(call_tensor_name(0, kMainHidden)) != nullptr;
+}
+
+namespace {
+
+// An i64 [n >= 1] position tensor of consecutive positions first, first + 1, ...; returns first.
+int64_t read_consecutive_positions(const SafetensorsFile& file, const std::string& name, int64_t expected_first,
+                                   const std::string& why, int64_t* count) {
+  const std::string op = "replay";
+  const SafetensorsEntry* entry = file.find(name);
+  DSV4_CHECK(entry != nullptr, op, ": ", file.path(), " has no tensor '", name, "'");
+  DSV4_CHECK(entry->dtype == DType::i64, op, ": ", name, " has dtype ", dtype_name(entry->dtype), ", expected I64");
+  DSV4_CHECK(entry->shape.size() == 1 && entry->shape[0] >= 1, op, ": ", name, " has shape ",
+             shape_string(entry->shape), ", expected [n] with n >= 1");
+  const std::vector<int64_t> positions = read_integers(file, *entry);
+  const int64_t first = expected_first >= 0 ? expected_first : positions[0];
+  for (size_t t = 0; t < positions.size(); ++t)
+    DSV4_CHECK(positions[t] == first + static_cast<int64_t>(t), op, ": ", name, "[", t, "] is ", positions[t],
+               ", expected ", first + static_cast<int64_t>(t), " (", why, ")");
+  *count = entry->shape[0];
+  return first;
+}
+
+}  // namespace
+
+DsparkSchedule read_dspark_schedule(const SafetensorsFile& file, int64_t hidden_size, int64_t main_width,
+                                    int64_t block_size, int stages) {
+  const std::string op = "replay";
+  const CallIndex index(file);
+  const std::vector<int> calls = index.calls();
+  DsparkSchedule schedule;
+  int64_t length = 0;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const int c = calls[i];
+    DSV4_CHECK(c == static_cast<int>(i), op, ": ", file.path(), " has no call ", i, " (calls are numbered 0..",
+               calls.size() - 1, ", found call ", c, ")");
+    DsparkCall call{c, 0, 0, false};
+    const std::string main_name = call_tensor_name(c, kMainPositionIds);
+    const SafetensorsEntry* main_entry = file.find(main_name);
+    DSV4_CHECK(main_entry != nullptr, op, ": ", file.path(), " has no tensor '", main_name, "' (a DSpark set)");
+    // A new sequence starts at 0; otherwise the rows continue the sequences.
+    const bool restart = main_entry->shape.size() == 1 && main_entry->shape[0] >= 1 &&
+                         read_integers(file, *main_entry)[0] == 0;
+    if (restart) length = 0;
+    DSV4_CHECK(c > 0 || restart, op, ": ", main_name, " must start at position 0 (call 0 begins the sequences)");
+    call.first_main_position = read_consecutive_positions(
+        file, main_name, length, restart ? "a new sequence starts at 0" : "the rows continue the sequences, whose length is " + std::to_string(length),
+        &call.main_rows);
+    length += call.main_rows;
+
+    const std::string hidden_name = call_tensor_name(c, kMainHidden);
+    if (schedule.batch == 0) {
+      const SafetensorsEntry* first = file.find(hidden_name);
+      DSV4_CHECK(first != nullptr && first->shape.size() == 3 && first->shape[0] >= 1, op, ": ", hidden_name,
+                 first ? " has shape " + shape_string(first->shape) : std::string(" is missing"), ", expected [B, ",
+                 call.main_rows, ", ", main_width, "] with B >= 1");
+      schedule.batch = first->shape[0];
+    }
+    expect_activations(file, hidden_name, {schedule.batch, call.main_rows, main_width}, op,
+                       "B from call 0, n from " + main_name + ", hidden_size x dspark_target_layer_ids from the config");
+
+    call.draft = index.has(c, 0, kHiddenIn);
+    if (call.draft) {
+      int64_t block = 0;
+      read_consecutive_positions(file, call_tensor_name(c, kPositionIds), length,
+                                 "a draft block follows the last committed position", &block);
+      DSV4_CHECK(block == block_size, op, ": ", call_tensor_name(c, kPositionIds), " has ", block,
+                 " positions, expected dspark_block_size = ", block_size);
+      for (int l = 0; l < stages; ++l)
+        expect_activations(file, layer_tensor_name(c, l, kHiddenIn), {schedule.batch, block_size, hidden_size}, op,
+                           "B from call 0, the block from dspark_block_size, hidden size from the config");
+      DSV4_CHECK(!index.has(c, stages, kHiddenIn), op, ": ", file.path(), " has '",
+                 layer_tensor_name(c, stages, kHiddenIn), "', but the config has ", stages, " draft stages");
+    }
+    schedule.longest_sequence = std::max(schedule.longest_sequence, length + (call.draft ? block_size : 0));
+    schedule.calls.push_back(call);
+  }
+  DSV4_CHECK(!schedule.calls.empty(), op, ": ", file.path(), " has no 'calls.{c}.*' tensors");
+  return schedule;
+}
+
 }  // namespace dsv4::cli

@@ -30,6 +30,8 @@ inline constexpr const char* kAttnOut = "attn_out";
 inline constexpr const char* kTopk = "topk";
 inline constexpr const char* kTopkPos = "topk_pos";
 inline constexpr const char* kAmbiguous = "ambiguous";
+inline constexpr const char* kMainPositionIds = "main_position_ids";
+inline constexpr const char* kMainHidden = "main_hidden";
 
 std::string call_tensor_name(int call, const std::string& field);              // calls.{c}.{field}
 std::string layer_tensor_name(int call, int layer, const std::string& field);  // calls.{c}.layers.{l}.{field}
@@ -88,5 +90,32 @@ struct ReplaySchedule {
 // bf16 [B, S_c, hidden_size] for the same layers 0..n-1 in every call, one B throughout. Errors name
 // the tensor, what was expected and what was given.
 ReplaySchedule read_replay_schedule(const SafetensorsFile& file, int64_t hidden_size);
+
+// A DSpark set (v41ds_a, SPEC §13.1): per call the target model's rows and, for a draft call, one
+// block per sequence through every draft stage (layers.{l}, l the stage):
+//   calls.{c}.main_position_ids  i64 [n_c]                       positions of the call's main rows
+//   calls.{c}.main_hidden        f32/bf16 [B, n_c, hidden · targets]  main_proj's input
+//   calls.{c}.position_ids       i64 [block]                     draft calls: positions of the block rows
+//   calls.{c}.layers.{l}.hidden_in  f32/bf16 [B, block, hidden]  draft calls: stage l's block rows
+// Main positions continue the sequences' lengths; a call whose main positions start at 0 begins new
+// sequences. A draft call's block sits right after its main rows.
+bool is_dspark_schedule(const SafetensorsFile& file);
+
+struct DsparkCall {
+  int index = 0;
+  int64_t first_main_position = 0;
+  int64_t main_rows = 0;
+  bool draft = false;  // has a block
+};
+
+struct DsparkSchedule {
+  int64_t batch = 0;
+  std::vector<DsparkCall> calls;
+  int64_t longest_sequence = 0;  // committed positions plus a block
+};
+
+// Checks the whole schedule against the config's DSpark geometry before anything runs.
+DsparkSchedule read_dspark_schedule(const SafetensorsFile& file, int64_t hidden_size, int64_t main_width,
+                                    int64_t block_size, int stages);
 
 }  // namespace dsv4::cli

@@ -126,4 +126,13 @@ void CudaEngine::commit_sequence(const StepChunk& chunk) {
   caches_->commit(chunk.sequence, chunk.start + chunk.tokens);
 }
 
+void CudaEngine::run_draft_context_step(const TensorView&) {
+  fail("engine: run_draft_context: the cuda backend does not run DSpark draft layers yet");
+}
+
+void CudaEngine::run_draft_block_layer(int, const std::vector<SequenceId>&, const std::vector<int64_t>&,
+                                       const TensorView&, const TensorView&) {
+  fail("engine: run_draft_block: the cuda backend does not run DSpark draft layers yet");
+}
+
 }  // namespace dsv4::cuda

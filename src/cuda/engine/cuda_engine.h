@@ -60,6 +60,9 @@ class CudaEngine final : public StepEngine {
   bool accepts_activations_on(Device) const override { return true; }  // host views are staged
   HostTensor read_picks(int layer) const override;
   void commit_sequence(const StepChunk& chunk) override;
+  void run_draft_context_step(const TensorView& main_hidden) override;
+  void run_draft_block_layer(int layer, const std::vector<SequenceId>& sequences, const std::vector<int64_t>& lengths,
+                             const TensorView& hidden_in, const TensorView& attn_out) override;
 
   int device_ = 0;
   std::optional<Stream> own_stream_;  // when the caller gave none
