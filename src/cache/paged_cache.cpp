@@ -690,9 +690,12 @@ void KvCacheManager::rollback(SequenceId id, int64_t new_length) {
     const CachePool& p = pools_[i];
     const int64_t rpp = p.pages.rows_per_page();
     BlockTable& t = s.tables[i];
-    DSV4_CHECK(first_kept_row(p, new_length) >= t.first_logical_page * rpp, "kv_cache: rollback: sequence ", id,
-               " to length ", new_length, ": its rows before ", t.first_logical_page * rpp, " of pool '",
-               p.pages.name(), "' have left the window (rollback_rows ", options_.rollback_rows, ")");
+    // The rows the sequence reads at its new length must still be there (window pages leave
+    // rollback_rows positions late, so a rollback within that many tokens finds them).
+    const int64_t first_read = p.kind == CacheKind::window ? std::max<int64_t>(0, new_length - window_) : 0;
+    DSV4_CHECK(first_read >= t.first_logical_page * rpp, "kv_cache: rollback: sequence ", id, " to length ",
+               new_length, ": its rows before ", t.first_logical_page * rpp, " of pool '", p.pages.name(),
+               "' have left the window (rollback_rows ", options_.rollback_rows, ")");
     const int64_t keep = std::min<int64_t>(static_cast<int64_t>(t.pages.size()),
                                            std::max<int64_t>(0, ceil_div(rows_at(p, new_length), rpp) - t.first_logical_page));
     for (size_t k = static_cast<size_t>(keep); k < t.pages.size(); ++k) pools_[i].pages.release(t.pages[k]);
