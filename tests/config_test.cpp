@@ -70,6 +70,7 @@ void expect_same_config(const ModelConfig& a, const ModelConfig& b) {
   expect_rope_eq(a.compress_rope, b.compress_rope, "compress_rope");
   EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
   EXPECT_EQ(a.indexer_qat, b.indexer_qat);
+  EXPECT_EQ(a.vision_max_n_token, b.vision_max_n_token);
   ASSERT_EQ(a.weight_quantization.has_value(), b.weight_quantization.has_value());
   if (a.weight_quantization) {
     EXPECT_EQ(a.weight_quantization->block_out, b.weight_quantization->block_out);
