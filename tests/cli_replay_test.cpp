@@ -408,6 +408,77 @@ TEST_F(CliReplayTest, CompareExits2OnMalformedInput) {
 }
 
 // Replay checks the whole schedule before it runs anything; each broken file names its tensor.
+// Image spans (SPEC §14) from --image-span and from calls.{c}.image_spans give the same outputs,
+// which differ from the replay without spans only on the span tokens of the prefill call; a config
+// without image spans (v41a's: vision_n_layers 0) rejects them, and so does the engine a span that
+// leaves its call.
+TEST_F(CliReplayTest, ReplayTakesImageSpans) {
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(kGolden + "v41a.config.json"));
+  config["vision_n_layers"] = 1;  // M = its vision_max_n_token, 1024
+  const std::string vision_config = temp("v41a_vision.config.json");
+  std::ofstream(vision_config) << config.dump();
+  const std::string golden_calls = kGolden + "v41a.calls.safetensors";
+  const auto replay = [&](const std::string& config_path, const std::string& calls, const std::string& out,
+                          const std::string& flags) {
+    return run_cli("replay --config " + shell_quoted(config_path) + " --weights " +
+                   shell_quoted(kGolden + "v41a.weights.index.json") + " --calls " + shell_quoted(calls) + " --out " +
+                   shell_quoted(out) + " --precision reference " + flags);
+  };
+  const auto fails_with = [&](const std::string& config_path, const std::string& flags, const std::string& expected) {
+    const CliResult r = replay(config_path, golden_calls, temp("never.safetensors"), flags);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
+  };
+  fails_with(kGolden + "v41a.config.json", "--image-span 0:3:20",
+             "sequence 0: image span [3, 20] is given, but the model takes no image spans");
+  fails_with(vision_config, "--image-span 0:3", "replay: --image-span 0:3: expected sequence:first:last");
+  fails_with(vision_config, "--image-span 2:3:20", "replay: --image-span 2:3:20: sequence 2 is not in the batch of 2");
+  fails_with(vision_config, "--image-span 1:30:40",
+             "sequence 1: image span [30, 40] does not lie inside the entry's chunk, positions 0 to 36");
+
+  const CliResult by_flag =
+      replay(vision_config, golden_calls, temp("spans_flag.safetensors"), "--image-span 0:3:20 --image-span 1:30:36");
+  ASSERT_EQ(by_flag.exit_code, 0) << by_flag.output;
+  const std::string with_spans_tensor = temp("calls_with_spans.safetensors");
+  {
+    const auto golden = SafetensorsFile::open(golden_calls);
+    SafetensorsWriter writer;
+    for (const SafetensorsEntry& entry : golden->header().entries) writer.add(entry.name, golden->read(entry.name));
+    HostTensor spans(DType::i64, {2, 3});
+    const int64_t rows[] = {0, 3, 20, 1, 30, 36};
+    std::copy(rows, rows + 6, spans.as<int64_t>());
+    writer.add("calls.0.image_spans", spans);
+    writer.write(with_spans_tensor);
+  }
+  const CliResult by_file = replay(vision_config, with_spans_tensor, temp("spans_file.safetensors"), "");
+  ASSERT_EQ(by_file.exit_code, 0) << by_file.output;
+  const Replay& plain = v41a_reference();
+  ASSERT_EQ(plain.result.exit_code, 0) << plain.result.output;
+
+  const auto flag_out = SafetensorsFile::open(temp("spans_flag.safetensors"));
+  const auto file_out = SafetensorsFile::open(temp("spans_file.safetensors"));
+  const auto plain_out = SafetensorsFile::open(plain.out);
+  for (int c = 0; c < 34; ++c)
+    for (int l = 0; l < 6; ++l) {
+      const std::string name = "calls." + std::to_string(c) + ".layers." + std::to_string(l) + ".attn_out";
+      const HostTensor a = flag_out->read(name), b = file_out->read(name), p = plain_out->read(name);
+      ASSERT_EQ(a.numel(), p.numel()) << name;
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << name;
+      const int64_t S = a.size(1), hidden = a.size(2);
+      int64_t differing_span_rows = 0;
+      for (int64_t b_index = 0; b_index < 2; ++b_index)
+        for (int64_t t = 0; t < S; ++t) {
+          // Span tokens may differ; everything else is bitwise the replay without spans.
+          const bool in_span = c == 0 && (b_index == 0 ? t >= 3 && t <= 20 : t >= 30 && t <= 36);
+          const float* x = a.as<float>() + (b_index * S + t) * hidden;
+          const bool equal = std::memcmp(x, p.as<float>() + (b_index * S + t) * hidden, hidden * sizeof(float)) == 0;
+          if (!in_span) EXPECT_TRUE(equal) << name << " sequence " << b_index << " row " << t;
+          differing_span_rows += in_span && !equal;
+        }
+      if (c == 0) EXPECT_GT(differing_span_rows, 10) << name;
+    }
+}
+
 TEST_F(CliReplayTest, ReplayRejectsMalformedCalls) {
   const std::string golden = kGolden + "v40a.calls.safetensors";
   const std::string out = temp("never.safetensors");

@@ -72,6 +72,7 @@ void expect_same_config(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.indexer_qat, b.indexer_qat);
   EXPECT_EQ(a.dspark_target_layer_ids, b.dspark_target_layer_ids);
   EXPECT_EQ(a.dspark_block_size, b.dspark_block_size);
+  EXPECT_EQ(a.vision_max_n_token, b.vision_max_n_token);
   ASSERT_EQ(a.weight_quantization.has_value(), b.weight_quantization.has_value());
   if (a.weight_quantization) {
     EXPECT_EQ(a.weight_quantization->block_out, b.weight_quantization->block_out);

@@ -76,6 +76,11 @@ struct ModelConfig {
   // "indexer_qat" (either form) overrides the default.
   bool indexer_qat = false;
 
+  // M, the longest image span a prefill chunk may carry (SPEC §14; StepEntry::image_spans); 0: the
+  // model takes none. ModelArgs / Vision-Exp "vision_max_n_token", transformers V4.1
+  // "vision_config.max_image_tokens"; "vision_n_layers": 0 turns it off. Default: V4.1 1024, V4.0 0.
+  int64_t vision_max_n_token = 0;
+
   RopeParams main_rope;                  // ratio-0 layers
   RopeParams compress_rope;              // layers with ratio > 0 (YaRN)
   double rms_norm_eps = 1e-6;

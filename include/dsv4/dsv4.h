@@ -153,6 +153,12 @@ dsv4_status dsv4_engine_sequence_cache_bytes(const dsv4_engine* engine, int64_t 
  * pool cannot hold them: then nothing changed (release or shorten and try again). */
 dsv4_status dsv4_engine_begin_step(dsv4_engine* engine, const int64_t* sequences, const int64_t* num_tokens,
                                    int64_t count);
+/* The same with image spans (SPEC §14, docs/reference.md "Image spans"): entry i carries
+ * image_span_counts[i] spans, taken in entry order from image_spans, [sum of the counts, 2] int64:
+ * the first and last position (absolute, inclusive) of each span. image_span_counts NULL: none. */
+dsv4_status dsv4_engine_begin_step_with_image_spans(dsv4_engine* engine, const int64_t* sequences,
+                                                   const int64_t* num_tokens, int64_t count,
+                                                   const int64_t* image_span_counts, const int64_t* image_spans);
 /* hidden_in, attn_out: [step_tokens, hidden_size] float32 on the engine's device (they may be the
  * same memory). */
 dsv4_status dsv4_engine_run_layer(dsv4_engine* engine, int32_t layer, const DLTensor* hidden_in,

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 // The CUDA runtime's stream handle (cudaStream_t is CUstream_st*), declared here so that public
 // headers can take a caller's stream without including cuda_runtime.h.
@@ -30,9 +31,19 @@ enum class IndexerSharding : uint8_t {
 
 using SequenceId = int64_t;
 
+// An image span of a prefill chunk (SPEC §14): absolute positions first … last (inclusive) whose
+// tokens see each other in the sliding window in both directions.
+struct ImageSpan {
+  int64_t first = 0;
+  int64_t last = 0;
+};
+
 struct StepEntry {
   SequenceId sequence;
   int64_t num_tokens;  // >= 1; appended at the sequence's current length
+  // Optional, empty by default (plain causal attention): the entry's image spans, each inside the
+  // entry's tokens, disjoint, at most ModelConfig::vision_max_n_token long (docs/reference.md, "Image spans").
+  std::vector<ImageSpan> image_spans = {};
 };
 
 }  // namespace dsv4

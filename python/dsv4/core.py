@@ -175,12 +175,19 @@ class Engine:
     def sequence_cache_bytes(self, sequence):
         return self._h.sequence_cache_bytes(sequence)
 
-    def begin_step(self, entries):
+    def begin_step(self, entries, image_spans=None):
         """Starts a step. entries: [(sequence, num_tokens), ...] or {sequence: num_tokens}; tokens are
-        appended at each sequence's length, in this order. All cache space is reserved here:
-        PoolExhaustedError leaves everything unchanged."""
+        appended at each sequence's length, in this order. image_spans (optional): {sequence:
+        [(first, last), ...]}, absolute inclusive positions inside the sequence's entry (SPEC §14).
+        All cache space is reserved here: PoolExhaustedError leaves everything unchanged."""
         items = list(entries.items()) if isinstance(entries, dict) else [tuple(e) for e in entries]
-        self._h.begin_step([int(s) for s, _ in items], [int(n) for _, n in items])
+        image_spans = image_spans or {}
+        unknown = set(image_spans) - {int(s) for s, _ in items}
+        if unknown:
+            raise ValueError(f"dsv4: begin_step: image spans for sequence(s) {sorted(unknown)} not in the step")
+        spans = [[(int(a), int(b)) for a, b in image_spans.get(int(s), ())] for s, _ in items]
+        self._h.begin_step([int(s) for s, _ in items], [int(n) for _, n in items], [len(x) for x in spans],
+                           [v for x in spans for span in x for v in span])
         self._step_tokens = sum(int(n) for _, n in items)
 
     def run_layer(self, layer, hidden_in, attn_out=None):

@@ -202,10 +202,13 @@ PYBIND11_MODULE(_dsv4, m) {
         check(dsv4_engine_sequence_cache_bytes(e.h, s, &v));
         return v;
       })
-      .def("begin_step", [](Engine& e, const std::vector<int64_t>& sequences, const std::vector<int64_t>& tokens) {
-        if (sequences.size() != tokens.size())
-          throw py::value_error("dsv4: begin_step: sequences and num_tokens differ in length");
-        check(dsv4_engine_begin_step(e.h, sequences.data(), tokens.data(), static_cast<int64_t>(sequences.size())));
+      .def("begin_step", [](Engine& e, const std::vector<int64_t>& sequences, const std::vector<int64_t>& tokens,
+                            const std::vector<int64_t>& span_counts, const std::vector<int64_t>& spans) {
+        if (sequences.size() != tokens.size() || sequences.size() != span_counts.size())
+          throw py::value_error("dsv4: begin_step: sequences, num_tokens and image span counts differ in length");
+        check(dsv4_engine_begin_step_with_image_spans(e.h, sequences.data(), tokens.data(),
+                                                      static_cast<int64_t>(sequences.size()), span_counts.data(),
+                                                      spans.data()));
       })
       .def("run_layer", [](Engine& e, int32_t layer, const py::object& in, const py::object& out) {
         const DLTensor* i = dl(in);

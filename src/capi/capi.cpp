@@ -459,6 +459,12 @@ dsv4_status dsv4_engine_sequence_cache_bytes(const dsv4_engine* engine, int64_t 
 
 dsv4_status dsv4_engine_begin_step(dsv4_engine* engine, const int64_t* sequences, const int64_t* num_tokens,
                                    int64_t count) {
+  return dsv4_engine_begin_step_with_image_spans(engine, sequences, num_tokens, count, nullptr, nullptr);
+}
+
+dsv4_status dsv4_engine_begin_step_with_image_spans(dsv4_engine* engine, const int64_t* sequences,
+                                                   const int64_t* num_tokens, int64_t count,
+                                                   const int64_t* image_span_counts, const int64_t* image_spans) {
   return guarded(DSV4_ERROR_INVALID_ARGUMENT, [&] {
     const char* op = "engine_begin_step";
     check_handle(op, "engine", engine, HandleKind::engine);
@@ -470,10 +476,17 @@ dsv4_status dsv4_engine_begin_step(dsv4_engine* engine, const int64_t* sequences
       check_out(op, "num_tokens", num_tokens);
     }
     std::vector<StepEntry> entries;
-    int64_t tokens = 0;
+    int64_t tokens = 0, spans = 0;
     for (int64_t i = 0; i < count; ++i) {
       entries.push_back({sequences[i], num_tokens[i]});
       tokens += num_tokens[i];
+      const int64_t n = image_span_counts ? image_span_counts[i] : 0;
+      if (n < 0)
+        throw ApiError(DSV4_ERROR_INVALID_ARGUMENT, "dsv4: engine_begin_step: image_span_counts[" + std::to_string(i) +
+                                                        "] is " + std::to_string(n) + ", expected >= 0");
+      if (n > 0) check_out(op, "image_spans", image_spans);
+      for (int64_t j = spans; j < spans + n; ++j) entries.back().image_spans.push_back({image_spans[2 * j], image_spans[2 * j + 1]});
+      spans += n;
     }
     engine->engine->begin_step(entries);
     engine->step_tokens = tokens;

@@ -18,10 +18,19 @@ struct StepChunk {
   int64_t start = 0;
 };
 
+// Window positions first … last (inclusive) of a token's sequence that the token attends.
+struct WindowRange {
+  int64_t first = 0;
+  int64_t last = -1;
+};
+
 struct StepLayout {
   std::vector<StepChunk> chunks;      // one per step entry, in the entries' order
   std::vector<int64_t> positions;     // [T]
   std::vector<int32_t> chunk_of;      // [T]
+  // [T] when an entry of the step has image spans (common/image_spans.h), else empty: every token
+  // then attends its causal window.
+  std::vector<WindowRange> windows;
   int64_t tokens() const { return static_cast<int64_t>(positions.size()); }
 };
 

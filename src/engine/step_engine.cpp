@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/image_spans.h"
 #include "dsv4/error.h"
 #include "dsv4/parallel.h"
 #include "engine/layer_order.h"
@@ -106,6 +107,7 @@ void StepEngine::begin_step(const std::vector<StepEntry>& entries) {
     }
     tokens += e.num_tokens;
   }
+  lay_out_image_spans(layout, entries, config_.sliding_window, config_.vision_max_n_token);
   prepare_step(layout);  // all-or-nothing: a full pool throws here and nothing changed
   step_ = std::move(layout);
   ran_.assign(ran_.size(), 0);

@@ -488,6 +488,12 @@ ModelConfig parse_root(const json& root, const std::string& source) {
   c.index_head_dim = r.integer<int64_t>("index_head_dim", released.index_head_dim);
   c.index_topk = r.integer<int64_t>("index_topk", released.index_topk);
   c.rms_norm_eps = r.number(k.norm_eps, released.rms_norm_eps);
+  // Image spans (SPEC §14.2): the transformers V4.1 file nests M beside text_config.
+  const std::optional<FieldReader> vision = top.object("vision_config");
+  c.vision_max_n_token = vision && vision->has("max_image_tokens")
+                             ? vision->integer<int64_t>("max_image_tokens", 0)
+                             : r.integer<int64_t>("vision_max_n_token", released.vision_max_n_token);
+  if (r.integer<int64_t>("vision_n_layers", 1) == 0) c.vision_max_n_token = 0;
   // The official V4.0 code rotates and FP4-quantizes its indexer's q and k; transformers' does not.
   if (const json* qat = r.find("indexer_qat"); qat && v41)
     r.invalid(r.path("indexer_qat"), *qat, "selects the V4.0 indexer's Hadamard + FP4 path; a V4.1 config has none "

@@ -58,6 +58,7 @@ ModelConfig v41_flash() {
   c.kv_source_layers = {2, 8, 14, 20};
   c.index_source_layers = {2, 8, 14, 20, 24, 28, 32, 36};
   c.candidate_source_layer = 20;
+  c.vision_max_n_token = 1024;  // SPEC §14.2: image spans are opt-in per prefill call
   c.candidate_topk_blocks = 2048;
   c.candidate_block_size = 8;
   c.index_n_heads = 32;

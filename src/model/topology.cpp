@@ -102,6 +102,7 @@ class ConfigChecker {
       invalid("num_heads", c_.num_heads, "must be divisible by o_groups = " + std::to_string(c_.o_groups));
     in_range("o_lora_rank", c_.o_lora_rank, 1, kMaxWidth);
     in_range("sliding_window", c_.sliding_window, 1, kMaxWindow);
+    in_range("vision_max_n_token", c_.vision_max_n_token, 0, kMaxWindow);
     in_range("tensor_parallel_size", c_.tensor_parallel_size, 1, kMaxTensorParallel);
     if (c_.num_heads % c_.tensor_parallel_size != 0)
       invalid("num_heads", c_.num_heads,

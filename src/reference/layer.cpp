@@ -5,6 +5,7 @@
 #include <limits>
 #include <utility>
 
+#include "common/image_spans.h"
 #include "dsv4/error.h"
 #include "dsv4/parallel.h"
 
@@ -316,14 +317,16 @@ ChunkAttendedRows read_attended_rows(const ModelConfig& config, const LayerParam
   return a;
 }
 
-// The rows token t attends: its window (earlier steps, then this step's `kv`) and its entries.
+// The rows token t attends: its window (earlier steps, then this step's `kv`, which inside an
+// image span reaches past t to the span's later positions in the chunk) and its entries.
 void gather_attended_rows(const ModelConfig& config, const LayerParameters& L, const StepLayout& step, int64_t t,
                           const float* kv, const ChunkAttendedRows& a, const std::vector<LayerPublication>& published,
                           std::vector<const float*>& rows) {
   const StepChunk& ch = step.chunks[static_cast<size_t>(step.chunk_of[t])];
   const int64_t p = step.positions[t], D = config.head_dim;
   rows.clear();
-  for (int64_t pos = std::max<int64_t>(0, p - config.sliding_window + 1); pos <= p; ++pos)
+  const WindowRange window = token_window(step, t, config.sliding_window);  // wider in image spans
+  for (int64_t pos = window.first; pos <= window.last; ++pos)
     rows.push_back(pos >= ch.start ? kv + (ch.first_token + pos - ch.start) * D
                                    : a.window_rows.data() + (pos - a.window_first) * D);
   if (L.recipe.plan.kv_source < 0) return;

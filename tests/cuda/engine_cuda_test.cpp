@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -161,13 +162,16 @@ class Lockstep {
     ids_[h] = {-1, -1};
   }
 
-  // Runs one step of (handle, tokens) entries through every layer of both engines.
-  void step(const std::vector<std::pair<int, int64_t>>& work) {
+  // Runs one step of (handle, tokens) entries, with the image spans of some handles, through every
+  // layer of both engines.
+  void step(const std::vector<std::pair<int, int64_t>>& work, const std::map<int, std::vector<ImageSpan>>& spans = {}) {
     std::vector<StepEntry> on_cuda, on_cpu;
     int64_t T = 0;
     for (const auto& [h, n] : work) {
-      on_cuda.push_back({ids_[h].first, n});
-      on_cpu.push_back({ids_[h].second, n});
+      const auto it = spans.find(h);
+      const std::vector<ImageSpan> image_spans = it == spans.end() ? std::vector<ImageSpan>{} : it->second;
+      on_cuda.push_back({ids_[h].first, n, image_spans});
+      on_cpu.push_back({ids_[h].second, n, image_spans});
       T += n;
     }
     cuda_->begin_step(on_cuda);
@@ -354,6 +358,39 @@ INSTANTIATE_TEST_SUITE_P(Presets, EngineCudaWorkload,
                                            WorkloadCase{"tiny-v4.1", "v4.1-native", Precision::reference, 64, 7},
                                            WorkloadCase{"tiny-v4.1", "fp8_ds_mla", Precision::reference, 96, 3},
                                            WorkloadCase{"tiny-v4", "", Precision::reference, 64, 1}),
+                         case_name);
+
+// Image spans (SPEC §14): the step's per-token window ranges reach both attention kernels (the
+// SIMT one in fp32 precision, mma_bf16 in reference precision over exact formats) through the
+// shared row bookkeeping; M = 24 with W = 16, so the last tokens of a 24-token span also attend
+// span rows left of their causal window.
+class EngineCudaImageSpans : public CudaTest, public ::testing::WithParamInterface<WorkloadCase> {};
+
+TEST_P(EngineCudaImageSpans, MatchesTheCpuEngine) {
+  const WorkloadCase& wc = GetParam();
+  Model m = tiny_model(wc.preset);
+  m.config.vision_max_n_token = 24;
+  Lockstep run(m, wc.precision, wc.kv_format);
+  const int a = run.add(), b = run.add();
+  run.step({{a, 37}, {b, 20}}, {{a, {{4, 27}, {30, 33}}}, {b, {{0, 3}, {10, 19}}}});
+  run.step({{a, 1}, {b, 13}}, {{b, {{22, 32}}}});  // a span in b's second chunk, next to a decode
+  for (int i = 0; i < 3; ++i) run.step({{a, 1}, {b, 1}});
+  run.step({{a, 40}, {b, 1}}, {{a, {{45, 68}}}});
+
+  const Agreement& r = run.agreement();
+  for (int l = 0; l < m.topology.size(); ++l) {
+    ASSERT_FALSE(r.gpu[static_cast<size_t>(l)].empty()) << "layer " << l << " was never compared";
+    EXPECT_LE(relative_l2(r.gpu[static_cast<size_t>(l)], r.cpu[static_cast<size_t>(l)]), kTolerance) << "layer " << l;
+  }
+  EXPECT_EQ(r.picks_invalid, 0);
+  EXPECT_GE(static_cast<double>(r.picks_equal), kMinPickAgreement * static_cast<double>(r.pick_rows));
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, EngineCudaImageSpans,
+                         ::testing::Values(WorkloadCase{"tiny-v4.1", "v4.1-native", Precision::reference},
+                                           WorkloadCase{"tiny-v4.1", "", Precision::reference},
+                                           WorkloadCase{"tiny-v4", "fp8_ds_mla", Precision::reference},
+                                           WorkloadCase{"tiny-v4", "", Precision::fp32}),
                          case_name);
 
 // ---------------------------------------------------------------------------------------------

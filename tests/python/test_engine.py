@@ -153,3 +153,32 @@ def test_unsupported_backend(tiny):
         pytest.skip("built with CUDA")
     with pytest.raises(dsv4.UnsupportedError, match="without CUDA"):
         make_engine(tiny, backend="cuda")
+
+
+def test_image_spans(tiny, rng):
+    # tiny-v4.1 takes no image spans (vision_max_n_token 0): the span reaches the engine's check.
+    engine = make_engine(tiny)
+    a = engine.add_sequence()
+    with pytest.raises(dsv4.InvalidArgumentError, match=r"image span \[2, 5\] is given, but the model takes no"):
+        engine.begin_step([(a, 8)], image_spans={a: [(2, 5)]})
+    with pytest.raises(ValueError, match="not in the step"):
+        engine.begin_step([(a, 8)], image_spans={a + 1: [(2, 5)]})
+    # A V4.1 ModelArgs config takes spans of up to 1024 tokens (its default): only span tokens change
+    # (here all of them: the span is longer than the window of 4).
+    config = dsv4.Config.from_json(
+        '{"dim": 256, "n_layers": 2, "n_heads": 4, "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 64,'
+        ' "window_size": 4, "compress_ratios": [0, 1], "kv_source_layers": [1], "index_source_layers": [1],'
+        ' "index_topk": 8, "dtype": "bf16"}')
+    weights = dsv4.Weights.random(config, seed=3)
+    x = rng.standard_normal((12, config.hidden_size)).astype(np.float32)
+    outs = []
+    for spans in (None, {0: [(3, 8)]}):
+        e = dsv4.Engine(config, weights, max_sequences=1, max_context=64, max_tokens_per_step=16, num_threads=1)
+        s = e.add_sequence()
+        e.begin_step([(s, 12)], image_spans=spans and {s: spans[0]})
+        outs.append([e.run_layer(layer, x) for layer in range(2)])
+        e.end_step()
+    for plain, spanned in zip(*outs):
+        np.testing.assert_array_equal(plain[:3], spanned[:3])
+        np.testing.assert_array_equal(plain[9:], spanned[9:])
+        assert all(not np.array_equal(plain[p], spanned[p]) for p in range(3, 9))

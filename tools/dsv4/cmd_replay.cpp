@@ -2,6 +2,7 @@
 // input, and writes the outputs in the same format (golden_schedule.h) for `dsv4 compare`.
 #include <algorithm>
 #include <chrono>
+#include <cinttypes>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -29,7 +30,47 @@ struct ReplayOptions {
   std::string kv_format;
   bool split_steps = false;
   int threads = 0;
+  std::vector<std::string> image_spans;  // --image-span b:first:last
 };
+
+// Image spans of each call and batch sequence: rows (b, first, last) of calls.{c}.image_spans,
+// then every --image-span b:first:last, given to the call whose positions hold `first` (the engine
+// rejects a span that does not lie inside that call).
+std::vector<std::vector<std::vector<ImageSpan>>> read_image_spans(const ReplayOptions& o, const SafetensorsFile& calls,
+                                                                 const ReplaySchedule& schedule) {
+  std::vector<std::vector<std::vector<ImageSpan>>> spans(
+      schedule.calls.size(), std::vector<std::vector<ImageSpan>>(static_cast<size_t>(schedule.batch)));
+  const auto add = [&](const std::string& origin, int64_t b, int64_t first, int64_t last, int call) {
+    DSV4_CHECK(b >= 0 && b < schedule.batch, "replay: ", origin, ": sequence ", b, " is not in the batch of ",
+               schedule.batch, " (0..", schedule.batch - 1, ")");
+    spans[static_cast<size_t>(call)][static_cast<size_t>(b)].push_back({first, last});
+  };
+  for (const ScheduledCall& call : schedule.calls) {
+    const SafetensorsEntry* entry = calls.find(call_tensor_name(call.index, kImageSpans));
+    if (entry == nullptr) continue;
+    const std::string name = call_tensor_name(call.index, kImageSpans);
+    DSV4_CHECK((entry->dtype == DType::i64 || entry->dtype == DType::i32) && entry->shape.size() == 2 &&
+                   entry->shape[1] == 3,
+               "replay: ", name, " in ", calls.path(), " is ", dtype_name(entry->dtype), " ",
+               shape_string(entry->shape), ", expected I64 or I32 [n, 3] (sequence, first, last)");
+    const std::vector<int64_t> v = read_integers(calls, *entry);
+    for (size_t i = 0; i < v.size(); i += 3) add(name, v[i], v[i + 1], v[i + 2], call.index);
+  }
+  for (const std::string& text : o.image_spans) {
+    const std::string origin = "--image-span " + text;
+    int64_t b = 0, first = 0, last = 0;
+    char end = 0;
+    DSV4_CHECK(std::sscanf(text.c_str(), "%" SCNd64 ":%" SCNd64 ":%" SCNd64 "%c", &b, &first, &last, &end) == 3, "replay: ", origin,
+               ": expected sequence:first:last (batch sequence, first and last position)");
+    const auto call = std::find_if(schedule.calls.begin(), schedule.calls.end(), [&](const ScheduledCall& c) {
+      return first >= c.first_position && first < c.first_position + c.num_tokens;
+    });
+    DSV4_CHECK(call != schedule.calls.end(), "replay: ", origin, ": position ", first,
+               " is not in the schedule's positions 0..", schedule.total_positions() - 1);
+    add(origin, b, first, last, call->index);
+  }
+  return spans;
+}
 
 // The calls file decides which layers run. A file that covers the backbone but not the MTP layers
 // (independent window-only layers after it) replays the backbone alone.
@@ -141,6 +182,7 @@ int replay(const ReplayOptions& o) {
     return replay_dspark(o, options, config, calls, started);
   }
   const ReplaySchedule schedule = read_replay_schedule(*calls, config.hidden_size);
+  const std::vector<std::vector<std::vector<ImageSpan>>> image_spans = read_image_spans(o, *calls, schedule);
   fit_layers_to_schedule(config, schedule.num_layers, o.calls_path);
   const ModelTopology topology = resolve_topology(config);
   auto weights = std::make_shared<const ModelWeights>(load_weights(o.weights_path, config, topology));
@@ -189,7 +231,8 @@ int replay(const ReplayOptions& o) {
     // reads and writes one contiguous block of rows.
     for (int64_t first = 0; first < batch; first += sequences_per_step) {
       std::vector<StepEntry> entries;
-      for (int64_t b = first; b < first + sequences_per_step; ++b) entries.push_back({sequences[b], s});
+      for (int64_t b = first; b < first + sequences_per_step; ++b)
+        entries.push_back({sequences[b], s, image_spans[static_cast<size_t>(call.index)][static_cast<size_t>(b)]});
       const int64_t rows = sequences_per_step * s;
       const int64_t first_row = first * s;
       engine->begin_step(entries);
@@ -250,6 +293,9 @@ const CommandRegistration registration{
       app.add_option("--kv-format", o->kv_format, "KV cache format set, or float for float rows (default: float on cpu, the exact formats on cuda)");
       app.add_flag("--split-steps", o->split_steps, "One step per sequence and call instead of one per call");
       app.add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();
+      app.add_option("--image-span", o->image_spans,
+                     "An image span b:first:last of batch sequence b (positions, inclusive; SPEC §14), "
+                     "besides calls.{c}.image_spans; repeatable");
       return [o] { return replay(*o); };
     }};
 

@@ -9,6 +9,8 @@
 //   calls.{c}.layers.{l}.topk        i64 / i32 [B, S_c, k] picks of an index layer, -1 = none
 //   calls.{c}.layers.{l}.topk_pos    i32 [B, S_c, k]      V4.1 reference picks, -1 = none
 //   calls.{c}.layers.{l}.ambiguous   u8  [B, S_c]         1 where the reference's pick is not unique
+//   calls.{c}.image_spans            i64 / i32 [n, 3]     optional: image spans of call c (SPEC §14),
+//                                                         rows (sequence b, first, last position)
 //
 // Other names (`state.*`, `calls.{c}.cand_mask`, ...) are allowed and ignored here.
 #pragma once
@@ -32,6 +34,7 @@ inline constexpr const char* kTopkPos = "topk_pos";
 inline constexpr const char* kAmbiguous = "ambiguous";
 inline constexpr const char* kMainPositionIds = "main_position_ids";
 inline constexpr const char* kMainHidden = "main_hidden";
+inline constexpr const char* kImageSpans = "image_spans";
 
 std::string call_tensor_name(int call, const std::string& field);              // calls.{c}.{field}
 std::string layer_tensor_name(int call, int layer, const std::string& field);  // calls.{c}.layers.{l}.{field}

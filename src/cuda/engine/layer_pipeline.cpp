@@ -116,10 +116,11 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
       measure_role(bf16_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
     }
   }
-  // A token attends its window plus index_topk picks, or on V4.0 HCA layers every entry (the
-  // workspace's entry_picks_capacity).
+  // A token attends its window (up to W + M rows in an image span) plus index_topk picks, or on
+  // V4.0 HCA layers every entry (the workspace's entry_picks_capacity).
   const int64_t max_picks = std::max<int64_t>(config().index_topk, ws.entry_picks_capacity);
-  return std::max(scratch, sparse_attention_max_workspace_bytes(T, H, config().sliding_window + max_picks));
+  const int64_t max_window = config().sliding_window + config().vision_max_n_token;
+  return std::max(scratch, sparse_attention_max_workspace_bytes(T, H, max_window + max_picks));
 }
 
 void LayerPipeline::run(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
@@ -352,6 +353,9 @@ void LayerPipeline::attend(int layer) {
   a.token_position = in_.step->token_position();
   a.window = in_.step->layer(layer).window;
   a.window_size = config().sliding_window;
+  a.window_first = in_.step->window_first();  // image spans widen some tokens' windows
+  a.window_last = in_.step->window_last();
+  a.max_window_rows = in_.step->max_window_rows();
   a.sink = weights(layer).get(WeightRole::attn_sink).view();
   a.scale = r.softmax_scale;
   a.out = view(ws.o, ws.rows, {T, H, D});

@@ -14,7 +14,7 @@ size_t paged_bytes(const KvCacheManager& manager, CacheKind kind, int layer, int
 
 size_t metadata_bytes(const ModelTopology& topology, const KvCacheManager& manager, int64_t T, int64_t S,
                       int64_t max_context) {
-  size_t bytes = 3 * align_workspace(static_cast<size_t>(T) * 4);  // the token arrays
+  size_t bytes = 5 * align_workspace(static_cast<size_t>(T) * 4);  // the token arrays, window ranges
   for (int l = 0; l < topology.size(); ++l) {
     const LayerPlan& plan = topology[l];
     bytes += paged_bytes(manager, CacheKind::window, l, manager.sliding_window() + T, S, T);
@@ -49,6 +49,18 @@ void StepMetadata::pack(const StepLayout& step, const ModelTopology& topology, c
   token_sequence_ = upload_.append(std::span<const int32_t>(step.chunk_of), DType::i32, {T});
   token_position_ = upload_.append(std::span<const int32_t>(token_position), DType::i32, {T});
   state_slot_ = upload_.append(std::span<const int32_t>(state_slot), DType::i32, {T});
+  window_first_ = window_last_ = TensorView{};
+  max_window_rows_ = 0;
+  if (!step.windows.empty()) {
+    std::vector<int32_t> first, last;
+    for (const WindowRange& w : step.windows) {
+      first.push_back(static_cast<int32_t>(w.first));
+      last.push_back(static_cast<int32_t>(w.last));
+      max_window_rows_ = std::max(max_window_rows_, w.last - w.first + 1);
+    }
+    window_first_ = upload_.append(std::span<const int32_t>(first), DType::i32, {T});
+    window_last_ = upload_.append(std::span<const int32_t>(last), DType::i32, {T});
+  }
   // A pool's block tables [S, longest table] (-1 padded) and first logical pages [S].
   const auto paged = [&](CacheKind kind, int layer) {
     std::vector<BlockTableView> tables;

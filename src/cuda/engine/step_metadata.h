@@ -36,13 +36,19 @@ class StepMetadata {
   const TensorView& token_sequence() const { return token_sequence_; }
   const TensorView& token_position() const { return token_position_; }
   const TensorView& state_slot() const { return state_slot_; }
+  // [step tokens] i32 when the step has image spans (StepLayout::windows), else absent: the first
+  // and last window position each token attends; and the most window rows a token has then.
+  const TensorView& window_first() const { return window_first_; }
+  const TensorView& window_last() const { return window_last_; }
+  int64_t max_window_rows() const { return max_window_rows_; }
   const LayerStep& layer(int l) const { return layers_[static_cast<size_t>(l)]; }
   size_t device_bytes() const { return upload_.capacity(); }
 
  private:
   StepUpload upload_;
   int64_t tokens_ = 0;
-  TensorView token_sequence_, token_position_, state_slot_;
+  TensorView token_sequence_, token_position_, state_slot_, window_first_, window_last_;
+  int64_t max_window_rows_ = 0;
   std::vector<LayerStep> layers_;
 };
 

@@ -33,6 +33,8 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
       {"token_sequence", &p.token_sequence, {tokens}, {DType::i32}, !is_present(p.window.block_table) &&
                                                                          !is_present(p.compressed.block_table)},
       {"token_position", &p.token_position, {tokens}, {DType::i32}, p.window_size == 0 && p.compress_ratio == 0},
+      {"window_first", &p.window_first, {tokens}, {DType::i32}, true},
+      {"window_last", &p.window_last, {tokens}, {DType::i32}, true},
   };
   // window_size 0 attends no window rows (the picks alone): the window cache may then be absent.
   const bool has_window = p.window_size != 0 || is_present(p.window.pages);
@@ -53,11 +55,22 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
   if (has_window) check_paged_cache(op, "window", p.window, kHeadDim, kAttentionFormats);
   if (has_compressed) check_paged_cache(op, "compressed", p.compressed, kHeadDim, kAttentionFormats);
   DSV4_CHECK(p.window_size >= 0, op, ": window_size is ", p.window_size, ", expected >= 0");
+  const bool widened = is_present(p.window_first);
+  DSV4_CHECK(widened == is_present(p.window_last), op, ": argument '", widened ? "window_last" : "window_first",
+             "' is absent; window_first and window_last come together");
+  DSV4_CHECK(!widened || has_window, op, ": window_first and window_last are given without a 'window' cache");
+  DSV4_CHECK(!widened || p.max_window_rows >= 1, op, ": max_window_rows is ", p.max_window_rows,
+             ", expected >= 1 with window_first and window_last");
   DSV4_CHECK(p.compress_ratio >= 0, op, ": compress_ratio is ", p.compress_ratio, ", expected >= 0");
   DSV4_CHECK(std::isfinite(p.scale), op, ": scale is ", p.scale, ", expected a finite number");
   for (const auto& [name, view] : {std::pair{"q", &p.q}, std::pair{"out", &p.out}})
     DSV4_CHECK(reinterpret_cast<uintptr_t>(view->data) % 16 == 0, op, ": argument '", name,
                "' is not 16-byte aligned");
+}
+
+int64_t max_attended_rows(const SparseAttentionParams& p) {
+  const int64_t window = is_present(p.window_first) ? p.max_window_rows : p.window_size;
+  return window + (is_present(p.compressed.pages) ? p.picks.shape[1] : 0);
 }
 
 std::span<const SparseAttentionImplementation* const> sparse_attention_implementations() { return kImplementations; }

@@ -32,6 +32,10 @@ extern const SparseAttentionImplementation kSparseAttentionMmaBf16;
 // The portable fallback: fp32 SIMT, every device, every cache format (simt/).
 extern const SparseAttentionImplementation kSparseAttentionSimt;
 
+// The most rows a token of a validated call attends (window, widened by image spans, plus picks):
+// what the implementations plan their row splits for.
+int64_t max_attended_rows(const SparseAttentionParams& p);
+
 // In order of preference; the chooser takes the first that supports the call.
 std::span<const SparseAttentionImplementation* const> sparse_attention_implementations();
 const SparseAttentionImplementation& choose_sparse_attention(const SparseAttentionParams& p, const DeviceInfo& device);

@@ -20,8 +20,7 @@ SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_all
 }
 
 SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
-  const int64_t max_rows = p.window_size + (is_present(p.compressed.pages) ? p.picks.shape[1] : 0);
-  return plan(p.q.shape[0], p.q.shape[1], max_rows, split_allowed);
+  return plan(p.q.shape[0], p.q.shape[1], max_attended_rows(p), split_allowed);
 }
 
 // The rows go to the tensor cores as bf16: formats whose decoded values are exact in bf16 (bf16;
