@@ -25,16 +25,8 @@
 namespace dsv4 {
 namespace {
 
-// A value in [-1, 1) from a hash of its coordinates, so that a token's input does not depend on
-// how the tokens are split into steps.
-float hashed_value(uint64_t stream, int64_t position, int layer, int64_t channel) {
-  uint64_t z = stream * 0x9e3779b97f4a7c15ull ^ (static_cast<uint64_t>(position) << 20) ^
-               (static_cast<uint64_t>(layer) << 52) ^ static_cast<uint64_t>(channel);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) / static_cast<float>(1ull << 23) - 1.0f;
-}
+using test::hashed_value;
+
 
 struct Model {
   ModelConfig config;

@@ -2,9 +2,12 @@
 // Engine, shared by the golden tests.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <memory>
 #include <numeric>
@@ -81,6 +84,47 @@ struct CallOutputs {
   std::vector<std::vector<float>> attn_out;
   std::vector<std::vector<int32_t>> picks;
 };
+
+// Rows [batch · tokens] of call c whose layer-l result is not tied ("ambiguous" flags, when the set has them).
+inline std::vector<uint8_t> usable_rows(const GoldenSet& g, int c, int l) {
+  const std::string name = GoldenSet::layer_name(c, l, "ambiguous");
+  const int64_t rows = g.batch * g.call_tokens(c);
+  std::vector<uint8_t> usable(static_cast<size_t>(rows), 1);
+  if (!g.has(name)) return usable;
+  const std::vector<float> ambiguous = g.floats(name);
+  for (int64_t i = 0; i < rows; ++i) usable[i] = ambiguous[i] == 0.0f;
+  return usable;
+}
+
+// Relative L2 error over the usable rows of [rows, width] buffers.
+inline double masked_relative_l2(const std::vector<float>& a, const std::vector<float>& b,
+                                 const std::vector<uint8_t>& usable, int64_t width) {
+  std::vector<float> x, y;
+  for (size_t r = 0; r < usable.size(); ++r)
+    if (usable[r]) {
+      x.insert(x.end(), a.begin() + r * width, a.begin() + (r + 1) * width);
+      y.insert(y.end(), b.begin() + r * width, b.begin() + (r + 1) * width);
+    }
+  return relative_l2(x.data(), y.data(), static_cast<int64_t>(x.size()));
+}
+
+// Every call's attention outputs against the set's on the usable rows, within `tolerance`; prints
+// the worst as "<label>: worst relative L2 error ...".
+inline void expect_outputs_match(const GoldenSet& g, const std::vector<CallOutputs>& outputs, double tolerance,
+                                 const char* label) {
+  double worst = 0;
+  int worst_call = -1, worst_layer = -1;
+  for (int c = 0; c < g.num_calls; ++c)
+    for (int l = 0; l < g.config.num_layers; ++l) {
+      const double err = masked_relative_l2(outputs[static_cast<size_t>(c)].attn_out[static_cast<size_t>(l)],
+                                            g.floats(GoldenSet::layer_name(c, l, "attn_out")), usable_rows(g, c, l),
+                                            g.config.hidden_size);
+      EXPECT_LE(err, tolerance) << "call " << c << " layer " << l;
+      if (err > worst) worst = err, worst_call = c, worst_layer = l;
+    }
+  std::printf("%s: worst relative L2 error %.3g (call %d, layer %d) over non-ambiguous rows\n", label, worst,
+              worst_call, worst_layer);
+}
 
 // Runs call c for the batch rows of `sequences` (one engine sequence per batch row). `steps`
 // groups batch rows into engine steps run one after the other (all rows in one step by default):

@@ -17,6 +17,8 @@ namespace dsv4 {
 namespace {
 
 using golden::GoldenSet;
+using golden::masked_relative_l2;
+using golden::usable_rows;
 
 // Per call and layer, relative L2 on non-ambiguous rows. The README's acceptance bound is 2e-2;
 // measured 7.4e-3 (call 25, layer 1), about 5e-3 on every layer, sliding ones included: the
@@ -25,26 +27,6 @@ using golden::GoldenSet;
 // peaked softmax visibly (the README measures 3.3e-3 for the same model.py under cuBLAS). Bound
 // 1.5e-2: under the acceptance bound, and a wrong pick on a non-ambiguous row costs more.
 constexpr double kTolerance = 1.5e-2;
-
-std::vector<uint8_t> usable_rows(const GoldenSet& g, int c, int l) {
-  const std::string name = GoldenSet::layer_name(c, l, "ambiguous");
-  std::vector<uint8_t> usable(static_cast<size_t>(g.batch * g.call_tokens(c)), 1);
-  if (!g.has(name)) return usable;
-  const std::vector<float> ambiguous = g.floats(name);
-  for (size_t i = 0; i < usable.size(); ++i) usable[i] = ambiguous[i] == 0.0f;
-  return usable;
-}
-
-double masked_relative_l2(const std::vector<float>& a, const std::vector<float>& b, const std::vector<uint8_t>& usable,
-                          int64_t width) {
-  std::vector<float> x, y;
-  for (size_t r = 0; r < usable.size(); ++r)
-    if (usable[r]) {
-      x.insert(x.end(), a.begin() + r * width, a.begin() + (r + 1) * width);
-      y.insert(y.end(), b.begin() + r * width, b.begin() + (r + 1) * width);
-    }
-  return golden::relative_l2(x.data(), y.data(), static_cast<int64_t>(x.size()));
-}
 
 struct Replayed {
   GoldenSet golden;
@@ -108,18 +90,7 @@ TEST(GoldenV40o, ScheduleShapeAndConfig) {
 
 TEST(GoldenV40o, AttentionOutputsMatchOnNonAmbiguousRows) {
   const Replayed& r = replayed();
-  const GoldenSet& g = r.golden;
-  double worst = 0;
-  int worst_call = -1, worst_layer = -1;
-  for (int c = 0; c < g.num_calls; ++c)
-    for (int l = 0; l < g.config.num_layers; ++l) {
-      const double err = masked_relative_l2(r.outputs[c].attn_out[l], g.floats(GoldenSet::layer_name(c, l, "attn_out")),
-                                            usable_rows(g, c, l), g.config.hidden_size);
-      EXPECT_LE(err, kTolerance) << "call " << c << " layer " << l;
-      if (err > worst) worst = err, worst_call = c, worst_layer = l;
-    }
-  std::printf("v40o_a reference precision: worst relative L2 error %.3g (call %d, layer %d) over non-ambiguous rows\n",
-              worst, worst_call, worst_layer);
+  golden::expect_outputs_match(r.golden, r.outputs, kTolerance, "v40o_a reference precision");
 }
 
 // topk_pos [B, S, min(8, end / 4)]: ascending, −1 padded; the engine's picks [.., 8] likewise.

@@ -15,35 +15,13 @@ namespace dsv4 {
 namespace {
 
 using golden::GoldenSet;
+using golden::usable_rows;
 
 // Per call and layer, relative L2 on non-ambiguous rows. README.upstream.md's acceptance bound is
 // 2e-2 (what `dsv4 compare` accepts); this test asserts what the reference achieves: measured
 // 1.86e-3 (call 10, layer 4), from bf16 roundings that land the other way after the official
 // code's GEMMs sum in another order. Bound about twice that: a bug that doubles the error fails.
 constexpr double kTolerance = 4e-3;
-
-// Non-ambiguous (batch row, token) pairs of a layer in a call: all rows when the layer has no flag.
-std::vector<uint8_t> usable_rows(const GoldenSet& g, int c, int l) {
-  const std::string name = GoldenSet::layer_name(c, l, "ambiguous");
-  const int64_t rows = g.batch * g.call_tokens(c);
-  std::vector<uint8_t> usable(static_cast<size_t>(rows), 1);
-  if (!g.has(name)) return usable;
-  const std::vector<float> ambiguous = g.floats(name);
-  for (int64_t i = 0; i < rows; ++i) usable[i] = ambiguous[i] == 0.0f;
-  return usable;
-}
-
-// Relative L2 error over the usable rows of [rows, width] buffers.
-double masked_relative_l2(const std::vector<float>& a, const std::vector<float>& b, const std::vector<uint8_t>& usable,
-                          int64_t width) {
-  std::vector<float> x, y;
-  for (size_t r = 0; r < usable.size(); ++r)
-    if (usable[r]) {
-      x.insert(x.end(), a.begin() + r * width, a.begin() + (r + 1) * width);
-      y.insert(y.end(), b.begin() + r * width, b.begin() + (r + 1) * width);
-    }
-  return golden::relative_l2(x.data(), y.data(), static_cast<int64_t>(x.size()));
-}
 
 // Index scores and candidate flags the engine published vs the recorded ones, on rows whose
 // selection is unique.
@@ -125,18 +103,7 @@ TEST(GoldenV41, ScheduleShape) {
 
 TEST(GoldenV41, AttentionOutputsMatchOnNonAmbiguousRows) {
   const Replayed& r = replayed();
-  const GoldenSet& g = r.golden;
-  double worst = 0;
-  int worst_call = -1, worst_layer = -1;
-  for (int c = 0; c < g.num_calls; ++c)
-    for (int l = 0; l < g.config.num_layers; ++l) {
-      const double err = masked_relative_l2(r.outputs[c].attn_out[l], g.floats(GoldenSet::layer_name(c, l, "attn_out")),
-                                            usable_rows(g, c, l), g.config.hidden_size);
-      EXPECT_LE(err, kTolerance) << "call " << c << " layer " << l;
-      if (err > worst) worst = err, worst_call = c, worst_layer = l;
-    }
-  std::printf("v41a reference precision: worst relative L2 error %.3g (call %d, layer %d) over non-ambiguous rows\n",
-              worst, worst_call, worst_layer);
+  golden::expect_outputs_match(r.golden, r.outputs, kTolerance, "v41a reference precision");
 }
 
 TEST(GoldenV41, PicksMatchOnNonAmbiguousRows) {

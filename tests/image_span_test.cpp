@@ -24,6 +24,8 @@
 namespace dsv4 {
 namespace {
 
+using test::hashed_value;
+
 // ---------------------------------------------------------------------------------------------
 // The rule
 
@@ -140,15 +142,6 @@ TEST(ImageSpanRule, SpansOfAtMostMTokensAreSeenWhole) {
 
 // ---------------------------------------------------------------------------------------------
 // The engine
-
-float hashed_value(uint64_t stream, int64_t position, int layer, int64_t channel) {
-  uint64_t z = stream * 0x9e3779b97f4a7c15ull ^ (static_cast<uint64_t>(position) << 20) ^
-               (static_cast<uint64_t>(layer) << 52) ^ static_cast<uint64_t>(channel);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) / static_cast<float>(1ull << 23) - 1.0f;
-}
 
 struct Model {
   ModelConfig config;

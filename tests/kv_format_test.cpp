@@ -95,9 +95,8 @@ TEST(KvFormat, RowPlacementOffsets) {
 }
 
 TEST(KvFormat, NamesSetsAndDefaults) {
-  for (KvRowFormat f : {KvRowFormat::bf16, KvRowFormat::fp8_per_tensor, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
-                        KvRowFormat::fp8_ds_mla, KvRowFormat::index_mxfp4, KvRowFormat::index_fp8})
-    EXPECT_EQ(parse_kv_row_format(kv_row_format_name(f)), f);
+  EXPECT_EQ(kEveryKvRowFormat.size(), 7u);
+  for (KvRowFormat f : kEveryKvRowFormat) EXPECT_EQ(parse_kv_row_format(kv_row_format_name(f)), f);
   EXPECT_STREQ(kv_row_format_name(KvRowFormat::v41_fp4), "v41_fp4");
   EXPECT_EQ(kv_format_set_names(), (std::vector<std::string>{"v4.1-native", "fp8_ds_mla", "bf16", "fp8"}));
   const KvFormatSet native = kv_format_set("v4.1-native");

@@ -55,6 +55,17 @@ inline CliResult run_cli(const std::string& args, bool with_stderr = true) {
   return result;
 }
 
+// A value in [-1, 1) from a hash of its coordinates, so that a token's input does not depend on
+// how the tokens are split into steps.
+inline float hashed_value(uint64_t stream, int64_t position, int layer, int64_t channel) {
+  uint64_t z = stream * 0x9e3779b97f4a7c15ull ^ (static_cast<uint64_t>(position) << 20) ^
+               (static_cast<uint64_t>(layer) << 52) ^ static_cast<uint64_t>(channel);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) / static_cast<float>(1ull << 23) - 1.0f;
+}
+
 // The message of the dsv4::Error that f() throws; a test failure (and "") when it throws none.
 template <class F>
 std::string error_of(F&& f) {

@@ -21,6 +21,10 @@ enum class KvRowFormat : uint8_t {
   index_mxfp4,     // index keys: 64 B e2m1 + 4 ue8m0 (32-channel tiles) = 68 B
   index_fp8,       // index keys: 128 e4m3 + one fp32 power-of-two scale = 132 B
 };
+// Every row format, for the operations that read or write rows of any of them.
+inline const std::vector<KvRowFormat> kEveryKvRowFormat = {
+    KvRowFormat::bf16,       KvRowFormat::fp8_per_tensor, KvRowFormat::v41_fp8,  KvRowFormat::v41_fp4,
+    KvRowFormat::fp8_ds_mla, KvRowFormat::index_mxfp4,    KvRowFormat::index_fp8};
 const char* kv_row_format_name(KvRowFormat f);
 // Inverse of kv_row_format_name; throws naming the accepted names.
 KvRowFormat parse_kv_row_format(const std::string& name);

@@ -274,6 +274,32 @@ std::string case_name(const ::testing::TestParamInfo<WorkloadCase>& info) {
   return name;
 }
 
+// The checks of a lockstep run: every layer within kTolerance of the CPU engine over all its
+// compared rows, the picks valid and mostly equal; prints what was measured.
+void expect_agreement(const Agreement& r, const Model& m, const WorkloadCase& wc) {
+  double worst = 0;
+  int worst_layer = -1;
+  for (int l = 0; l < m.topology.size(); ++l) {
+    ASSERT_FALSE(r.gpu[static_cast<size_t>(l)].empty()) << "layer " << l << " was never compared";
+    const double err = relative_l2(r.gpu[static_cast<size_t>(l)], r.cpu[static_cast<size_t>(l)]);
+    EXPECT_LE(err, kTolerance) << "layer " << l;
+    if (!(err <= worst)) worst = err, worst_layer = l;
+  }
+  std::printf("%s %s %s, index heads %d x %lld: worst relative L2 %.3g per layer (layer %d), %.3g per step and layer (step %d, layer %d), "
+              "over %lld rows (%lld left out: other picks); picks equal on %lld of %lld index rows\n",
+              wc.preset.c_str(), wc.kv_format.empty() ? "(default formats)" : wc.kv_format.c_str(),
+              precision_name(wc.precision), m.config.index_n_heads, static_cast<long long>(m.config.index_head_dim), worst, worst_layer, r.worst_step_error, r.worst_step, r.worst_step_layer,
+              static_cast<long long>(r.rows_compared), static_cast<long long>(r.rows_excluded),
+              static_cast<long long>(r.picks_equal), static_cast<long long>(r.pick_rows));
+  ::testing::Test::RecordProperty("measured_worst_rel_l2_per_layer", std::to_string(worst));
+  ::testing::Test::RecordProperty("measured_worst_rel_l2_per_step", std::to_string(r.worst_step_error));
+  ::testing::Test::RecordProperty("measured_pick_agreement", std::to_string(static_cast<double>(r.picks_equal) / std::max<int64_t>(r.pick_rows, 1)));
+  EXPECT_GT(r.pick_rows, 0);
+  EXPECT_EQ(r.picks_invalid, 0);
+  EXPECT_GE(static_cast<double>(r.picks_equal), kMinPickAgreement * static_cast<double>(r.pick_rows));
+  EXPECT_GE(r.rows_compared, 2 * r.rows_excluded);
+}
+
 class EngineCudaWorkload : public CudaTest, public ::testing::WithParamInterface<WorkloadCase> {};
 
 TEST_P(EngineCudaWorkload, MatchesTheCpuEngine) {
@@ -290,28 +316,7 @@ TEST_P(EngineCudaWorkload, MatchesTheCpuEngine) {
   for (int i = 0; i < 3; ++i) run.step({{a, 1}, {c, 1}, {d, 1}});
   run.step({{c, 40}, {d, 1}});
 
-  const Agreement& r = run.agreement();
-  double worst = 0;
-  int worst_layer = -1;
-  for (int l = 0; l < m.topology.size(); ++l) {
-    ASSERT_FALSE(r.gpu[static_cast<size_t>(l)].empty()) << "layer " << l << " was never compared";
-    const double err = relative_l2(r.gpu[static_cast<size_t>(l)], r.cpu[static_cast<size_t>(l)]);
-    EXPECT_LE(err, kTolerance) << "layer " << l;
-    if (!(err <= worst)) worst = err, worst_layer = l;
-  }
-  std::printf("%s %s %s, index heads %d x %lld: worst relative L2 %.3g per layer (layer %d), %.3g per step and layer (step %d, layer %d), "
-              "over %lld rows (%lld left out: other picks); picks equal on %lld of %lld index rows\n",
-              wc.preset.c_str(), wc.kv_format.empty() ? "(default formats)" : wc.kv_format.c_str(),
-              precision_name(wc.precision), m.config.index_n_heads, static_cast<long long>(m.config.index_head_dim), worst, worst_layer, r.worst_step_error, r.worst_step, r.worst_step_layer,
-              static_cast<long long>(r.rows_compared), static_cast<long long>(r.rows_excluded),
-              static_cast<long long>(r.picks_equal), static_cast<long long>(r.pick_rows));
-  RecordProperty("measured_worst_rel_l2_per_layer", std::to_string(worst));
-  RecordProperty("measured_worst_rel_l2_per_step", std::to_string(r.worst_step_error));
-  RecordProperty("measured_pick_agreement", std::to_string(static_cast<double>(r.picks_equal) / std::max<int64_t>(r.pick_rows, 1)));
-  EXPECT_GT(r.pick_rows, 0);
-  EXPECT_EQ(r.picks_invalid, 0);
-  EXPECT_GE(static_cast<double>(r.picks_equal), kMinPickAgreement * static_cast<double>(r.pick_rows));
-  EXPECT_GE(r.rows_compared, 2 * r.rows_excluded);
+  expect_agreement(run.agreement(), m, GetParam());
 }
 
 // Speculative decoding on the GPU: verify steps of K + 1 tokens, rollbacks of every depth (with the
@@ -338,13 +343,7 @@ TEST_P(EngineCudaWorkload, SpeculativeStepsMatchTheCpuEngine) {
   run.step({{c, K + 1}, {a, 2}});
   run.rollback(c, length_a + 2);  // one draft accepted
   run.step({{a, 1}, {b, 1}, {c, 3}});
-  const Agreement& r = run.agreement();
-  for (int l = 0; l < m.topology.size(); ++l) {
-    const double err = relative_l2(r.gpu[static_cast<size_t>(l)], r.cpu[static_cast<size_t>(l)]);
-    EXPECT_LE(err, kTolerance) << "layer " << l;
-  }
-  EXPECT_EQ(r.picks_invalid, 0);
-  EXPECT_GE(static_cast<double>(r.picks_equal), kMinPickAgreement * static_cast<double>(r.pick_rows));
+  expect_agreement(run.agreement(), m, wc);
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, EngineCudaWorkload,
@@ -377,13 +376,7 @@ TEST_P(EngineCudaImageSpans, MatchesTheCpuEngine) {
   for (int i = 0; i < 3; ++i) run.step({{a, 1}, {b, 1}});
   run.step({{a, 40}, {b, 1}}, {{a, {{45, 68}}}});
 
-  const Agreement& r = run.agreement();
-  for (int l = 0; l < m.topology.size(); ++l) {
-    ASSERT_FALSE(r.gpu[static_cast<size_t>(l)].empty()) << "layer " << l << " was never compared";
-    EXPECT_LE(relative_l2(r.gpu[static_cast<size_t>(l)], r.cpu[static_cast<size_t>(l)]), kTolerance) << "layer " << l;
-  }
-  EXPECT_EQ(r.picks_invalid, 0);
-  EXPECT_GE(static_cast<double>(r.picks_equal), kMinPickAgreement * static_cast<double>(r.pick_rows));
+  expect_agreement(run.agreement(), m, wc);
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, EngineCudaImageSpans,

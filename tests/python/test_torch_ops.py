@@ -81,17 +81,23 @@ OPS = ["sparse_attention", "index_scores", "topk", "compressor_pool", "kv_encode
 
 
 @pytest.mark.skipif(not NEW_TORCH, reason="torch.library.opcheck needs torch >= 2.4")
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("name", OPS)
-def test_opcheck_cpu(name):
-    torch.library.opcheck(getattr(torch.ops.dsv4, name).default, samples()[name])
+def test_opcheck(name, device):
+    if device == "cuda":
+        cuda_or_skip()
+    torch.library.opcheck(getattr(torch.ops.dsv4, name).default, samples(device)[name])
 
 
 @pytest.mark.skipif(not NEW_TORCH, reason="torch.compile with custom ops needs torch >= 2.4")
-def test_compile_cpu():
-    s = samples()["sparse_attention"]
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_compile(device):
+    if device == "cuda":
+        cuda_or_skip()
+    s = samples(device)["sparse_attention"]
 
     def f(q, kv, indices, lengths, sink):
-        out, lse = torch.ops.dsv4.sparse_attention(q, kv, indices, lengths, sink, 0.125, False)
+        out, lse = torch.ops.dsv4.sparse_attention(q, kv, indices, lengths, sink, 0.125, device == "cuda")
         return out * 2, lse
 
     got = torch.compile(f, fullgraph=True)(*s[:5])
@@ -160,24 +166,3 @@ def test_cuda_ops_on_current_stream_in_a_graph():
         for got, want in zip(captured, step()):
             assert torch.equal(got, want)
         q.copy_(torch.randn_like(q).to(torch.bfloat16).float())
-
-
-@pytest.mark.skipif(not NEW_TORCH, reason="torch.library.opcheck needs torch >= 2.4")
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck_cuda(name):
-    cuda_or_skip()
-    torch.library.opcheck(getattr(torch.ops.dsv4, name).default, samples("cuda")[name])
-
-
-@pytest.mark.skipif(not NEW_TORCH, reason="torch.compile with custom ops needs torch >= 2.4")
-def test_compile_cuda():
-    cuda_or_skip()
-    s = samples("cuda")["sparse_attention"]
-
-    def f(q, kv, indices, lengths, sink):
-        out, lse = torch.ops.dsv4.sparse_attention(q, kv, indices, lengths, sink, 0.125, True)
-        return out * 2, lse
-
-    got = torch.compile(f, fullgraph=True)(*s[:5])
-    want = f(*s[:5])
-    torch.testing.assert_close(got[0], want[0])

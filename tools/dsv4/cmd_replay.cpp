@@ -86,6 +86,17 @@ void fit_layers_to_schedule(ModelConfig& config, int file_layers, const std::str
 }
 
 // Copies the picks of one step ([rows, k'] i32, k' <= k) into rows first_row.. of [B, S, k].
+// The output file's writer, its metadata saying how the outputs were made.
+SafetensorsWriter output_writer(const ModelConfig& config, const EngineOptions& options) {
+  SafetensorsWriter writer;
+  writer.set_metadata("dsv4.command", "replay");
+  writer.set_metadata("dsv4.config", config.name);
+  writer.set_metadata("dsv4.backend", backend_name(options.backend));
+  writer.set_metadata("dsv4.precision", precision_name(options.precision));
+  writer.set_metadata("dsv4.kv_format", cache_storage_label(options));
+  return writer;
+}
+
 void store_picks(const HostTensor& step_picks, int layer, int64_t rows, HostTensor& picks, int64_t first_row) {
   const int64_t k = picks.size(2);
   DSV4_CHECK(step_picks.dtype() == DType::i32 && step_picks.rank() == 2 && step_picks.size(0) == rows &&
@@ -119,12 +130,7 @@ int replay_dspark(const ReplayOptions& o, EngineOptions options, const ModelConf
 
   DeviceRows main_rows(*engine, longest_call, width);
   DeviceRows hidden_rows(*engine, batch * B, hidden), out_rows(*engine, batch * B, hidden);
-  SafetensorsWriter writer;
-  writer.set_metadata("dsv4.command", "replay");
-  writer.set_metadata("dsv4.config", config.name);
-  writer.set_metadata("dsv4.backend", backend_name(options.backend));
-  writer.set_metadata("dsv4.precision", precision_name(options.precision));
-  writer.set_metadata("dsv4.kv_format", cache_storage_label(options));
+  SafetensorsWriter writer = output_writer(config, options);
   writer.set_metadata("dsv4.layers", "draft");
   int64_t tensors_written = 0, blocks = 0;
   std::vector<SequenceId> sequences;
@@ -202,12 +208,7 @@ int replay(const ReplayOptions& o) {
 
   DeviceRows hidden_rows(*engine, options.max_tokens_per_step, hidden);
   DeviceRows out_rows(*engine, options.max_tokens_per_step, hidden);
-  SafetensorsWriter writer;
-  writer.set_metadata("dsv4.command", "replay");
-  writer.set_metadata("dsv4.config", config.name);
-  writer.set_metadata("dsv4.backend", backend_name(options.backend));
-  writer.set_metadata("dsv4.precision", precision_name(options.precision));
-  writer.set_metadata("dsv4.kv_format", cache_storage_label(options));
+  SafetensorsWriter writer = output_writer(config, options);
   writer.set_metadata("dsv4.split_steps", o.split_steps ? "true" : "false");
   int64_t tensors_written = 0;
 

@@ -25,9 +25,7 @@ void validate_cache_decode(const CacheDecodeParams& p) {
   specs.push_back({"slots", &p.slots, {kAnyDim}, {DType::i64}});
   specs.push_back({"out", &p.out, {rows, dims}, {DType::f32}});
   check_tensors(op, specs);
-  check_paged_cache(op, "cache", p.cache, dims,
-                    {KvRowFormat::bf16, KvRowFormat::fp8_per_tensor, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
-                     KvRowFormat::fp8_ds_mla, KvRowFormat::index_mxfp4, KvRowFormat::index_fp8});
+  check_paged_cache(op, "cache", p.cache, dims, kEveryKvRowFormat);
 }
 
 void run_cache_decode(const CacheDecodeParams& p, cudaStream_t stream) {

@@ -125,9 +125,7 @@ void validate_cache_insert(const CacheInsertParams& p) {
   check_hadamard(op, p.hadamard, dims);
   if (is_present(p.norm_weight)) check_eps(op, p.eps);
   check_dims(op, dims);
-  check_paged_cache(op, "cache", p.cache, dims,
-                    {KvRowFormat::bf16, KvRowFormat::fp8_per_tensor, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
-                     KvRowFormat::fp8_ds_mla, KvRowFormat::index_mxfp4, KvRowFormat::index_fp8});
+  check_paged_cache(op, "cache", p.cache, dims, kEveryKvRowFormat);
 }
 
 void run_cache_insert(const CacheInsertParams& p, cudaStream_t stream) {
