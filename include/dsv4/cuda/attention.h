@@ -3,7 +3,9 @@
 // are the same call, tokens of any number of sequences mixed.
 //
 // For the token at position p of sequence s, the attended rows are
-//   * window rows p - W + 1 ... p (>= 0) of s in `window` (its own layer's cache), and
+//   * window rows l - W + 1 ... l (>= 0) of s in `window` (its own layer's cache), l = p or, when
+//     given, window_last[t] (a DSpark draft block sees the committed rows up to the position
+//     before the block, SPEC §13.1), and
 //   * compressed entries picks[t][i] >= 0 of s in `compressed` (the kv source's cache), the first
 //     pick_count[t] of the list when given; with compress_ratio > 0 entries >= (p + 1) /
 //     compress_ratio are skipped (not yet closed).
@@ -33,6 +35,8 @@ struct SparseAttentionParams {
                                // (optional when no cache has a block table)
   TensorView token_position;   // [tokens] i32: the token's absolute position p (>= 0)
                                // (optional with window_size 0 and compress_ratio 0)
+  TensorView window_last;      // [tokens] i32, optional: the last window row the token attends
+                               // (absent: its own position p); < 0 attends no window row
   PagedCache window;           // reader; rows = positions, head_dim channels (optional with window_size 0)
   int64_t window_size = 128;   // W >= 0 (0: the picks alone)
   PagedCache compressed;       // reader, optional (pages absent: window only); rows = entries

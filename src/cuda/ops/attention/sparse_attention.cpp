@@ -33,6 +33,7 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
       {"token_sequence", &p.token_sequence, {tokens}, {DType::i32}, !is_present(p.window.block_table) &&
                                                                          !is_present(p.compressed.block_table)},
       {"token_position", &p.token_position, {tokens}, {DType::i32}, p.window_size == 0 && p.compress_ratio == 0},
+      {"window_last", &p.window_last, {tokens}, {DType::i32}, true},
   };
   // window_size 0 attends no window rows (the picks alone): the window cache may then be absent.
   const bool has_window = p.window_size != 0 || is_present(p.window.pages);

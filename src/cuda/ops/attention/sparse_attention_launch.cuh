@@ -16,6 +16,7 @@ struct SparseAttentionLaunch {
   const uint16_t* q = nullptr;  // [tokens, heads, head_dim] bf16
   const int32_t* token_sequence = nullptr;  // optional (flat caches): sequence 0
   const int32_t* token_position = nullptr;  // optional: no window, no causal bound
+  const int32_t* window_last = nullptr;     // optional: the token's own position
   DeviceRows window;
   int64_t window_size = 0;
   DeviceRows compressed;
@@ -47,6 +48,7 @@ inline SparseAttentionLaunch make_sparse_attention_launch(const SparseAttentionP
   a.q = p.q.ptr<const uint16_t>();
   if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
   if (is_present(p.token_position)) a.token_position = p.token_position.ptr<const int32_t>();
+  if (is_present(p.window_last)) a.window_last = p.window_last.ptr<const int32_t>();
   a.window = device_rows(p.window);
   a.window_size = p.window_size;
   if (is_present(p.compressed.pages)) {
@@ -76,7 +78,9 @@ inline void combine_sparse_attention_splits(const SparseAttentionLaunch& a, DTyp
 }
 
 // Token t's attended rows: i < n_window is window position window_first + i, the rest pick
-// i - n_window; rows that are -1, not yet visible or not addressable are invalid refs.
+// i - n_window; rows that are -1, not yet visible or not addressable are invalid refs. The window
+// ends at the token's window_last (default: its own position); compressed entries stay bounded by
+// the position.
 struct TokenRows {
   int64_t sequence = 0;
   int64_t window_first = 0;
@@ -87,8 +91,9 @@ struct TokenRows {
   __device__ TokenRows(const SparseAttentionLaunch& a, int64_t t) {
     sequence = a.token_sequence ? a.token_sequence[t] : 0;
     const int64_t position = a.token_position ? a.token_position[t] : -1;
-    window_first = position - a.window_size + 1 > 0 ? position - a.window_size + 1 : 0;
-    n_window = position >= 0 ? position - window_first + 1 : 0;
+    const int64_t last = a.window_last ? a.window_last[t] : position;
+    window_first = last - a.window_size + 1 > 0 ? last - a.window_size + 1 : 0;
+    n_window = last >= 0 ? last - window_first + 1 : 0;
     const int64_t n_picks = !a.picks       ? 0
                             : a.pick_count ? min(max(int64_t{a.pick_count[t]}, int64_t{0}), a.num_picks)
                                            : a.num_picks;
