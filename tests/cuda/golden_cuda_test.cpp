@@ -247,7 +247,8 @@ TEST_F(CudaTest, GoldenV41DsparkDraftLayers) {
         for (int64_t d = 0; d < D; ++d)
           differing += rows[(pos - length + W) * D + d] != expected[(b * W + pos % W) * D + d];
     }
-    EXPECT_EQ(differing, 0) << "stage " << s << ": values of the final ring differ from the recorded ones";
+    EXPECT_EQ(differing, 0) << "stage " << s << ": " << differing << " of " << g.batch * W * D
+                            << " values of the final rings differ from the recorded ones";
   }
 }
 
