@@ -177,6 +177,28 @@ TEST_F(CliReplayTest, V41aReferenceMatchesGolden) {
   EXPECT_EQ(report["topk_rows_equal"], report["topk_rows"]);
 }
 
+// A DSpark set (v41ds_a, SPEC §13.1) through the draft layers of a drafter, on the CPU and on the
+// GPU (where there is none, replay falls back to the CPU and says so): 15 draft calls x 3 stages,
+// every output within the acceptance bound.
+TEST_F(CliReplayTest, V41dsDraftLayersMatchGoldenOnEveryBackend) {
+  for (const std::string backend : {"cpu", "cuda"}) {
+    SCOPED_TRACE("backend " + backend);
+    const Replay& replay = replayed("v41ds_a", "v41ds_a.weights.safetensors", "v41ds_a." + backend + ".safetensors",
+                                    "--precision reference --backend " + backend);
+    ASSERT_EQ(replay.result.exit_code, 0) << replay.result.output;
+    EXPECT_NE(replay.result.output.find("replay: DSpark set, 17 calls (15 with a draft block) x 3 draft stages"),
+              std::string::npos)
+        << replay.result.output;
+    const CliResult compare = run_cli("compare " + shell_quoted(kGolden + "v41ds_a.calls.safetensors") + " " +
+                                          shell_quoted(replay.out) + " --tol 2e-2 --json",
+                                      false);
+    ASSERT_EQ(compare.exit_code, 0) << compare.output;
+    const nlohmann::json report = nlohmann::json::parse(compare.output);
+    EXPECT_EQ(report["layers"].size(), 15u * 3u);
+    for (const nlohmann::json& entry : report["layers"]) EXPECT_LE(entry["rel_l2"].get<double>(), 2e-2) << entry;
+  }
+}
+
 // DeepSeek's official V4.0 code (v40o_a): a ModelArgs config with an HCA ratio of 16, every float
 // tensor stored as bf16, the indexer QAT on; picks equal on every row not flagged ambiguous.
 TEST_F(CliReplayTest, V40oOfficialReferenceMatchesGolden) {

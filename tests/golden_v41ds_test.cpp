@@ -207,6 +207,20 @@ TEST(GoldenV41Dspark, ProtocolErrors) {
             std::string::npos);
   engine->run_draft_block(4, {sequences[0]}, TensorView::contiguous(rows.data(), DType::f32, {B, H}),
                           TensorView::contiguous(rows.data(), DType::f32, {B, H}));
+  // The block's positions stay below max_context (128), as a step's do.
+  const std::unique_ptr<Engine> full = drafter(g, CacheStorage::float_rows);
+  const SequenceId long_sequence = full->add_sequence();
+  const int64_t committed = 124;
+  std::vector<float> main_hidden(static_cast<size_t>(committed * g.config.dspark_main_width()), 0.5f);
+  full->begin_step({{long_sequence, committed}});
+  full->run_draft_context(
+      TensorView::contiguous(main_hidden.data(), DType::f32, {committed, g.config.dspark_main_width()}));
+  full->end_step();
+  EXPECT_NE(message([&] {
+              full->run_draft_block(3, {long_sequence}, TensorView::contiguous(rows.data(), DType::f32, {B, H}),
+                                    TensorView::contiguous(rows.data(), DType::f32, {B, H}));
+            }).find("sequence 0's block reaches position 128, beyond max_context 128 (positions 0 ... 127)"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -130,9 +130,10 @@ class Engine {
   // the block of `sequences[i]` at rows i·B … i·B + B − 1 of hidden_in / attn_out ([sequences · B,
   // hidden_size] f32 on the engine's device, may be the same memory; sequences · B <=
   // max_tokens_per_step). With p0 = sequence_length − 1 (>= 0) the last committed token, block
-  // row j sits at position p0 + 1 + j and attends the window rows of positions max(0, p0 − W + 1)
-  // … p0 and all B rows of its block, itself and the later ones included (non-causal). The
-  // block's keys are not stored: caches and lengths are unchanged, and a block may be run again.
+  // row j sits at position p0 + 1 + j (below max_context) and attends the window rows of
+  // positions max(0, p0 − W + 1) … p0 and all B rows of its block, itself and the later ones
+  // included (non-causal). The block's keys are not stored: caches and lengths are unchanged, and
+  // a block may be run again.
   virtual void run_draft_block(int layer, const std::vector<SequenceId>& sequences, const TensorView& hidden_in,
                                const TensorView& attn_out) = 0;
 

@@ -227,6 +227,9 @@ void StepEngine::run_draft_block(int layer, const std::vector<SequenceId>& seque
     lengths.push_back(cached_length(s));
     DSV4_CHECK(lengths.back() >= 1, "engine: run_draft_block: sequence ", s,
                " has no committed token; a draft block follows the last committed token p0");
+    DSV4_CHECK(lengths.back() + B <= options_.max_context, "engine: run_draft_block: sequence ", s,
+               "'s block reaches position ", lengths.back() + B - 1, ", beyond max_context ", options_.max_context,
+               " (positions 0 ... ", options_.max_context - 1, ")");
   }
   const std::string operation = "run_draft_block: layer " + std::to_string(layer);
   check_activation(operation.c_str(), "hidden_in", hidden_in, rows, config_.hidden_size,

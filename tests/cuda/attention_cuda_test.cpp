@@ -47,9 +47,11 @@ struct AttentionCase {
   PagePlacement placement = PagePlacement::segregated;
   int64_t heads = 16;
   int64_t window = 128;
-  int ratio = 0;
+  int ratio = 0;  // 0 with a compressed cache: picks are not bounded by the position
   int64_t num_picks = 0;
   std::vector<Token> tokens;
+  std::vector<int32_t> window_last;  // per token, optional: the last window row it attends
+  std::vector<int32_t> picks;        // [tokens, num_picks], optional: else random
   std::vector<int32_t> first_window_page;  // per sequence; rows on earlier pages are gone
   DType out_dtype = DType::f32;
   bool bf16_rounding = false;
@@ -133,6 +135,7 @@ void check_attention(const AttentionCase& c) {
   const int64_t tokens = static_cast<int64_t>(c.tokens.size());
   int64_t max_position = 0;
   for (const Token& t : c.tokens) max_position = std::max<int64_t>(max_position, t.position);
+  for (const int32_t last : c.window_last) max_position = std::max<int64_t>(max_position, last);
 
   const int64_t window_rows_per_page = default_rows_per_page(c.window_format);
   HostPagedCache window = testing::make_host_cache(
@@ -141,8 +144,10 @@ void check_attention(const AttentionCase& c) {
   if (c.window_format == KvRowFormat::fp8_per_tensor) window.tensor_scale = 0.0078125f;
   fill_rows(window, max_position + 1, rng);
 
-  // Entries beyond the visible ones exist too: the kernel must not attend them.
-  const int64_t entries = c.ratio > 0 ? (max_position + 1) / c.ratio + 4 : 0;
+  // Entries beyond the visible ones exist too: the kernel must not attend them. Without a ratio
+  // every entry the picks name exists.
+  int64_t entries = c.ratio > 0 ? (max_position + 1) / c.ratio + 4 : c.num_picks + 4;
+  for (const int32_t e : c.picks) entries = std::max<int64_t>(entries, e + 1);
   std::optional<HostPagedCache> compressed;
   if (c.compressed_format) {
     compressed = testing::make_host_cache(*c.compressed_format, kHeadDim, 64, c.placement,
@@ -158,11 +163,14 @@ void check_attention(const AttentionCase& c) {
     sequence[t] = c.tokens[t].sequence;
     position[t] = c.tokens[t].position;
     for (int64_t i = 0; i < c.num_picks; ++i) {
-      // -1, visible entries, and a few not yet visible ones.
-      const int64_t visible = c.ratio > 0 ? (position[t] + 1) / c.ratio : 0;
-      picks[t * c.num_picks + i] = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(-1, visible + 2)(rng));
+      // -1, visible entries, and a few not yet visible ones (with a ratio).
+      const int64_t highest = c.ratio > 0 ? (position[t] + 1) / c.ratio + 2 : entries - 1;
+      picks[t * c.num_picks + i] = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(-1, highest)(rng));
     }
   }
+  if (!c.picks.empty()) picks = c.picks;
+  // The window ends at the token's window_last when given, else at its position.
+  const auto window_end = [&](int64_t t) { return c.window_last.empty() ? position[t] : c.window_last[t]; };
   const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
 
   // Reference, token by token, on the rows the kernel must attend, and the double recomputation.
@@ -171,11 +179,12 @@ void check_attention(const AttentionCase& c) {
   std::vector<double> rounded(outputs), unrounded(outputs);
   for (int64_t t = 0; t < tokens; ++t) {
     std::vector<std::vector<float>> rows;
-    for (int64_t p = std::max<int64_t>(0, position[t] - c.window + 1); p <= position[t]; ++p)
+    for (int64_t p = std::max<int64_t>(0, window_end(t) - c.window + 1); p <= window_end(t); ++p)
       if (window.slot(sequence[t], p) >= 0) rows.push_back(window.read(sequence[t], p));
     for (int64_t i = 0; i < c.num_picks; ++i) {
       const int64_t e = picks[t * c.num_picks + i];
-      if (e >= 0 && e < (position[t] + 1) / c.ratio && compressed->slot(sequence[t], e) >= 0)
+      const bool visible = c.ratio == 0 || e < (position[t] + 1) / c.ratio;
+      if (e >= 0 && visible && compressed->slot(sequence[t], e) >= 0)
         rows.push_back(compressed->read(sequence[t], e));
     }
     std::vector<const float*> pointers;
@@ -201,6 +210,11 @@ void check_attention(const AttentionCase& c) {
   SparseAttentionParams p{.q = dq.view, .token_sequence = dsequence.view, .token_position = dposition.view,
                           .window = dwindow.view, .window_size = c.window, .sink = dsink.view, .scale = scale,
                           .out = dout.view, .lse = dlse.view, .bf16_rounding = c.bf16_rounding};
+  DeviceTensor dwindow_last;
+  if (!c.window_last.empty()) {
+    dwindow_last = testing::device_array(c.window_last, DType::i32, {tokens});
+    p.window_last = dwindow_last.view;
+  }
   testing::DevicePagedCache dcompressed;
   DeviceTensor dpicks;
   if (compressed) {
@@ -268,6 +282,7 @@ void check_attention(const AttentionCase& c) {
     alone.q = token_view(p.q, t);
     alone.token_sequence = token_view(p.token_sequence, t);
     alone.token_position = token_view(p.token_position, t);
+    if (!c.window_last.empty()) alone.window_last = token_view(p.window_last, t);
     if (compressed) alone.picks = token_view(p.picks, t);
     DeviceTensor alone_out = testing::poisoned_tensor(c.out_dtype, {1, c.heads, kHeadDim});
     alone.out = alone_out.view;
@@ -386,6 +401,46 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingHeadsFormatsAndTopK) {
   }
 }
 
+TEST_F(CudaTest, SparseAttentionWindowLastDraftBlocks) {
+  // DSpark draft blocks (SPEC §13.1): block b of B = 5 rows at p0 + 1 ... p0 + 5 attends the window
+  // rows p0 - W + 1 ... p0 (window_last = p0, not its position) and the 5 rows of its block, picked
+  // from a second cache in the window's format with ratio 0 (not bounded by the position). Blocks
+  // after p0 = 0, inside the window, at its edge and past it (the early pages gone). Every
+  // implementation, with and without the reference's rounding.
+  for (const bool rounding : {false, true}) {
+    SCOPED_TRACE(rounding ? "bf16_rounding" : "no rounding");
+    constexpr int64_t kBlock = 5;
+    AttentionCase c{.window_format = KvRowFormat::v41_fp8, .compressed_format = KvRowFormat::v41_fp8, .heads = 64,
+                    .window = 128, .ratio = 0, .num_picks = kBlock, .out_dtype = DType::bf16,
+                    .bf16_rounding = rounding, .seed = 90};
+    int32_t b = 0;
+    for (const int32_t p0 : {0, 40, 127, 300}) {
+      c.first_window_page.push_back(p0 > 128 ? 6 : 0);  // 32 rows per page: rows < 192 are gone
+      for (int32_t j = 0; j < kBlock; ++j) {
+        c.tokens.push_back({b, p0 + 1 + j});
+        c.window_last.push_back(p0);
+        // The block keys of sequence b are its entries b·B ... b·B + B - 1, in order.
+        for (int32_t i = 0; i < kBlock; ++i) c.picks.push_back(b * kBlock + i);
+      }
+      ++b;
+    }
+    check_attention(c);
+  }
+}
+
+TEST_F(CudaTest, SparseAttentionWindowLastAnywhere) {
+  // window_last before, at and after the token's own position (a later row: the window may reach
+  // ahead), and negative (no window row); window only, bf16 rows.
+  AttentionCase c{.window_format = KvRowFormat::bf16, .heads = 20, .window = 16, .first_window_page = {0, 0},
+                  .seed = 95};
+  for (const auto& [sequence, position, last] : {std::tuple{0, 10, 3}, std::tuple{0, 11, 11}, std::tuple{0, 12, 20},
+                                                 std::tuple{1, 0, 7}, std::tuple{1, 50, -1}, std::tuple{1, 51, 70}}) {
+    c.tokens.push_back({sequence, position});
+    c.window_last.push_back(last);
+  }
+  check_attention(c);
+}
+
 // The fragment layouts of mma_fragments.cuh on one 16 x 16 x 16 product and its P·V, exact with
 // small integers: a layout bug shows here as wrong elements (printed) before any attention test.
 TEST_F(CudaTest, SparseAttentionMmaFragmentLayouts) {
@@ -487,6 +542,9 @@ TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
   bad = p;
   bad.lse = fake_device_view(DType::bf16, {3, 8});
   EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'lse' has dtype BF16, expected F32");
+  bad = p;
+  bad.window_last = fake_device_view(DType::i32, {4});
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'window_last' has shape [4], expected [3]");
   bad = p;
   bad.window_size = -1;
   EXPECT_EQ(message(bad), "dsv4: sparse_attention: window_size is -1, expected >= 0");

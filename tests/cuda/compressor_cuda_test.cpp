@@ -128,9 +128,15 @@ TEST(CompressorCudaValidation, ReportsTheFirstBadArgument) {
                                .latent = fake_device_view(DType::bf16, {6, 512})};
   EXPECT_NO_THROW(validate_compressor_pool(p));
   CompressorPoolParams bad = p;
-  bad.state = fake_device_view(DType::f32, {4, 4, 1024});
+  bad.state = fake_device_view(DType::f32, {4, 2, 512});
   EXPECT_EQ(error_of([&] { validate_compressor_pool(bad); }),
-            "dsv4: compressor_pool: argument 'state' has shape [4, 4, 1024], expected [4, 2, 1024]");
+            "dsv4: compressor_pool: argument 'state' has shape [4, 2, 512], expected [4, 2, 1024]");
+  bad.state = fake_device_view(DType::f32, {4, 1, 1024});
+  EXPECT_EQ(error_of([&] { validate_compressor_pool(bad); }),
+            "dsv4: compressor_pool: argument 'state' has 1 rows per sequence, expected at least the span 2");
+  // A ring longer than the span (rows kept for rollbacks) is fine.
+  bad.state = fake_device_view(DType::f32, {4, 7, 1024});
+  EXPECT_NO_THROW(validate_compressor_pool(bad));
   bad = p;
   bad.rows = fake_device_view(DType::f32, {6, 512});
   EXPECT_EQ(error_of([&] { validate_compressor_pool(bad); }),

@@ -1,9 +1,11 @@
-// Both golden sets (tests/data/golden) replayed on the CUDA engine, every call through every layer
+// The golden sets (tests/data/golden) replayed on the CUDA engine, every call through every layer
 // with the recorded inputs, compared per call and layer with the recorded outputs:
 //  * v41a (DeepSeek's official V4.1 code, reference precision, default formats = v4.1-native);
 //  * v40a (transformers V4.0 in float64, Precision::fp32: bf16 activations on the GPU);
 //  * v40o_a (DeepSeek's official V4.0 code, reference precision with its indexer QAT: Hadamard +
-//    FP4 index queries and keys; every float tensor stored as bf16).
+//    FP4 index queries and keys; every float tensor stored as bf16);
+//  * v41ds_a (DeepSeek's official V4.1 DSpark draft layers) through a drafter, per call and stage
+//    (CudaTest.GoldenV41DsparkDraftLayers below).
 // Relative L2 <= 2e-2 (the README's acceptance bound) over the rows the golden selection leaves
 // unambiguous and whose picks the GPU reproduces: the GPU indexer scores in fp32 where the v41a
 // reference sums bf16, so a near-tie at the cut may select another entry and change the row's
@@ -15,10 +17,12 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
+#include "cuda/engine/cuda_engine.h"
 #include "golden_util.h"
 
 namespace dsv4 {
@@ -178,6 +182,75 @@ INSTANTIATE_TEST_SUITE_P(Sets, GoldenCuda,
                                            GoldenCase{"v40a", Precision::fp32, "topk"},
                                            GoldenCase{"v40o_a", Precision::reference, "topk_pos", 1.0}),
                          [](const ::testing::TestParamInfo<GoldenCase>& info) { return info.param.name; });
+
+// v41ds_a (DeepSeek's official V4.1 DSpark draft layers, SPEC §13.1) through a CUDA drafter in
+// reference precision with the default (v4.1-native) formats: every call's context rows, then each
+// draft call's block through the three stages, as tests/golden_v41ds_test.cpp replays it on the
+// CPU. Outputs per call and stage within the acceptance bound of the golden set and of a CPU
+// drafter over the same paged formats; the final window rings equal the recorded ones.
+std::unique_ptr<Engine> dspark_drafter(const GoldenSet& g, Backend backend) {
+  EngineOptions options;
+  options.backend = backend;
+  options.precision = Precision::reference;
+  options.layers = LayerSet::draft;
+  options.max_sequences = g.batch;
+  options.max_context = 128;
+  options.max_tokens_per_step = 128;
+  return Engine::create(g.config, g.weights, options);
+}
+
+TEST_F(CudaTest, GoldenV41DsparkDraftLayers) {
+  const GoldenSet g = golden::load_golden_set("v41ds_a");
+  const std::unique_ptr<Engine> gpu = dspark_drafter(g, Backend::cuda), cpu = dspark_drafter(g, Backend::cpu);
+  std::vector<SequenceId> gpu_sequences, cpu_sequences;
+  double worst_golden = 0, sum_golden = 0, worst_cpu = 0;
+  int compared = 0;
+  for (int c = 0; c < g.num_calls; ++c) {
+    const std::vector<std::vector<float>> mine = golden::replay_dspark_call(*gpu, g, c, gpu_sequences);
+    const std::vector<std::vector<float>> cpu_out = golden::replay_dspark_call(*cpu, g, c, cpu_sequences);
+    ASSERT_EQ(mine.size(), cpu_out.size()) << "call " << c;
+    for (int s = 0; s < static_cast<int>(mine.size()); ++s) {
+      const std::vector<float> expected = g.floats(GoldenSet::layer_name(c, s, "attn_out"));
+      ASSERT_EQ(mine[s].size(), expected.size());
+      const int64_t n = static_cast<int64_t>(expected.size());
+      const double to_golden = golden::relative_l2(mine[s].data(), expected.data(), n);
+      const double to_cpu = golden::relative_l2(mine[s].data(), cpu_out[s].data(), n);
+      EXPECT_LE(to_golden, kAcceptance) << "call " << c << " stage " << s;
+      EXPECT_LE(to_cpu, kAcceptance) << "call " << c << " stage " << s << " against the CPU drafter";
+      worst_golden = std::max(worst_golden, to_golden);
+      sum_golden += to_golden;
+      worst_cpu = std::max(worst_cpu, to_cpu);
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 15 * 3);
+  std::printf("v41ds_a on cuda: %d call x stage outputs, relative L2 to the golden set mean %.3g, worst %.3g; "
+              "to the CPU drafter worst %.3g\n",
+              compared, sum_golden / std::max(compared, 1), worst_golden, worst_cpu);
+  RecordProperty("measured_worst_rel_l2", std::to_string(worst_golden));
+  RecordProperty("measured_worst_rel_l2_to_cpu", std::to_string(worst_cpu));
+
+  // The rings after the last call: the FP8 context rows of each sequence's last W positions
+  // (slot = position % W in the recorded ring); the blocks' keys never entered them.
+  const auto& engine = dynamic_cast<const cuda::CudaEngine&>(*gpu);
+  const int64_t W = g.config.sliding_window, D = g.config.head_dim;
+  for (int s = 0; s < g.config.num_mtp_layers; ++s) {
+    const std::vector<float> expected = g.floats("state.layers." + std::to_string(s) + ".window_kv");
+    ASSERT_EQ(static_cast<int64_t>(expected.size()), g.batch * W * D);
+    int64_t differing = 0;
+    for (int64_t b = 0; b < g.batch; ++b) {
+      const SequenceId id = gpu_sequences[static_cast<size_t>(b)];
+      const int64_t length = gpu->sequence_length(id);
+      ASSERT_GE(length, W);
+      const std::vector<float> rows = engine.window_rows(id, g.config.num_layers + s, length - W, W);
+      for (int64_t pos = length - W; pos < length; ++pos)
+        for (int64_t d = 0; d < D; ++d)
+          differing += rows[(pos - length + W) * D + d] != expected[(b * W + pos % W) * D + d];
+    }
+    EXPECT_EQ(differing, 0) << "stage " << s << ": " << differing << " of " << g.batch * W * D
+                            << " values of the final rings differ from the recorded ones";
+  }
+}
 
 }  // namespace
 }  // namespace dsv4

@@ -3,8 +3,10 @@
 // are the same call, tokens of any number of sequences mixed.
 //
 // For the token at position p of sequence s, the attended rows are
-//   * window rows p - W + 1 ... p (>= 0) of s in `window` (its own layer's cache), or rows
-//     window_first[t] ... window_last[t] when those are given (image spans, SPEC §14.3), and
+//   * window rows f ... l of s in `window` (its own layer's cache): l = p, or window_last[t] when
+//     given (a DSpark draft block sees the committed rows up to the position before the block,
+//     SPEC §13.1); f = max(0, l - W + 1), or window_first[t] when given (image spans, SPEC §14.3);
+//     and
 //   * compressed entries picks[t][i] >= 0 of s in `compressed` (the kv source's cache), the first
 //     pick_count[t] of the list when given; with compress_ratio > 0 entries >= (p + 1) /
 //     compress_ratio are skipped (not yet closed).
@@ -34,13 +36,14 @@ struct SparseAttentionParams {
                                // (optional when no cache has a block table)
   TensorView token_position;   // [tokens] i32: the token's absolute position p (>= 0)
                                // (optional with window_size 0 and compress_ratio 0)
-  PagedCache window;           // reader; rows = positions, head_dim channels (optional with window_size 0)
-  int64_t window_size = 128;   // W >= 0 (0: the picks alone)
-  TensorView window_first;     // [tokens] i32, optional (both or neither, with a window): token t's
-  TensorView window_last;      // window is positions window_first[t] ... window_last[t] instead
-                               // of p - W + 1 ... p (image spans); empty when last < first
+  TensorView window_last;      // [tokens] i32, optional: the last window row the token attends
+                               // (absent: its own position p); < 0 attends no window row
+  TensorView window_first;     // [tokens] i32, optional (with window_last): the first window row
+                               // (absent: window_last - W + 1); none when last < first
   int64_t max_window_rows = 0; // with window_first: >= every window_last[t] - window_first[t] + 1
                                // (the rows the kernels plan for; a longer window is cut there)
+  PagedCache window;           // reader; rows = positions, head_dim channels (optional with window_size 0)
+  int64_t window_size = 128;   // W >= 0 (0: the picks alone)
   PagedCache compressed;       // reader, optional (pages absent: window only); rows = entries
   TensorView picks;            // [tokens, k] i32 entry indices, -1 = none; required with `compressed`
   TensorView pick_count;       // [tokens] i32, optional: picks of token t beyond pick_count[t] are ignored

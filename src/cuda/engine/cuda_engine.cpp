@@ -1,6 +1,7 @@
 #include "cuda/engine/cuda_engine.h"
 
 #include "dsv4/cuda/qkv.h"
+#include "dsv4/kv_format.h"
 #include "dsv4/parallel.h"
 
 namespace dsv4::cuda {
@@ -66,7 +67,17 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
   step_metadata_ = std::make_unique<StepMetadata>(topo, *caches_, options.max_tokens_per_step, options.max_sequences,
                                                   options.max_context);
 
-  workspace_ = make_workspace(config, recipes(), options);
+  // DSpark: the draft blocks' metadata and keys (the draft layers share the window format).
+  const int first_draft = config.num_layers;
+  const bool drafts = config.has_dspark() && first_draft < L && layer_present(first_draft);
+  PagedCache draft_window;
+  if (drafts) {
+    draft_block_ = std::make_unique<DraftBlockMetadata>(topo, *caches_, options.max_tokens_per_step,
+                                                        options.max_sequences, config.dspark_block_size);
+    draft_window.geometry = caches_->geometry(CacheKind::window, first_draft);
+    draft_window.tensor_scale = caches_->manager().pool(CacheKind::window, first_draft).tensor_scale();
+  }
+  workspace_ = make_workspace(config, recipes(), options, drafts ? &draft_window : nullptr);
   pipeline_ = std::make_unique<LayerPipeline>(LayerPipelineInputs{
       .config = &this->config(),
       .recipes = &recipes(),
@@ -74,8 +85,10 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
       .main_rope = &main_rope_,
       .compress_rope = &compress_rope_,
       .max_context = options.max_context,
+      .max_tokens = options.max_tokens_per_step,
       .caches = caches_.get(),
       .step = step_metadata_.get(),
+      .draft_block = draft_block_.get(),
       .workspace = &workspace_,
       .blas = &blas_,
       .stream = stream_,
@@ -98,6 +111,7 @@ EngineMemory CudaEngine::memory() const {
     if (l) m.weights += l->device_bytes();
   m.caches = caches_->device_bytes();
   m.workspace = static_cast<int64_t>(workspace_.device_bytes() + step_metadata_->device_bytes() +
+                                     (draft_block_ ? draft_block_->device_bytes() : 0) +
                                      BlasLt::kWorkspaceBytes + main_rope_.bytes() + compress_rope_.bytes());
   return m;
 }
@@ -126,13 +140,30 @@ void CudaEngine::commit_sequence(const StepChunk& chunk) {
   caches_->commit(chunk.sequence, chunk.start + chunk.tokens);
 }
 
-void CudaEngine::run_draft_context_step(const TensorView&) {
-  fail("engine: run_draft_context: the cuda backend does not run DSpark draft layers yet");
+void CudaEngine::run_draft_context_step(const TensorView& main_hidden) { pipeline_->run_draft_context(main_hidden); }
+
+void CudaEngine::run_draft_block_layer(int layer, const std::vector<SequenceId>& sequences,
+                                       const std::vector<int64_t>& lengths, const TensorView& hidden_in,
+                                       const TensorView& attn_out) {
+  draft_block_->pack(layer, sequences, lengths, config().dspark_block_size, *caches_, stream_);
+  pipeline_->run_draft_block(layer, hidden_in, attn_out);
 }
 
-void CudaEngine::run_draft_block_layer(int, const std::vector<SequenceId>&, const std::vector<int64_t>&,
-                                       const TensorView&, const TensorView&) {
-  fail("engine: run_draft_block: the cuda backend does not run DSpark draft layers yet");
+std::vector<float> CudaEngine::window_rows(SequenceId sequence, int layer, int64_t first, int64_t n) const {
+  const KvCacheManager& manager = caches_->manager();
+  const PageGeometry& g = caches_->geometry(CacheKind::window, layer);
+  const TensorView pages = caches_->pages(CacheKind::window, layer);
+  std::vector<std::byte> page(static_cast<size_t>(g.page_stride));
+  std::vector<float> rows(static_cast<size_t>(n * g.row.dims));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = manager.slot(sequence, CacheKind::window, layer, first + i);
+    const int64_t row_in_page = slot % g.rows_per_page;
+    const std::byte* device_page = static_cast<const std::byte*>(pages.data) + slot / g.rows_per_page * g.page_stride;
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(page.data(), device_page, page.size(), cudaMemcpyDeviceToHost, stream_));
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    decode_rows(g, page, &row_in_page, 1, rows.data() + i * g.row.dims, manager.pool(CacheKind::window, layer).tensor_scale());
+  }
+  return rows;
 }
 
 }  // namespace dsv4::cuda

@@ -48,6 +48,10 @@ class CudaEngine final : public StepEngine {
   EngineMemory memory() const override;
   CUstream_st* cuda_stream() const override { return stream_; }
 
+  // Diagnostics: window rows [first, first + n) of a sequence in `layer`'s cache, decoded
+  // ([n, head_dim] f32; the rows must be readable). Waits for the stream.
+  std::vector<float> window_rows(SequenceId sequence, int layer, int64_t first, int64_t n) const;
+
  private:
   void add_sequence_caches(SequenceId id) override { caches_->add_sequence(id); }
   void fork_sequence_caches(SequenceId parent, SequenceId child) override { caches_->fork_sequence(parent, child); }
@@ -72,6 +76,7 @@ class CudaEngine final : public StepEngine {
   DeviceBuffer main_rope_, compress_rope_;                  // [max_context, rope_head_dim] f32
   std::unique_ptr<DeviceCaches> caches_;
   std::unique_ptr<StepMetadata> step_metadata_;
+  std::unique_ptr<DraftBlockMetadata> draft_block_;  // with DSpark draft layers
   Workspace workspace_;
   std::unique_ptr<LayerPipeline> pipeline_;
 };

@@ -50,10 +50,10 @@ void LayerPipeline::project(const TensorView& x, const DeviceWeight& w, const Te
   run_linear(linear_params(x, w.view(), w.activation_block, y, in_.blas), in_.workspace->scratch, in_.stream);
 }
 
-CacheInsertParams LayerPipeline::insert_params(int layer, RowQuantizer quantizer, const TensorView& slots,
-                                               const PagedCache& cache) const {
+CacheInsertParams LayerPipeline::insert_params(int layer, RowQuantizer quantizer, const TensorView& positions,
+                                               const TensorView& slots, const PagedCache& cache) const {
   CacheInsertParams p;
-  p.token_position = in_.step->token_position();
+  p.token_position = positions;
   p.rope_table = rope_table(layer);
   p.quant = quantizer;
   p.bf16_rounding = recipe(layer).round_bf16;
@@ -62,11 +62,12 @@ CacheInsertParams LayerPipeline::insert_params(int layer, RowQuantizer quantizer
   return p;
 }
 
-OutputProjectionParams LayerPipeline::output_params(int layer, const TensorView& o, const TensorView& y) const {
+OutputProjectionParams LayerPipeline::output_params(int layer, const TensorView& positions, const TensorView& o,
+                                                    const TensorView& y) const {
   const int64_t G = config().o_groups, R = config().o_lora_rank, H = config().num_heads, D = config().head_dim;
   OutputProjectionParams p;
   p.o = o;
-  p.token_position = in_.step->token_position();
+  p.token_position = positions;
   p.rope_table = rope_table(layer);
   p.wo_a = weights(layer).get(WeightRole::wo_a).view({G, R, H * D / G});
   p.y = y;
@@ -98,9 +99,9 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
     measure_role(bf16_view(hidden), WeightRole::wkv, rows_view(D));
     measure_role(rows_view(config().o_groups * config().o_lora_rank), WeightRole::wo_b,
                  in_.communicator ? view(any, DType::f32, {T, hidden}) : rows_view(hidden));
-    OutputProjectionParams output = output_params(static_cast<int>(l), view(any, ws.rows, {T, H, D}),
+    OutputProjectionParams output = output_params(static_cast<int>(l), view(any, DType::i32, {T}),
+                                                  view(any, ws.rows, {T, H, D}),
                                                   view(any, ws.rows, {T, config().o_groups, config().o_lora_rank}));
-    output.token_position = view(any, DType::i32, {T});
     scratch = std::max(scratch, output_projection_workspace_bytes(output));
     if (r.compressor) {
       measure(bf16_view(hidden), w.fused(WeightRole::compressor_wkv, WeightRole::compressor_wgate), 0,
@@ -115,70 +116,85 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
       measure_role(rows_view(config().q_lora_rank), WeightRole::indexer_wq_b, bf16_view(nI * dI));
       measure_role(bf16_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
     }
+    if (r.plan.kind == AttentionKind::dspark) {
+      measure_role(rows_view(hidden), WeightRole::wkv, rows_view(D));  // the context rows from main_x
+      if (w.has(WeightRole::main_proj))
+        measure_role(bf16_view(config().dspark_main_width()), WeightRole::main_proj, rows_view(hidden));
+    }
   }
-  // A token attends its window (up to W + M rows in an image span) plus index_topk picks, or on
-  // V4.0 HCA layers every entry (the workspace's entry_picks_capacity).
-  const int64_t max_picks = std::max<int64_t>(config().index_topk, ws.entry_picks_capacity);
+  // A token attends its window (up to W + M rows in an image span) plus index_topk picks, on V4.0
+  // HCA layers every entry (the workspace's entry_picks_capacity), in a draft block its block's rows.
+  const int64_t max_picks = std::max<int64_t>({config().index_topk, ws.entry_picks_capacity,
+                                               ws.main_x ? config().dspark_block_size : int64_t{0}});
   const int64_t max_window = config().sliding_window + config().vision_max_n_token;
   return std::max(scratch, sparse_attention_max_workspace_bytes(T, H, max_window + max_picks));
 }
 
-void LayerPipeline::run(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
+LayerPipeline::Activations LayerPipeline::load_input(const char* operation, int layer, const TensorView& hidden_in,
+                                                     const TensorView& attn_out, int64_t T) {
   Workspace& ws = *in_.workspace;
-  const cudaStream_t stream = in_.stream;
-  const LayerRecipe& r = recipe(layer);
-  const DeviceLayerWeights& w = weights(layer);
-  const LayerStep& ls = in_.step->layer(layer);
-  const int64_t T = in_.step->tokens(), hidden = config().hidden_size, H = config().num_heads, D = config().head_dim;
-  const int64_t G = config().o_groups, R = config().o_lora_rank;
-  const auto rows = [&](void* data, std::vector<int64_t> shape) { return view(data, ws.rows, shape); };
-  const auto bf16 = [&](void* data, std::vector<int64_t> shape) { return view(data, DType::bf16, shape); };
+  const int64_t hidden = config().hidden_size;
   for (const TensorView* v : {&hidden_in, &attn_out})
-    DSV4_CHECK(v->device == Device::cpu || v->device_index == in_.device, "engine: run_layer: layer ", layer,
+    DSV4_CHECK(v->device == Device::cpu || v->device_index == in_.device, "engine: ", operation, ": layer ", layer,
                " activations are on cuda device ", v->device_index, ", the engine runs on device ", in_.device);
   const float* in = hidden_in.device == Device::cpu ? ws.staged_in : hidden_in.ptr<float>();
-  float* out = attn_out.device == Device::cpu ? ws.staged_out : attn_out.ptr<float>();
-
   if (hidden_in.device == Device::cpu)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.staged_in, hidden_in.data, static_cast<size_t>(T * hidden) * 4,
-                                    cudaMemcpyHostToDevice, stream));
-  launch_f32_to_bf16(in, static_cast<uint16_t*>(ws.x), T * hidden, stream);
-  const TensorView x = bf16(ws.x, {T, hidden});
+                                    cudaMemcpyHostToDevice, in_.stream));
+  launch_f32_to_bf16(in, static_cast<uint16_t*>(ws.x), T * hidden, in_.stream);
+  return {view(ws.x, DType::bf16, {T, hidden}), attn_out.device == Device::cpu ? ws.staged_out : attn_out.ptr<float>()};
+}
 
-  // Queries (SPEC §2.2 steps 1-4; V4.0 §12 adds the per-head normalization).
-  const TensorView qr = rows(ws.qr, {T, config().q_lora_rank});
+// Queries (SPEC §2.2 steps 1-4; V4.0 §12 adds the per-head normalization) into ws.q, q_norm's
+// output in ws.qr.
+void LayerPipeline::project_queries(int layer, const TensorView& x, const TensorView& positions) {
+  Workspace& ws = *in_.workspace;
+  const LayerRecipe& r = recipe(layer);
+  const DeviceLayerWeights& w = weights(layer);
+  const int64_t T = x.shape[0], H = config().num_heads, D = config().head_dim;
+  const TensorView qr = view(ws.qr, ws.rows, {T, config().q_lora_rank});
   project(x, w.get(WeightRole::wq_a), qr);
   RmsNormParams q_norm;
   q_norm.x = q_norm.out = qr;
   q_norm.weight = w.get(WeightRole::q_norm).view();
   q_norm.eps = r.eps;
-  run_rms_norm(q_norm, stream);
-  const TensorView q = bf16(ws.q, {T, H, D});
-  project(qr, w.get(WeightRole::wq_b), bf16(ws.q, {T, H * D}));
+  run_rms_norm(q_norm, in_.stream);
+  project(qr, w.get(WeightRole::wq_b), view(ws.q, DType::bf16, {T, H * D}));
   RopeHeadsParams q_rope;
-  q_rope.x = q_rope.out = q;
-  q_rope.token_position = in_.step->token_position();
+  q_rope.x = q_rope.out = view(ws.q, DType::bf16, {T, H, D});
+  q_rope.token_position = positions;
   q_rope.rope_table = rope_table(layer);
   q_rope.head_norm = r.q_head_norm;
   q_rope.eps = r.eps;
-  run_rope_heads(q_rope, stream);
+  run_rope_heads(q_rope, in_.stream);
+}
 
-  // The step's window rows (steps 5-6), stored before the attention reads them.
-  const TensorView kv = rows(ws.kv, {T, D});
+// Window rows of x (steps 5-6: wkv, kv_norm, RoPE at the positions, the row quantizer) into
+// `cache` at `slots`.
+void LayerPipeline::insert_window_rows(int layer, const TensorView& x, const TensorView& positions,
+                                       const TensorView& slots, const PagedCache& cache) {
+  const LayerRecipe& r = recipe(layer);
+  const DeviceLayerWeights& w = weights(layer);
+  const TensorView kv = view(in_.workspace->kv, in_.workspace->rows, {x.shape[0], config().head_dim});
   project(x, w.get(WeightRole::wkv), kv);
-  CacheInsertParams window = insert_params(layer, r.window_rows, ls.window_slots, ls.window);
+  CacheInsertParams window = insert_params(layer, r.window_rows, positions, slots, cache);
   window.rows = kv;
   window.norm_weight = w.get(WeightRole::kv_norm).view();
   window.eps = r.eps;
-  run_cache_insert(window, stream);
+  run_cache_insert(window, in_.stream);
+}
 
-  if (r.plan.owns_compressor) compress(layer);
-  if (r.plan.owns_indexer) index(layer);
-  attend(layer);
-
-  // Output projection (SPEC §6).
+// Output projection (SPEC §6) of the attention output in ws.o into `out` [T, hidden] f32, then
+// to attn_out when that is host memory.
+void LayerPipeline::project_output(int layer, const TensorView& positions, float* out, const TensorView& attn_out) {
+  Workspace& ws = *in_.workspace;
+  const cudaStream_t stream = in_.stream;
+  const DeviceLayerWeights& w = weights(layer);
+  const int64_t T = positions.shape[0], hidden = config().hidden_size, H = config().num_heads, D = config().head_dim;
+  const int64_t G = config().o_groups, R = config().o_lora_rank;
+  const auto rows = [&](void* data, std::vector<int64_t> shape) { return view(data, ws.rows, shape); };
   const TensorView y = rows(ws.y, {T, G, R});
-  run_output_projection(output_params(layer, rows(ws.o, {T, H, D}), y), ws.scratch, stream);
+  run_output_projection(output_params(layer, positions, rows(ws.o, {T, H, D}), y), ws.scratch, stream);
   // The reference's output is bf16: widen it into attn_out (fp32 precision writes f32 directly).
   // A tensor-parallel rank's output is a partial sum over its heads: f32 until the ranks' partial
   // sums are added up, then rounded as the whole output is.
@@ -199,6 +215,88 @@ void LayerPipeline::run(int layer, const TensorView& hidden_in, const TensorView
         cudaMemcpyAsync(attn_out.data, out, static_cast<size_t>(T * hidden) * 4, cudaMemcpyDeviceToHost, stream));
     DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
+}
+
+void LayerPipeline::run(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
+  const LayerRecipe& r = recipe(layer);
+  const LayerStep& ls = in_.step->layer(layer);
+  const TensorView& positions = in_.step->token_position();
+  const Activations a = load_input("run_layer", layer, hidden_in, attn_out, in_.step->tokens());
+  project_queries(layer, a.x, positions);
+  // The step's window rows, stored before the attention reads them.
+  insert_window_rows(layer, a.x, positions, ls.window_slots, ls.window);
+  if (r.plan.owns_compressor) compress(layer);
+  if (r.plan.owns_indexer) index(layer);
+  attend(layer);
+  project_output(layer, positions, a.out, attn_out);
+}
+
+void LayerPipeline::run_draft_context(const TensorView& main_hidden) {
+  Workspace& ws = *in_.workspace;
+  const cudaStream_t stream = in_.stream;
+  const int first = config().num_layers;
+  const int64_t T = in_.step->tokens(), width = config().dspark_main_width(), hidden = config().hidden_size;
+  DSV4_CHECK(main_hidden.device == Device::cpu || main_hidden.device_index == in_.device,
+             "engine: run_draft_context: main_hidden is on cuda device ", main_hidden.device_index,
+             ", the engine runs on device ", in_.device);
+  // main_hidden to bf16 (the reference rounds it first); host rows through the staging buffer, a
+  // part of them at a time.
+  uint16_t* main_bf16 = static_cast<uint16_t*>(ws.main_hidden);
+  if (main_hidden.device == Device::cpu) {
+    const int64_t chunk = in_.max_tokens * hidden;  // the floats ws.staged_in holds
+    const float* host = static_cast<const float*>(main_hidden.data);
+    for (int64_t done = 0; done < T * width; done += chunk) {
+      const int64_t n = std::min(chunk, T * width - done);
+      DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.staged_in, host + done, static_cast<size_t>(n) * 4,
+                                      cudaMemcpyHostToDevice, stream));
+      launch_f32_to_bf16(ws.staged_in, main_bf16 + done, n, stream);
+    }
+  } else {
+    launch_f32_to_bf16(main_hidden.ptr<float>(), main_bf16, T * width, stream);
+  }
+  // main_x = main_norm(main_proj(main_hidden)), stage 0's weights (SPEC §13.1 step 1).
+  const TensorView main_x = view(ws.main_x, ws.rows, {T, hidden});
+  project(view(ws.main_hidden, DType::bf16, {T, width}), weights(first).get(WeightRole::main_proj), main_x);
+  RmsNormParams norm;
+  norm.x = norm.out = main_x;
+  norm.weight = weights(first).get(WeightRole::main_norm).view();
+  norm.eps = recipe(first).eps;
+  run_rms_norm(norm, stream);
+  // Every stage's window rows of the step's tokens, from the same main_x.
+  for (int l = first; l < static_cast<int>(in_.recipes->size()); ++l) {
+    const LayerStep& ls = in_.step->layer(l);
+    insert_window_rows(l, main_x, in_.step->token_position(), ls.window_slots, ls.window);
+  }
+}
+
+void LayerPipeline::run_draft_block(int layer, const TensorView& hidden_in, const TensorView& attn_out) {
+  Workspace& ws = *in_.workspace;
+  const DraftBlockMetadata& block = *in_.draft_block;
+  const LayerRecipe& r = recipe(layer);
+  const int64_t T = block.tokens(), H = config().num_heads, D = config().head_dim;
+  const TensorView& positions = block.token_position();
+  const Activations a = load_input("run_draft_block", layer, hidden_in, attn_out, T);
+  project_queries(layer, a.x, positions);
+  // The block's own keys, rounded as the window format stores rows, into the flat block-key
+  // cache (never into the window, SPEC §13.1 step 5).
+  insert_window_rows(layer, a.x, positions, block.block_slot(), ws.block_keys);
+  // The committed window rows up to p0, then every row of the token's block (itself and the later
+  // ones: non-causal), as picks of the block-key cache.
+  SparseAttentionParams attention;
+  attention.q = view(ws.q, DType::bf16, {T, H, D});
+  attention.token_sequence = block.token_sequence();
+  attention.token_position = positions;
+  attention.window_last = block.window_last();
+  attention.window = block.window();
+  attention.window_size = config().sliding_window;
+  attention.compressed = ws.block_keys;
+  attention.picks = block.block_rows();
+  attention.sink = weights(layer).get(WeightRole::attn_sink).view();
+  attention.scale = r.softmax_scale;
+  attention.out = view(ws.o, ws.rows, {T, H, D});
+  attention.bf16_rounding = r.round_bf16;
+  run_sparse_attention(attention, ws.scratch, in_.stream);
+  project_output(layer, positions, a.out, attn_out);
 }
 
 // Compressed entries and index keys of a kv-source layer for the groups closing in this step
@@ -238,7 +336,8 @@ void LayerPipeline::compress(int layer) {
 
   // Index keys first: V4.1 derives them from the pre-RoPE latent (SPEC §4.1).
   if (r.plan.owns_index_keys) {
-    CacheInsertParams keys = insert_params(layer, r.index_rows, ls.index_key_slots, ls.index_keys);
+    CacheInsertParams keys =
+        insert_params(layer, r.index_rows, in_.step->token_position(), ls.index_key_slots, ls.index_keys);
     keys.position_offset = entry_offset;
     keys.hadamard = r.index_hadamard;
     if (r.index_compressor) {
@@ -253,7 +352,8 @@ void LayerPipeline::compress(int layer) {
     }
     run_cache_insert(keys, stream);
   }
-  CacheInsertParams entries = insert_params(layer, r.compressed_rows, ls.compressed_slots, ls.compressed);
+  CacheInsertParams entries =
+      insert_params(layer, r.compressed_rows, in_.step->token_position(), ls.compressed_slots, ls.compressed);
   entries.rows = latent;
   entries.position_offset = entry_offset;
   run_cache_insert(entries, stream);

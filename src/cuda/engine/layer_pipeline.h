@@ -27,8 +27,10 @@ struct LayerPipelineInputs {
   const DeviceBuffer* main_rope = nullptr;      // [max_context, rope_head_dim] f32
   const DeviceBuffer* compress_rope = nullptr;  // [max_context, rope_head_dim] f32
   int64_t max_context = 0;
+  int64_t max_tokens = 0;  // per step and per draft block call
   DeviceCaches* caches = nullptr;
   const StepMetadata* step = nullptr;
+  const DraftBlockMetadata* draft_block = nullptr;  // the current draft block call (DSpark)
   Workspace* workspace = nullptr;
   const BlasLt* blas = nullptr;
   cudaStream_t stream = nullptr;
@@ -44,6 +46,14 @@ class LayerPipeline {
   // Runs `layer` over the step: hidden_in / attn_out [step tokens, hidden] f32, on the host
   // (staged through the workspace; the call then waits for the stream) or on the engine's device.
   void run(int layer, const TensorView& hidden_in, const TensorView& attn_out);
+  // DSpark draft layers (SPEC §13.1), in a step: main_x = main_norm(main_proj(main_hidden)) with
+  // the first draft layer's weights, then every draft layer's window rows of the step's tokens
+  // from main_x. main_hidden [step tokens, hidden · targets] f32 on the host (staged; the call
+  // then does not wait) or the engine's device.
+  void run_draft_context(const TensorView& main_hidden);
+  // DSpark, outside a step: draft layer `layer` over the blocks draft_block holds. The block's
+  // keys go to the workspace's block-key cache, not to the window. Activations as for run().
+  void run_draft_block(int layer, const TensorView& hidden_in, const TensorView& attn_out);
   // The scratch every op of the largest step needs (run_linear, the output projection, the
   // attention's row split): what the workspace's scratch is sized to.
   size_t scratch_bytes(int64_t max_tokens) const;
@@ -52,14 +62,29 @@ class LayerPipeline {
   const ModelConfig& config() const { return *in_.config; }
   const LayerRecipe& recipe(int layer) const { return (*in_.recipes)[static_cast<size_t>(layer)]; }
   const DeviceLayerWeights& weights(int layer) const { return *(*in_.weights)[static_cast<size_t>(layer)]; }
+  // A call's activations on the device: the input x [T, hidden] bf16, and where the f32 output
+  // goes (attn_out, or the staging buffer when attn_out is host memory).
+  struct Activations {
+    TensorView x;
+    float* out = nullptr;
+  };
+
   TensorView view(void* data, DType dtype, const std::vector<int64_t>& shape) const;
   TensorView rope_table(int layer) const;
   void project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const;
-  // An insert into `cache` at the step's positions with the layer's RoPE table (rows, norm and
+  // An insert into `cache` at `positions` [T] i32 with the layer's RoPE table (rows, norm and
   // position offset left to the caller).
-  CacheInsertParams insert_params(int layer, RowQuantizer quantizer, const TensorView& slots,
-                                  const PagedCache& cache) const;
-  OutputProjectionParams output_params(int layer, const TensorView& o, const TensorView& y) const;
+  CacheInsertParams insert_params(int layer, RowQuantizer quantizer, const TensorView& positions,
+                                  const TensorView& slots, const PagedCache& cache) const;
+  OutputProjectionParams output_params(int layer, const TensorView& positions, const TensorView& o,
+                                       const TensorView& y) const;
+  // The pieces of a layer call over T tokens at `positions`.
+  Activations load_input(const char* operation, int layer, const TensorView& hidden_in, const TensorView& attn_out,
+                         int64_t T);
+  void project_queries(int layer, const TensorView& x, const TensorView& positions);
+  void insert_window_rows(int layer, const TensorView& x, const TensorView& positions, const TensorView& slots,
+                          const PagedCache& cache);
+  void project_output(int layer, const TensorView& positions, float* out, const TensorView& attn_out);
   void compress(int layer);
   void index(int layer);
   void attend(int layer);

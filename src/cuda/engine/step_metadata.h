@@ -52,4 +52,43 @@ class StepMetadata {
   std::vector<LayerStep> layers_;
 };
 
+// The metadata of one DSpark draft block call (run_draft_block, outside a step): blocks of B rows,
+// one per sequence, block b's row j at position length_b + j, attending the draft layer's
+// committed window rows up to p0 = length_b - 1 and the B rows of its block (SPEC §13.1). Packed
+// and uploaded per call, like a step's metadata, through a staging buffer of its own.
+class DraftBlockMetadata {
+ public:
+  // Capacity for calls of at most max_tokens rows of at most max_sequences sequences over any
+  // draft layer of `topology`.
+  DraftBlockMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens,
+                     int64_t max_sequences, int64_t block_size);
+
+  // Packs the blocks of `sequences` (committed lengths `lengths`, each >= 1) for draft layer
+  // `layer` and queues the upload on `stream` (waiting until the previous call's upload has left
+  // the staging buffer).
+  void pack(int layer, const std::vector<SequenceId>& sequences, const std::vector<int64_t>& lengths,
+            int64_t block_size, const DeviceCaches& caches, cudaStream_t stream);
+
+  int64_t tokens() const { return tokens_; }
+  // [tokens] i32: the token's block (= row of the window's block table), its position, and the
+  // last window row it attends (its block's p0).
+  const TensorView& token_sequence() const { return token_sequence_; }
+  const TensorView& token_position() const { return token_position_; }
+  const TensorView& window_last() const { return window_last_; }
+  // [tokens, B] i32: the rows of the token's block, b·B … b·B + B − 1, which are the slots of the
+  // block's keys in the workspace's flat block-key cache.
+  const TensorView& block_rows() const { return block_rows_; }
+  // [tokens] i64: the token's own slot there (t), where its key is inserted.
+  const TensorView& block_slot() const { return block_slot_; }
+  // The draft layer's window pool with the blocks' sequences' tables.
+  const PagedCache& window() const { return window_; }
+  size_t device_bytes() const { return upload_.capacity(); }
+
+ private:
+  StepUpload upload_;
+  int64_t tokens_ = 0;
+  TensorView token_sequence_, token_position_, window_last_, block_rows_, block_slot_;
+  PagedCache window_;
+};
+
 }  // namespace dsv4::cuda

@@ -15,7 +15,7 @@ constexpr int64_t kScoreFloats = int64_t{32} << 20;
 }  // namespace
 
 Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecipe>& recipes,
-                         const EngineOptions& options) {
+                         const EngineOptions& options, const PagedCache* draft_window) {
   const int64_t T = options.max_tokens_per_step, hidden = config.hidden_size, H = config.num_heads,
                 D = config.head_dim;
   const int64_t nI = config.index_n_heads, dI = config.index_head_dim, k = config.index_topk;
@@ -74,6 +74,15 @@ Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecip
     ws.entry_picks_capacity = max_hca_entries;
     add(&ws.entry_picks, n(T, max_hca_entries) * 4);
   }
+  void* block_key_pages = nullptr;
+  int64_t block_key_page_count = 0;
+  if (draft_window) {
+    add(&ws.main_hidden, n(T, config.dspark_main_width()) * 2);
+    add(&ws.main_x, n(T, hidden) * row_size);
+    const PageGeometry& g = draft_window->geometry;
+    block_key_page_count = (T + g.rows_per_page - 1) / g.rows_per_page;
+    add(&block_key_pages, n(block_key_page_count, g.page_stride));
+  }
   size_t total = 0;
   for (const auto& [place, bytes] : carve) total += bytes;
   ws.memory = DeviceBuffer(total);
@@ -81,6 +90,16 @@ Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecip
   for (const auto& [place, bytes] : carve) {
     place(cursor);
     cursor += bytes;
+  }
+  if (draft_window) {
+    int device = 0;
+    DSV4_CUDA_CHECK(cudaGetDevice(&device));
+    ws.block_keys.geometry = draft_window->geometry;
+    ws.block_keys.tensor_scale = draft_window->tensor_scale;
+    ws.block_keys.fp8_scale_floor = draft_window->fp8_scale_floor;
+    ws.block_keys.pages = TensorView::contiguous(block_key_pages, DType::u8,
+                                                 {block_key_page_count, draft_window->geometry.page_stride},
+                                                 Device::cuda, device);
   }
   return ws;
 }

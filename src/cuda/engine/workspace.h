@@ -41,6 +41,11 @@ struct Workspace {
   std::vector<int32_t*> picks;      // per layer: [T, index_topk] i32 for index sources
   int32_t* entry_picks = nullptr;   // [T, max HCA entries] i32
   int64_t entry_picks_capacity = 0; // entries per token
+  // DSpark draft layers (make_workspace's draft_window given):
+  void* main_hidden = nullptr;      // [T, hidden · targets] bf16: run_draft_context's input
+  void* main_x = nullptr;           // [T, hidden] rows: main_norm(main_proj(main_hidden)), every stage's context
+  PagedCache block_keys;            // flat (no block table), T rows in the draft windows' format: a draft
+                                    // block's own keys (SPEC §13.1 step 3), slot = block row
   // Scratch of one op at a time (run_linear, run_output_projection, run_sparse_attention's row
   // split): the ops run in order on the engine's stream, so they share it. cuBLASLt's workspace is
   // not part of it: it is the BlasLt's alone.
@@ -51,7 +56,9 @@ struct Workspace {
 };
 
 // Carves every buffer but the scratch (its size depends on the GEMMs: LayerPipeline::scratch_bytes).
+// draft_window: when the engine runs DSpark draft layers, one of their window pools (its geometry
+// and tensor scale give the block keys' format); else nullptr.
 Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecipe>& recipes,
-                         const EngineOptions& options);
+                         const EngineOptions& options, const PagedCache* draft_window);
 
 }  // namespace dsv4::cuda

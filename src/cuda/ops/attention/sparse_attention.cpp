@@ -56,11 +56,12 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
   if (has_compressed) check_paged_cache(op, "compressed", p.compressed, kHeadDim, kAttentionFormats);
   DSV4_CHECK(p.window_size >= 0, op, ": window_size is ", p.window_size, ", expected >= 0");
   const bool widened = is_present(p.window_first);
-  DSV4_CHECK(widened == is_present(p.window_last), op, ": argument '", widened ? "window_last" : "window_first",
-             "' is absent; window_first and window_last come together");
-  DSV4_CHECK(!widened || has_window, op, ": window_first and window_last are given without a 'window' cache");
+  DSV4_CHECK(!widened || is_present(p.window_last), op,
+             ": argument 'window_last' is absent; window_first needs window_last");
+  DSV4_CHECK(!(widened || is_present(p.window_last)) || has_window, op,
+             ": window_first / window_last are given without a 'window' cache");
   DSV4_CHECK(!widened || p.max_window_rows >= 1, op, ": max_window_rows is ", p.max_window_rows,
-             ", expected >= 1 with window_first and window_last");
+             ", expected >= 1 with window_first");
   DSV4_CHECK(p.compress_ratio >= 0, op, ": compress_ratio is ", p.compress_ratio, ", expected >= 0");
   DSV4_CHECK(std::isfinite(p.scale), op, ": scale is ", p.scale, ", expected a finite number");
   for (const auto& [name, view] : {std::pair{"q", &p.q}, std::pair{"out", &p.out}})

@@ -16,11 +16,11 @@ struct SparseAttentionLaunch {
   const uint16_t* q = nullptr;  // [tokens, heads, head_dim] bf16
   const int32_t* token_sequence = nullptr;  // optional (flat caches): sequence 0
   const int32_t* token_position = nullptr;  // optional: no window, no causal bound
+  const int32_t* window_last = nullptr;     // optional: the token's own position
+  const int32_t* window_first = nullptr;    // optional, with window_last: window_last - W + 1
+  int64_t max_window_rows = 0;              // with window_first
   DeviceRows window;
   int64_t window_size = 0;
-  const int32_t* window_first = nullptr;  // optional, with window_last: token t's window range
-  const int32_t* window_last = nullptr;
-  int64_t max_window_rows = 0;
   DeviceRows compressed;
   const int32_t* picks = nullptr;  // [tokens, num_picks]; null: window only
   int64_t num_picks = 0;
@@ -50,11 +50,11 @@ inline SparseAttentionLaunch make_sparse_attention_launch(const SparseAttentionP
   a.q = p.q.ptr<const uint16_t>();
   if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
   if (is_present(p.token_position)) a.token_position = p.token_position.ptr<const int32_t>();
+  if (is_present(p.window_last)) a.window_last = p.window_last.ptr<const int32_t>();
   a.window = device_rows(p.window);
   a.window_size = p.window_size;
   if (is_present(p.window_first)) {
     a.window_first = p.window_first.ptr<const int32_t>();
-    a.window_last = p.window_last.ptr<const int32_t>();
     a.max_window_rows = p.max_window_rows;
   }
   if (is_present(p.compressed.pages)) {
@@ -83,9 +83,10 @@ inline void combine_sparse_attention_splits(const SparseAttentionLaunch& a, DTyp
                        stream);
 }
 
-// Token t's attended rows: i < n_window is window position window_first + i (the causal window,
-// or the launch's window range of t: image spans, SPEC §14.3), the rest pick i - n_window; rows
-// that are -1, not yet visible or not addressable are invalid refs.
+// Token t's attended rows: i < n_window is window position window_first + i, the rest pick
+// i - n_window; rows that are -1, not yet visible or not addressable are invalid refs. The window
+// ends at the token's window_last (default: its own position) and starts at its window_first
+// (default: W rows before; image spans give both); compressed entries stay bounded by the position.
 struct TokenRows {
   int64_t sequence = 0;
   int64_t window_first = 0;
@@ -96,12 +97,13 @@ struct TokenRows {
   __device__ TokenRows(const SparseAttentionLaunch& a, int64_t t) {
     sequence = a.token_sequence ? a.token_sequence[t] : 0;
     const int64_t position = a.token_position ? a.token_position[t] : -1;
+    const int64_t last = a.window_last ? a.window_last[t] : position;
     if (a.window_first) {
       window_first = a.window_first[t];
-      n_window = min(max(int64_t{a.window_last[t]} - window_first + 1, int64_t{0}), a.max_window_rows);
+      n_window = min(max(last - window_first + 1, int64_t{0}), a.max_window_rows);
     } else {
-      window_first = position - a.window_size + 1 > 0 ? position - a.window_size + 1 : 0;
-      n_window = position >= 0 ? position - window_first + 1 : 0;
+      window_first = last - a.window_size + 1 > 0 ? last - a.window_size + 1 : 0;
+      n_window = last >= 0 ? last - window_first + 1 : 0;
     }
     const int64_t n_picks = !a.picks       ? 0
                             : a.pick_count ? min(max(int64_t{a.pick_count[t]}, int64_t{0}), a.num_picks)
