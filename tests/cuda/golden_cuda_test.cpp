@@ -231,9 +231,15 @@ TEST_F(CudaTest, GoldenV41DsparkDraftLayers) {
   RecordProperty("measured_worst_rel_l2_to_cpu", std::to_string(worst_cpu));
 
   // The rings after the last call: the FP8 context rows of each sequence's last W positions
-  // (slot = position % W in the recorded ring); the blocks' keys never entered them.
+  // (slot = position % W in the recorded ring); the blocks' keys never entered them. The CPU
+  // drafter reproduces them bit for bit (golden_v41ds_test). Here main_proj is a cuBLASLt GEMM that
+  // sums in another order than the official code, so a row whose value sits on an FP8 rounding
+  // boundary may take the neighbouring code: a handful of values in a stage's 2 x 128 x 512
+  // (measured on an H200: 2 values in all three stages together), each one FP8 step from the recorded
+  // one. Allowed: at most 1 in 10^4 values per stage, each within one e4m3 step (2^-3 relative).
   const auto& engine = dynamic_cast<const cuda::CudaEngine&>(*gpu);
   const int64_t W = g.config.sliding_window, D = g.config.head_dim;
+  int64_t differing_in_all = 0;
   for (int s = 0; s < g.config.num_mtp_layers; ++s) {
     const std::vector<float> expected = g.floats("state.layers." + std::to_string(s) + ".window_kv");
     ASSERT_EQ(static_cast<int64_t>(expected.size()), g.batch * W * D);
@@ -244,12 +250,20 @@ TEST_F(CudaTest, GoldenV41DsparkDraftLayers) {
       ASSERT_GE(length, W);
       const std::vector<float> rows = engine.window_rows(id, g.config.num_layers + s, length - W, W);
       for (int64_t pos = length - W; pos < length; ++pos)
-        for (int64_t d = 0; d < D; ++d)
-          differing += rows[(pos - length + W) * D + d] != expected[(b * W + pos % W) * D + d];
+        for (int64_t d = 0; d < D; ++d) {
+          const float mine = rows[(pos - length + W) * D + d], recorded = expected[(b * W + pos % W) * D + d];
+          if (mine == recorded) continue;
+          ++differing;
+          EXPECT_LE(std::abs(mine - recorded), 0.125f * std::abs(recorded) + 1e-30f)
+              << "stage " << s << " sequence " << b << " position " << pos << " channel " << d;
+        }
     }
-    EXPECT_EQ(differing, 0) << "stage " << s << ": " << differing << " of " << g.batch * W * D
-                            << " values of the final rings differ from the recorded ones";
+    EXPECT_LE(differing * 10000, g.batch * W * D) << "stage " << s << ": " << differing << " of "
+                                                  << g.batch * W * D << " ring values differ";
+    differing_in_all += differing;
   }
+  std::printf("v41ds_a on cuda: %lld values of the final rings differ from the recorded ones\n",
+              static_cast<long long>(differing_in_all));
 }
 
 }  // namespace
