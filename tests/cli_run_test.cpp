@@ -88,6 +88,19 @@ TEST(CliRun, SpeculativeDecodingPassesItsCheck) {
   EXPECT_EQ(find_int(r.output, R"(prefill: (\d+) tokens)"), 120);
 }
 
+// With DSpark draft layers (v41ds_a's config: 3 backbone layers, 3 draft stages), every verify step
+// is drafted first: the target layers' inputs reach the draft windows each step and each stage runs a
+// block per verifying sequence.
+TEST(CliRun, SpeculativeDecodingDraftsWithDsparkLayers) {
+  const CliResult r = run_cli("run --config " + std::string(DSV4_TEST_DATA_DIR) +
+                              "/golden/v41ds_a.config.json --batch 3 --prompt-len 40 --gen-len 12 --chunk 16 "
+                              "--max-running 2 --step-tokens 24 --seed 7 --speculative 3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tolerance 2e-02: PASS"), std::string::npos) << r.output;
+  const int64_t verifies = find_int(r.output, R"(speculative: (\d+) verify steps)");
+  EXPECT_EQ(find_int(r.output, R"(drafting: (\d+) DSpark draft blocks of 5 rows \(3 stages)"), 3 * verifies);
+}
+
 TEST(CliRun, Fp32CheckPassesAtTightTolerance) {
   const CliResult r = run_cli(kSmallWorkload + " --precision fp32");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -12,7 +12,9 @@
 // prompt carries its bonus token and K drafts, a seeded random number of the drafts is accepted and
 // the rest rolled back (Engine::rollback_sequence); a rejected position is decoded again in a later
 // attempt with other inputs, so the check (a recomputation over the accepted tokens only) finds any
-// trace a rejected draft left behind.
+// trace a rejected draft left behind. A model with DSpark draft layers also drafts: every step
+// gives the draft layers the target layers' inputs (run_draft_context), and before each verify step
+// every draft stage runs over a block per verifying sequence (run_draft_block), its inputs synthetic.
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -323,6 +325,8 @@ struct WorkloadStats {
   int64_t verifies = 0;                  // --speculative: verify steps of a sequence
   int64_t drafts = 0, accepted = 0;      // ... drafts they carried, drafts accepted
   int64_t committed_alone = 0;           // tokens kept by decode-only steps (decode_tokens_alone less rejected drafts)
+  int64_t draft_blocks = 0;              // DSpark: blocks run (sequences x stages)
+  double draft_seconds = 0.0;            // ... engine time of run_draft_block (in the decode / prefill times too)
   std::vector<int64_t> cache_bytes;      // per sequence, at its end
   // A hash of the last layer's outputs of every step, which depend on every earlier layer's (the
   // ranks of a tensor-parallel run compare theirs).
@@ -397,11 +401,83 @@ int run_layer_count(const ModelConfig& config) {
   return config.has_dspark() ? config.num_layers : config.total_layers();
 }
 
+// DSpark drafting of a model with draft layers (docs/speculative.md): the target layers' inputs of
+// every step go to the draft layers' windows, and every stage runs a block per verifying sequence.
+class Drafter {
+ public:
+  Drafter(Engine& engine, const Workload& w)
+      : engine_(engine),
+        config_(engine.config()),
+        block_(config_.dspark_block_size),
+        main_(engine, w.step_tokens, config_.dspark_main_width()),
+        block_in_(engine, w.max_running * block_, config_.hidden_size),
+        block_out_(engine, w.max_running * block_, config_.hidden_size) {}
+
+  // Keeps layer `layer`'s inputs [rows, hidden] when it is a target layer.
+  void keep_inputs(int layer, const float* inputs, int64_t rows) {
+    const std::vector<int>& targets = config_.dspark_target_layer_ids;
+    const int64_t hidden = config_.hidden_size, width = config_.dspark_main_width();
+    main_hidden_.resize(static_cast<size_t>(rows * width));
+    for (size_t j = 0; j < targets.size(); ++j)
+      if (targets[j] == layer)
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy_n(inputs + r * hidden, hidden, main_hidden_.data() + r * width + static_cast<int64_t>(j) * hidden);
+  }
+  // Inside the step, after the backbone: the draft layers store the step's rows. Returns seconds.
+  double run_context(int64_t rows) {
+    main_.upload(main_hidden_.data(), rows);
+    const auto start = Clock::now();
+    engine_.run_draft_context(main_.view(rows));
+    wait_for_engine(engine_);
+    return seconds_since(start);
+  }
+  // Before a step: every stage over one block per verify span. Returns seconds.
+  double run_blocks(uint64_t seed, const StepRows& step, const std::vector<SequenceState>& states,
+                    WorkloadStats& stats) {
+    const int64_t hidden = config_.hidden_size;
+    std::vector<SequenceId> sequences;
+    std::vector<float> in, out;
+    for (const StepRows::Span& span : step.spans) {
+      if (!span.verify) continue;
+      sequences.push_back(states[span.sequence].id);
+      for (int64_t j = 0; j < block_; ++j) {
+        in.resize(in.size() + static_cast<size_t>(hidden));
+        fill_token_input(seed ^ 0xD5BA4Cull, span.sequence, span.first_position + j, span.attempt,
+                         in.data() + in.size() - hidden, hidden);
+      }
+    }
+    if (sequences.empty()) return 0.0;
+    const int64_t rows = static_cast<int64_t>(sequences.size()) * block_;
+    out.resize(in.size());
+    double seconds = 0.0;
+    for (int stage = 0; stage < config_.num_mtp_layers; ++stage) {
+      block_in_.upload(in.data(), rows);
+      const auto start = Clock::now();
+      engine_.run_draft_block(config_.num_layers + stage, sequences, block_in_.view(rows), block_out_.view(rows));
+      wait_for_engine(engine_);
+      seconds += seconds_since(start);
+      block_out_.download(out.data(), rows);
+      chain_residual(in.data(), out.data(), rows, hidden);
+      stats.draft_blocks += static_cast<int64_t>(sequences.size());
+    }
+    return seconds;
+  }
+
+ private:
+  Engine& engine_;
+  const ModelConfig& config_;
+  int64_t block_;
+  DeviceRows main_, block_in_, block_out_;
+  std::vector<float> main_hidden_;
+};
+
 WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe,
                     bool show_progress, Trace* trace) {
   const int64_t hidden = engine.config().hidden_size;
   const int layers = run_layer_count(engine.config());
   const ModelTopology& topology = engine.topology();
+  std::optional<Drafter> drafter;
+  if (w.speculative > 0 && engine.config().has_dspark()) drafter.emplace(engine, w);
   std::vector<SequenceState> states(w.prompt_lengths.size());
   DeviceRows device_in(engine, w.step_tokens, hidden), device_out(engine, w.step_tokens, hidden);
   std::vector<float> inputs, outputs;
@@ -421,11 +497,18 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
     }
     fill_step_inputs(seed, step, hidden, inputs);
 
+    double engine_seconds = 0.0;
+    if (drafter) {
+      const double seconds = drafter->run_blocks(seed, step, states, stats);
+      stats.draft_seconds += seconds;
+      engine_seconds += seconds;
+    }
     auto step_start = Clock::now();
     engine.begin_step(entries);
-    double engine_seconds = seconds_since(step_start);
+    engine_seconds += seconds_since(step_start);
     outputs.resize(inputs.size());
     for (int l = 0; l < layers; ++l) {
+      if (drafter) drafter->keep_inputs(l, inputs.data(), step.rows);
       engine_seconds += run_layer_on_host_rows(engine, l, step.rows, inputs.data(), outputs.data(),
                                                device_in, device_out);
       if (trace) trace->record(engine, stats.steps, l, step.rows, hidden, inputs.data(), outputs.data());
@@ -443,6 +526,7 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
       if (l + 1 < layers) chain_residual(inputs.data(), outputs.data(), step.rows, hidden);
       else stats.output_checksum = hash_floats(stats.output_checksum, outputs.data(), step.rows * hidden);
     }
+    if (drafter) engine_seconds += drafter->run_context(step.rows);
     step_start = Clock::now();
     engine.end_step();
     engine_seconds += seconds_since(step_start);
@@ -673,7 +757,8 @@ int run(const RunOptions& o) {
   apply_kv_format_flag(options, run_kv_format(o.kv_format, config));
   options.max_sequences = w.max_running;
   options.max_tokens_per_step = w.step_tokens;
-  options.max_context = w.longest();
+  // A DSpark draft block reaches dspark_block_size positions past the sequence.
+  options.max_context = w.longest() + (w.speculative > 0 && config.has_dspark() ? config.dspark_block_size : 0);
   options.max_rollback = w.speculative;
   options.num_threads = o.threads;
   setup_start = Clock::now();
@@ -745,6 +830,11 @@ int run(const RunOptions& o) {
                 static_cast<long long>(stats.committed_alone), static_cast<long long>(stats.decode_tokens_alone),
                 format_rate(stats.committed_alone, stats.decode_step_seconds).c_str(),
                 stats.verifies ? 1.0 + static_cast<double>(stats.accepted) / static_cast<double>(stats.verifies) : 0.0);
+  if (stats.draft_blocks > 0)
+    std::printf("drafting: %lld DSpark draft blocks of %lld rows (%d stages per verify step) in %.3f s of engine time, "
+                "%.1f us per block; the target layers' inputs stored in the draft layers' windows every step\n",
+                static_cast<long long>(stats.draft_blocks), static_cast<long long>(config.dspark_block_size),
+                config.num_mtp_layers, stats.draft_seconds, 1e6 * stats.draft_seconds / static_cast<double>(stats.draft_blocks));
   const EngineMemory held = engine->memory();
   std::printf("engine memory (%s): weights %s, caches %s, workspace %s\n", backend == Backend::cuda ? "gpu" : "host",
               format_bytes(static_cast<double>(held.weights)).c_str(),
