@@ -27,9 +27,10 @@ int64_t find_int(const std::string& text, const std::string& pattern, int group 
   return s.empty() ? -1 : std::stoll(s);
 }
 
-// 3 sequences of mean prompt 40 and the default spread 0.5: prompts of 20, 40 and 60 tokens.
+// 3 sequences of mean prompt 40 and the default spread 0.5: prompts of 20, 40 and 60 tokens, on the
+// CPU backend (the default backend of a machine with a GPU is cuda, with other workload defaults).
 const std::string kSmallWorkload =
-    "run --batch 3 --prompt-len 40 --gen-len 5 --chunk 16 --max-running 2 --step-tokens 24 --seed 7";
+    "run --backend cpu --batch 3 --prompt-len 40 --gen-len 5 --chunk 16 --max-running 2 --step-tokens 24 --seed 7";
 
 void expect_consistent_summary(const std::string& out) {
   EXPECT_EQ(find_int(out, R"(workload: (\d+) sequences)"), 3);
@@ -76,7 +77,8 @@ TEST(CliRun, SmallWorkloadPassesItsCheck) {
 // workload commits the same tokens as without speculation (prompts plus 12 decode tokens each).
 TEST(CliRun, SpeculativeDecodingPassesItsCheck) {
   const CliResult r = run_cli(
-      "run --batch 3 --prompt-len 40 --gen-len 12 --chunk 16 --max-running 2 --step-tokens 24 --seed 7 --speculative 3");
+      "run --backend cpu --batch 3 --prompt-len 40 --gen-len 12 --chunk 16 --max-running 2 --step-tokens 24 --seed 7 "
+      "--speculative 3");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("tolerance 2e-02: PASS"), std::string::npos) << r.output;
   expect_check_error_is_zero(r.output);
@@ -92,7 +94,7 @@ TEST(CliRun, SpeculativeDecodingPassesItsCheck) {
 // is drafted first: the target layers' inputs reach the draft windows each step and each stage runs a
 // block per verifying sequence.
 TEST(CliRun, SpeculativeDecodingDraftsWithDsparkLayers) {
-  const CliResult r = run_cli("run --config " + std::string(DSV4_TEST_DATA_DIR) +
+  const CliResult r = run_cli("run --backend cpu --config " + std::string(DSV4_TEST_DATA_DIR) +
                               "/golden/v41ds_a.config.json --batch 3 --prompt-len 40 --gen-len 12 --chunk 16 "
                               "--max-running 2 --step-tokens 24 --seed 7 --speculative 3");
   ASSERT_EQ(r.exit_code, 0) << r.output;
