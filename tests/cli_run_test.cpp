@@ -29,8 +29,8 @@ int64_t find_int(const std::string& text, const std::string& pattern, int group 
 
 // 3 sequences of mean prompt 40 and the default spread 0.5: prompts of 20, 40 and 60 tokens, on the
 // CPU backend (the default backend of a machine with a GPU is cuda, with other workload defaults).
-const std::string kSmallWorkload =
-    "run --backend cpu --batch 3 --prompt-len 40 --gen-len 5 --chunk 16 --max-running 2 --step-tokens 24 --seed 7";
+const std::string kSmallFlags = "--batch 3 --prompt-len 40 --gen-len 5 --chunk 16 --max-running 2 --step-tokens 24 --seed 7";
+const std::string kSmallWorkload = "run --backend cpu " + kSmallFlags;
 
 void expect_consistent_summary(const std::string& out) {
   EXPECT_EQ(find_int(out, R"(workload: (\d+) sequences)"), 3);
@@ -179,7 +179,7 @@ TEST(CliRun, RejectsAnInvalidWorkload) {
 
 #ifndef DSV4_WITH_CUDA
 TEST(CliRun, CudaRequestFallsBackToCpuWithoutTheBackend) {
-  const CliResult r = run_cli(kSmallWorkload + " --backend cuda");
+  const CliResult r = run_cli("run --backend cuda " + kSmallFlags);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("backend cuda is not usable"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("engine: backend cpu"), std::string::npos) << r.output;
