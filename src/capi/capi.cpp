@@ -629,7 +629,8 @@ std::vector<float> host_floats(const char* op, const char* arg, const DLTensor* 
   return out;
 }
 
-// The CPU attention of one call: token t attends row(t, i) for its valid indices i.
+// The CPU attention of one call: token t attends row(t, i, indices[t, i]) for its valid list
+// positions i; a token's rows are used before row() is asked for the next token's.
 template <class RowOf>
 void host_sparse_attention(const char* op, const DLTensor* q, int64_t D, const DLTensor* indices,
                            const DLTensor* topk_length, const DLTensor* sink, float scale, bool bf16,
@@ -779,24 +780,25 @@ dsv4_status dsv4_paged_sparse_attention(const DLTensor* q, const char* format, i
       const AttentionRows rows{.geometry = g, .pages = pages, .tensor_scale = tensor_scale};
       return cuda_sparse_attention(op, q, rows, indices, topk_length, sink, scale, bf16 != 0, out, lse, cuda_stream);
     }
-    // Every listed slot's row, decoded once per (token, position in the list).
     const TensorView iv = checked_view(op, "indices", indices, DType::i32, {T, K}, kDLCPU);
     const TensorView pv = checked_view(op, "pages", pages, DType::u8, {pages->shape[0], g.page_stride}, kDLCPU);
     const int64_t capacity = pages->shape[0] * g.rows_per_page;
-    std::vector<int64_t> slots(static_cast<size_t>(T * K));
-    for (int64_t i = 0; i < T * K; ++i) {
-      slots[i] = iv.ptr<const int32_t>()[i];
-      if (slots[i] >= capacity)
+    for (int64_t i = 0; i < T * K; ++i)
+      if (iv.ptr<const int32_t>()[i] >= capacity)
         throw ApiError(DSV4_ERROR_INVALID_ARGUMENT, "dsv4: paged_sparse_attention: indices[" + std::to_string(i / K) +
                                                         ", " + std::to_string(i % K) + "] = " +
-                                                        std::to_string(slots[i]) + ", expected < " +
+                                                        std::to_string(iv.ptr<const int32_t>()[i]) + ", expected < " +
                                                         std::to_string(capacity) + " (pages x rows_per_page) or -1");
-    }
-    std::vector<float> rows(static_cast<size_t>(T * K * D));
-    decode_rows(g, std::span<const std::byte>(pv.ptr<const std::byte>(), static_cast<size_t>(pv.numel())),
-                slots.data(), T * K, rows.data(), tensor_scale);
+    // A token's rows are decoded when it is attended (host_sparse_attention takes one token at a
+    // time), into one buffer of K rows: memory stays K x D whatever the number of tokens.
+    const std::span<const std::byte> bytes(pv.ptr<const std::byte>(), static_cast<size_t>(pv.numel()));
+    std::vector<float> rows(static_cast<size_t>(K * D));
     host_sparse_attention(op, q, D, indices, topk_length, sink, scale, bf16 != 0, out, lse,
-                          [&](int64_t t, int64_t i, int32_t) { return rows.data() + (t * K + i) * D; });
+                          [&](int64_t, int64_t i, int32_t index) {
+                            const int64_t slot = index;
+                            decode_rows(g, bytes, &slot, 1, rows.data() + i * D, tensor_scale);
+                            return rows.data() + i * D;
+                          });
   });
 }
 
