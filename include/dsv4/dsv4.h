@@ -75,7 +75,8 @@ dsv4_status dsv4_config_name(const dsv4_config* config, char* buf, size_t capaci
  * "num_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
  * "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "candidate_source_layer",
  * "candidate_topk_blocks", "candidate_block_size", "family" (0: V4.0, 1: V4.1),
- * "tensor_parallel_size". */
+ * "tensor_parallel_size", "vision_max_n_token" (0: no image spans), "dspark_block_size",
+ * "num_dspark_targets" (0: the MTP layers are no DSpark draft layers), "indexer_qat" (0 / 1). */
 dsv4_status dsv4_config_get_int(const dsv4_config* config, const char* field, int64_t* value);
 
 /* One layer's resolved role (SPEC §1.3). kind: 0 sliding, 1 compressed (V4.1), 2 csa, 3 hca. */

@@ -12,7 +12,8 @@ from ._tensors import capsule, empty_like
 _INT_FIELDS = ("hidden_size", "num_layers", "num_mtp_layers", "total_layers", "num_heads", "head_dim",
                "rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads",
                "index_head_dim", "index_topk", "candidate_source_layer", "candidate_topk_blocks",
-               "candidate_block_size", "tensor_parallel_size")
+               "candidate_block_size", "tensor_parallel_size", "vision_max_n_token", "dspark_block_size",
+               "num_dspark_targets", "indexer_qat")
 
 
 def preset_names():

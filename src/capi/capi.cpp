@@ -253,6 +253,10 @@ dsv4_status dsv4_config_get_int(const dsv4_config* config, const char* field, in
         {"candidate_block_size", c.candidate_block_size},
         {"family", c.family == ModelFamily::v4_1 ? 1 : 0},
         {"tensor_parallel_size", c.tensor_parallel_size},
+        {"vision_max_n_token", c.vision_max_n_token},
+        {"dspark_block_size", c.dspark_block_size},
+        {"num_dspark_targets", static_cast<int64_t>(c.dspark_target_layer_ids.size())},
+        {"indexer_qat", c.indexer_qat ? 1 : 0},
     };
     for (const auto& [name, v] : fields)
       if (f == name) {

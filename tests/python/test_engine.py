@@ -17,6 +17,10 @@ def test_config_and_plan(tiny):
     assert "compressor" in str(plan)
     with pytest.raises(AttributeError):
         config.no_such_field
+    # tiny-v4.1 has neither image spans, DSpark draft layers nor the V4.0 QAT; v4.1-flash has the first two.
+    assert (config.vision_max_n_token, config.num_dspark_targets, config.indexer_qat) == (0, 0, 0)
+    flash = dsv4.Config.preset("v4.1-flash")
+    assert flash.vision_max_n_token == 1024 and flash.num_dspark_targets == 3 and flash.dspark_block_size == 5
 
 
 def test_config_errors(tmp_path):
