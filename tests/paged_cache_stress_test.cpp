@@ -419,6 +419,7 @@ class Stress {
       EXPECT_TRUE(std::equal(state.begin(), state.end(), m.state.at(1).begin(), m.state.at(1).end()));
       EXPECT_EQ(manager_.sequence_bytes(id), bytes + static_cast<int64_t>(state.size() * sizeof(float)));
     }
+    verify_table_mirror();
     // Reference counts are exactly the block-table references; free pages are the unreferenced ones.
     for (const PoolKey& k : keys_) {
       const PagePool& pool = manager_.pool(k.kind, k.layer);
@@ -438,6 +439,37 @@ class Stress {
     }
   }
 
+  // A device mirror of the tables by sequence slot, kept up to date from take_table_changes()
+  // alone, must equal every table after every operation: no change goes unreported.
+  void verify_table_mirror() {
+    for (const KvCacheManager::TableChange& c : manager_.take_table_changes()) {
+      const BlockTableView t = manager_.slot_block_table(c.pool, c.slot);
+      mirror_[{c.pool, c.slot}] = {t.first_logical_page, std::vector<int64_t>(t.pages.begin(), t.pages.end())};
+    }
+    const int pools = static_cast<int>(manager_.pools().size());
+    for (int pool = 0; pool < pools; ++pool)
+      for (int64_t slot = 0; slot < manager_.options().capacity.max_sequences; ++slot) {
+        const BlockTableView t = manager_.slot_block_table(pool, slot);
+        const auto it = mirror_.find({pool, slot});
+        const MirroredTable expected{t.first_logical_page, std::vector<int64_t>(t.pages.begin(), t.pages.end())};
+        const MirroredTable held = it == mirror_.end() ? MirroredTable{} : it->second;
+        ASSERT_EQ(held.pages, expected.pages) << "pool " << pool << " slot " << slot;
+        if (!expected.pages.empty()) ASSERT_EQ(held.first_logical_page, expected.first_logical_page);
+      }
+    for (const auto& [id, m] : model_)
+      for (const PoolKey& k : keys_) {
+        const BlockTableView by_id = manager_.block_table(id, k.kind, k.layer);
+        const BlockTableView by_slot =
+            manager_.slot_block_table(manager_.pool_index(k.kind, k.layer), manager_.sequence_slot(id));
+        ASSERT_TRUE(std::equal(by_id.pages.begin(), by_id.pages.end(), by_slot.pages.begin(), by_slot.pages.end()));
+      }
+  }
+
+  struct MirroredTable {
+    int64_t first_logical_page = 0;
+    std::vector<int64_t> pages;
+  };
+  std::map<std::pair<int, int64_t>, MirroredTable> mirror_;
   ModelConfig config_;
   ModelTopology topology_;
   KvCacheManager manager_;

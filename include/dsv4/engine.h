@@ -146,6 +146,14 @@ class Engine {
   // cuda backend: the stream the engine queues its work on (EngineOptions::cuda_stream or its own).
   // Wait for it (or order work after it) before reading attn_out or caches. nullptr on the cpu.
   virtual CUstream_st* cuda_stream() const = 0;
+  // cuda backend, after begin_step: the step's graph key. Steps with equal keys launch the same
+  // kernels with the same arguments: their per-step data (tokens, block tables, slots) sits at
+  // device addresses fixed at create and only its contents change. So the run_layer calls of one
+  // step, captured into a CUDA graph on cuda_stream() (with device activations), replay any later
+  // step of the same key given the same activation buffers (docs/cuda.md). The key covers the
+  // step's token count, each kv source's entries rounded up to 1/8 of their power of two, and image
+  // spans' window bounds. 0 on the cpu backend.
+  virtual uint64_t step_graph_key() const = 0;
 };
 
 }  // namespace dsv4

@@ -192,6 +192,11 @@ struct LayerStepSlots {
 class KvCacheManager {
  public:
   KvCacheManager(const ModelConfig& config, const ModelTopology& topology, KvCacheOptions options);
+  // Not copyable: slot_sequence_ points into sequences_ (moving keeps the map's nodes).
+  KvCacheManager(const KvCacheManager&) = delete;
+  KvCacheManager& operator=(const KvCacheManager&) = delete;
+  KvCacheManager(KvCacheManager&&) = default;
+  KvCacheManager& operator=(KvCacheManager&&) = default;
 
   const KvCacheOptions& options() const { return options_; }
   int64_t sliding_window() const { return window_; }
@@ -204,6 +209,8 @@ class KvCacheManager {
   int64_t tokens_per_row(CacheKind kind, int layer) const;
   // Every pool, in layer order (window, compressed, index keys per layer).
   std::vector<const PagePool*> pools() const;
+  // The position of the layer's pool of `kind` in pools(); throws naming the layer when it has none.
+  int pool_index(CacheKind kind, int layer) const;
 
   // ----- sequences
   void add_sequence(SequenceId id);
@@ -251,6 +258,18 @@ class KvCacheManager {
   void read_rows(SequenceId id, CacheKind kind, int layer, int64_t first_row, int64_t n,
                  float* out) const;
   BlockTableView block_table(SequenceId id, CacheKind kind, int layer) const;
+
+  // ----- change tracking, for a device mirror of the block tables kept by sequence slot
+  struct TableChange {
+    int pool = 0;      // index into pools()
+    int64_t slot = 0;  // sequence slot
+  };
+  // The tables changed since the last call (pages added, dropped or copied on write; sequences
+  // added, forked, rolled back or released), each listed once; clears the list. Its length is what
+  // changed, not the number of sequences or pages held.
+  std::vector<TableChange> take_table_changes();
+  // Pool `pool`'s table of the sequence in `slot`; empty when the slot is free.
+  BlockTableView slot_block_table(int pool, int64_t slot) const;
   // Kernel-style access by slot (e.g. LayerStepSlots): the pool's write_rows / read_rows, so a
   // written slot must be on an exclusively owned page and a read slot must have been written.
   void write_slots(CacheKind kind, int layer, const int64_t* slots, int64_t n, const float* x);
@@ -282,7 +301,6 @@ class KvCacheManager {
     std::vector<BlockTable> tables;  // one per pool, indexed like pools_
   };
 
-  int pool_index(CacheKind kind, int layer) const;
   Sequence& sequence(const char* operation, SequenceId id);
   const Sequence& sequence(const char* operation, SequenceId id) const;
   int64_t rows_at(const CachePool& p, int64_t tokens) const { return tokens / p.tokens_per_row; }
@@ -295,6 +313,8 @@ class KvCacheManager {
   void check_host_state(const char* operation) const;
   int64_t take_sequence_slot(const char* operation, SequenceId id);
   void release_pages(Sequence& s);
+  void table_changed(size_t pool, const Sequence& s);
+  void all_tables_changed(const Sequence& s);
 
   KvCacheOptions options_;
   int64_t window_;
@@ -302,6 +322,9 @@ class KvCacheManager {
   std::vector<std::array<int, 3>> pool_of_layer_;  // [layer][kind] -> index in pools_, -1 if none
   std::map<SequenceId, Sequence> sequences_;
   std::vector<int64_t> free_slots_;                 // stack of sequence slots
+  std::vector<const Sequence*> slot_sequence_;      // per slot: its sequence (map nodes stay put), or null
+  std::vector<TableChange> table_changes_;
+  std::vector<uint8_t> table_change_listed_;        // [pools, max_sequences]
   std::vector<std::vector<float>> state_slabs_;     // per layer: max_sequences * floats
 };
 

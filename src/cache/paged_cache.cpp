@@ -5,6 +5,7 @@
 #include <set>
 #include <sstream>
 #include <unordered_map>
+#include <utility>
 
 #include "dsv4/error.h"
 #include "dsv4/kv_cache.h"
@@ -341,6 +342,8 @@ KvCacheManager::KvCacheManager(const ModelConfig& config, const ModelTopology& t
     if (options_.host_storage) state_slabs_[plan.layer].assign(static_cast<size_t>(n * cap.max_sequences), 0.0f);
   }
   for (int64_t s = cap.max_sequences - 1; s >= 0; --s) free_slots_.push_back(s);
+  slot_sequence_.assign(static_cast<size_t>(cap.max_sequences), nullptr);
+  table_change_listed_.assign(pools_.size() * static_cast<size_t>(cap.max_sequences), 0);
 }
 
 // ----- lookups
@@ -473,7 +476,9 @@ void KvCacheManager::add_sequence(SequenceId id) {
       const int64_t n = options_.compressor_state_floats[layer];
       std::fill_n(state_slabs_[layer].begin() + s.slot * n, n, 0.0f);
     }
-  sequences_.emplace(id, std::move(s));
+  const Sequence& added = sequences_.emplace(id, std::move(s)).first->second;
+  slot_sequence_[static_cast<size_t>(added.slot)] = &added;
+  all_tables_changed(added);
 }
 
 void KvCacheManager::fork_sequence(SequenceId parent, SequenceId child) {
@@ -499,7 +504,37 @@ void KvCacheManager::fork_sequence(SequenceId parent, SequenceId child) {
       std::copy_n(state_slabs_[layer].begin() + from.slot * n, n,
                   state_slabs_[layer].begin() + s.slot * n);
     }
-  sequences_.emplace(child, std::move(s));
+  const Sequence& added = sequences_.emplace(child, std::move(s)).first->second;
+  slot_sequence_[static_cast<size_t>(added.slot)] = &added;
+  all_tables_changed(added);
+}
+
+void KvCacheManager::table_changed(size_t pool, const Sequence& s) {
+  uint8_t& listed = table_change_listed_[pool * slot_sequence_.size() + static_cast<size_t>(s.slot)];
+  if (listed) return;
+  listed = 1;
+  table_changes_.push_back({static_cast<int>(pool), s.slot});
+}
+
+void KvCacheManager::all_tables_changed(const Sequence& s) {
+  for (size_t i = 0; i < pools_.size(); ++i) table_changed(i, s);
+}
+
+std::vector<KvCacheManager::TableChange> KvCacheManager::take_table_changes() {
+  for (const TableChange& c : table_changes_)
+    table_change_listed_[static_cast<size_t>(c.pool) * slot_sequence_.size() + static_cast<size_t>(c.slot)] = 0;
+  return std::exchange(table_changes_, {});
+}
+
+BlockTableView KvCacheManager::slot_block_table(int pool, int64_t slot) const {
+  DSV4_CHECK(pool >= 0 && static_cast<size_t>(pool) < pools_.size() && slot >= 0 &&
+                 static_cast<size_t>(slot) < slot_sequence_.size(),
+             "kv_cache: slot_block_table: pool ", pool, " slot ", slot, " out of range [0, ", pools_.size(), ") x [0, ",
+             slot_sequence_.size(), ")");
+  const Sequence* s = slot_sequence_[static_cast<size_t>(slot)];
+  if (!s) return {};
+  const BlockTable& t = s->tables[static_cast<size_t>(pool)];
+  return {t.first_logical_page, t.pages};
 }
 
 void KvCacheManager::release_pages(Sequence& s) {
@@ -512,6 +547,8 @@ void KvCacheManager::release_pages(Sequence& s) {
 void KvCacheManager::release_sequence(SequenceId id) {
   Sequence& s = sequence("release_sequence", id);
   release_pages(s);
+  all_tables_changed(s);
+  slot_sequence_[static_cast<size_t>(s.slot)] = nullptr;
   free_slots_.push_back(s.slot);
   sequences_.erase(id);
 }
@@ -613,11 +650,14 @@ std::vector<PageCopy> KvCacheManager::reserve(const std::vector<CacheStepEntry>&
       copies.push_back(PageCopy{pools_[i].kind, pools_[i].layer, page, *next});
       pool.release(page);
       page = *next++;
+      table_changed(i, *seqs[c.sequence]);
     }
     for (size_t e = 0; e < step.size(); ++e) {
+      if (plans[i].appended[e] == 0) continue;
       auto& pages = seqs[e]->tables[i].pages;
       pages.insert(pages.end(), next, next + plans[i].appended[e]);
       next += plans[i].appended[e];
+      table_changed(i, *seqs[e]);
     }
   }
   return copies;
@@ -679,6 +719,7 @@ void KvCacheManager::commit(SequenceId id, int64_t new_length) {
     for (int64_t k = 0; k < drop; ++k) pools_[i].pages.release(t.pages[k]);
     t.pages.erase(t.pages.begin(), t.pages.begin() + drop);
     t.first_logical_page += drop;
+    table_changed(i, s);
   }
 }
 
@@ -699,6 +740,7 @@ void KvCacheManager::rollback(SequenceId id, int64_t new_length) {
     const int64_t keep = std::min<int64_t>(static_cast<int64_t>(t.pages.size()),
                                            std::max<int64_t>(0, ceil_div(rows_at(p, new_length), rpp) - t.first_logical_page));
     for (size_t k = static_cast<size_t>(keep); k < t.pages.size(); ++k) pools_[i].pages.release(t.pages[k]);
+    if (static_cast<size_t>(keep) < t.pages.size()) table_changed(i, s);
     t.pages.resize(static_cast<size_t>(keep));
   }
   s.length = new_length;
@@ -737,6 +779,7 @@ void KvCacheManager::write_rows(SequenceId id, CacheKind kind, int layer, int64_
     p.pages.release(t.pages[shared[c]]);
     t.pages[shared[c]] = fresh[c];
   }
+  if (!shared.empty()) table_changed(static_cast<size_t>(index), s);
   std::vector<int64_t> slots(static_cast<size_t>(n));
   for (int64_t r = 0; r < n; ++r) slots[r] = checked_slot(index, id, s, first_row + r);
   p.pages.write_rows(x, n, slots.data());

@@ -18,6 +18,7 @@ class CpuEngine final : public StepEngine {
 
   EngineMemory memory() const override;
   CUstream_st* cuda_stream() const override { return nullptr; }
+  uint64_t step_graph_key() const override { return 0; }
 
   // Diagnostics. When on, index sources keep the masked scores their top-k ran on.
   void set_record_index_scores(bool on) { record_index_scores_ = on; }

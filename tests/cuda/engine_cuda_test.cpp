@@ -22,8 +22,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
-#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -31,6 +31,7 @@
 
 #include "cuda/cuda_test_util.h"
 #include "dsv4/config.h"
+#include "dsv4/cuda/step_graphs.h"
 #include "dsv4/engine.h"
 #include "dsv4/weights.h"
 #include "engine/cpu_engine.h"
@@ -387,24 +388,30 @@ INSTANTIATE_TEST_SUITE_P(Presets, EngineCudaImageSpans,
                          case_name);
 
 // ---------------------------------------------------------------------------------------------
-// CUDA graphs: the run_layer calls of a decode step, captured and replayed, give what the same
-// calls give when run directly, and leave the same caches behind.
+// CUDA graphs: the run_layer calls of a decode step, captured once per step_graph_key() and
+// replayed for every later step of that key, give bit for bit what the same calls give when run
+// directly, step after step (the replays read the new steps' tokens, tables and slots).
 
 struct DeviceLayers {
   std::vector<cuda::DeviceBuffer> in, out;
 };
 
-DeviceLayers device_layers(const Model& m, int64_t T, uint32_t seed) {
+DeviceLayers device_layers(const Model& m, int64_t T) {
   DeviceLayers d;
-  const int64_t H = m.config.hidden_size;
   for (int l = 0; l < m.topology.size(); ++l) {
-    const std::vector<float> host = random_rows(T * H, seed + static_cast<uint32_t>(l));
-    d.in.emplace_back(host.size() * sizeof(float));
-    d.in.back().upload(host.data(), host.size() * sizeof(float));
-    d.out.emplace_back(host.size() * sizeof(float));
-    d.out.back().fill_bytes(0xff);
+    d.in.emplace_back(static_cast<size_t>(T * m.config.hidden_size) * sizeof(float));
+    d.out.emplace_back(static_cast<size_t>(T * m.config.hidden_size) * sizeof(float));
   }
   return d;
+}
+
+// Fresh inputs (the first T rows), outputs poisoned.
+void fill_layers(const Model& m, DeviceLayers& d, int64_t T, uint32_t seed) {
+  for (int l = 0; l < m.topology.size(); ++l) {
+    const std::vector<float> host = random_rows(T * m.config.hidden_size, seed + static_cast<uint32_t>(l));
+    d.in[static_cast<size_t>(l)].upload(host.data(), host.size() * sizeof(float));
+    d.out[static_cast<size_t>(l)].fill_bytes(0xff);
+  }
 }
 
 void run_layers(Engine& e, const Model& m, const DeviceLayers& d, int64_t T) {
@@ -412,15 +419,15 @@ void run_layers(Engine& e, const Model& m, const DeviceLayers& d, int64_t T) {
     e.run_layer(l, d.in[l].view(DType::f32, {T, m.config.hidden_size}), d.out[l].view(DType::f32, {T, m.config.hidden_size}));
 }
 
-std::vector<float> download(const cuda::DeviceBuffer& b) {
-  std::vector<float> v(b.bytes() / sizeof(float));
-  b.download(v.data(), b.bytes());
+std::vector<float> download(const cuda::DeviceBuffer& b, int64_t floats) {
+  std::vector<float> v(static_cast<size_t>(floats));
+  b.download(v.data(), v.size() * sizeof(float));
   return v;
 }
 
 using EngineCudaGraph = CudaTest;
 
-TEST_F(EngineCudaGraph, DecodeStepReplaysFromAGraph) {
+TEST_F(EngineCudaGraph, DecodeStepsReplayTheGraphOfTheirKey) {
   const Model m = tiny_model("tiny-v4.1");
   EngineOptions options = engine_options(Backend::cuda, Precision::reference, "v4.1-native");
   auto eager = Engine::create(m.config, m.weights, options);
@@ -429,42 +436,53 @@ TEST_F(EngineCudaGraph, DecodeStepReplaysFromAGraph) {
   options.cuda_stream = caller.get();
   auto graphed = Engine::create(m.config, m.weights, options);
   ASSERT_EQ(graphed->cuda_stream(), caller.get());
+  EXPECT_EQ(eager->step_graph_key(), graphed->step_graph_key());
+  const int64_t H = m.config.hidden_size;
   std::vector<SequenceId> ids;
+  DeviceLayers prefill = device_layers(m, 49);
+  fill_layers(m, prefill, 49, 100);
   for (Engine* e : {eager.get(), graphed.get()}) {
     ids = {e->add_sequence(), e->add_sequence()};
     e->begin_step({{ids[0], 40}, {ids[1], 9}});
-    const DeviceLayers prefill = device_layers(m, 49, 100);
     run_layers(*e, m, prefill, 49);
     e->end_step();
   }
-  cudaStream_t g = graphed->cuda_stream();
-  for (int step = 0; step < 2; ++step) {
-    const DeviceLayers a = device_layers(m, 2, 200 + step), b = device_layers(m, 2, 200 + step);
-    eager->begin_step({{ids[0], 1}, {ids[1], 1}});
-    run_layers(*eager, m, a, 2);
-    graphed->begin_step({{ids[0], 1}, {ids[1], 1}});
-    if (step == 0) {
-      // The first decode step: captured, then launched.
-      cudaGraph_t graph = nullptr;
-      DSV4_CUDA_CHECK(cudaStreamBeginCapture(g, cudaStreamCaptureModeThreadLocal));
-      run_layers(*graphed, m, b, 2);
-      DSV4_CUDA_CHECK(cudaStreamEndCapture(g, &graph));
-      cudaGraphExec_t exec = nullptr;
-      DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      DSV4_CUDA_CHECK(cudaGraphLaunch(exec, g));
-      DSV4_CUDA_CHECK(cudaStreamSynchronize(g));
-      DSV4_CUDA_CHECK(cudaGraphExecDestroy(exec));
-      DSV4_CUDA_CHECK(cudaGraphDestroy(graph));
-    } else {
-      // The next step runs directly on the caches the replay wrote.
-      run_layers(*graphed, m, b, 2);
-    }
+  // The graphs read fixed activation buffers, refilled every step.
+  DeviceLayers a = device_layers(m, 2), b = device_layers(m, 2);
+  cuda::StepGraphs graphs;
+  uint64_t both_key = 0;
+  for (int step = 0; step < 40; ++step) {
+    SCOPED_TRACE("decode step " + std::to_string(step));
+    // Now and then only the first sequence runs: another key, another graph; the next two-token
+    // step replays the first graph again, its block tables having grown meanwhile.
+    const bool both = step % 7 != 3;
+    std::vector<StepEntry> entries = {{ids[0], 1}};
+    if (both) entries.push_back({ids[1], 1});
+    const int64_t T = static_cast<int64_t>(entries.size());
+    fill_layers(m, a, T, 200 + static_cast<uint32_t>(step));
+    fill_layers(m, b, T, 200 + static_cast<uint32_t>(step));
+    eager->begin_step(entries);
+    run_layers(*eager, m, a, T);
+    graphed->begin_step(entries);
+    ASSERT_EQ(graphed->step_graph_key(), eager->step_graph_key());
+    if (both && both_key == 0) both_key = graphed->step_graph_key();
+    if (both) EXPECT_EQ(graphed->step_graph_key(), both_key) << "the context growth changed the key";
+    graphs.run(*graphed, [&] { run_layers(*graphed, m, b, T); });
     for (Engine* e : {eager.get(), graphed.get()}) DSV4_CUDA_CHECK(cudaStreamSynchronize(e->cuda_stream()));
+    for (int l = 0; l < m.topology.size(); ++l) {
+      const std::vector<float> want = download(a.out[l], T * H), got = download(b.out[l], T * H);
+      ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << "layer " << l;
+    }
     for (int l = 0; l < m.topology.size(); ++l)
-      EXPECT_LE(relative_l2(download(b.out[l]), download(a.out[l])), 1e-6) << "step " << step << " layer " << l;
+      if (m.topology[l].owns_indexer) {
+        const HostTensor want = eager->layer_picks(l), got = graphed->layer_picks(l);
+        ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.nbytes())) << "picks of layer " << l;
+      }
     eager->end_step();
     graphed->end_step();
   }
+  EXPECT_EQ(graphs.captures(), 2);
+  EXPECT_EQ(graphs.replays(), 38);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -63,9 +63,9 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
     if (r.compressor) rings[static_cast<size_t>(l)].push_back(r.compressor->ring_floats());
     if (r.index_compressor) rings[static_cast<size_t>(l)].push_back(r.index_compressor->ring_floats());
   }
-  caches_ = std::make_unique<DeviceCaches>(config, topo, cache_options, rings, stream_);
-  step_metadata_ = std::make_unique<StepMetadata>(topo, *caches_, options.max_tokens_per_step, options.max_sequences,
-                                                  options.max_context);
+  caches_ = std::make_unique<DeviceCaches>(config, topo, cache_options, rings, options.max_context,
+                                           options.max_tokens_per_step, stream_);
+  step_metadata_ = std::make_unique<StepMetadata>(topo, *caches_, options.max_tokens_per_step, options.max_context);
 
   // DSpark: the draft blocks' metadata and keys (the draft layers share the window format).
   const int first_draft = config.num_layers;
@@ -78,6 +78,10 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
     draft_window.tensor_scale = caches_->manager().pool(CacheKind::window, first_draft).tensor_scale();
   }
   workspace_ = make_workspace(config, recipes(), options, drafts ? &draft_window : nullptr);
+  if (!options.communicator) {
+    aux_stream_.emplace();
+    aux_blas_.emplace();
+  }
   pipeline_ = std::make_unique<LayerPipeline>(LayerPipelineInputs{
       .config = &this->config(),
       .recipes = &recipes(),
@@ -92,11 +96,17 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
       .workspace = &workspace_,
       .blas = &blas_,
       .stream = stream_,
+      .aux_stream = aux_stream_ ? aux_stream_->get() : nullptr,
+      .aux_blas = aux_blas_ ? &*aux_blas_ : nullptr,
       .device = device_,
       .communicator = options.communicator.get(),
       .split_indexer = options.communicator && options.indexer_sharding == IndexerSharding::split});
   workspace_.scratch_memory = DeviceBuffer(pipeline_->scratch_bytes(options.max_tokens_per_step));
   workspace_.scratch = workspace_.scratch_memory.data();
+  if (aux_stream_) {
+    workspace_.aux_scratch_memory = DeviceBuffer(workspace_.scratch_memory.bytes());
+    workspace_.aux_scratch = workspace_.aux_scratch_memory.data();
+  }
   DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -112,7 +122,8 @@ EngineMemory CudaEngine::memory() const {
   m.caches = caches_->device_bytes();
   m.workspace = static_cast<int64_t>(workspace_.device_bytes() + step_metadata_->device_bytes() +
                                      (draft_block_ ? draft_block_->device_bytes() : 0) +
-                                     BlasLt::kWorkspaceBytes + main_rope_.bytes() + compress_rope_.bytes());
+                                     BlasLt::kWorkspaceBytes * (aux_blas_ ? 2 : 1) + main_rope_.bytes() +
+                                     compress_rope_.bytes());
   return m;
 }
 

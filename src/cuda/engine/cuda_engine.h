@@ -47,6 +47,7 @@ class CudaEngine final : public StepEngine {
 
   EngineMemory memory() const override;
   CUstream_st* cuda_stream() const override { return stream_; }
+  uint64_t step_graph_key() const override { return step_metadata_->graph_key(); }
 
   // Diagnostics: window rows [first, first + n) of a sequence in `layer`'s cache, decoded
   // ([n, head_dim] f32; the rows must be readable). Waits for the stream.
@@ -72,6 +73,10 @@ class CudaEngine final : public StepEngine {
   std::optional<Stream> own_stream_;  // when the caller gave none
   cudaStream_t stream_ = nullptr;
   BlasLt blas_;
+  // The indexer branch's lane (LayerPipelineInputs::aux_stream); none with a communicator, whose
+  // collectives must stay in one order on one stream.
+  std::optional<Stream> aux_stream_;
+  std::optional<BlasLt> aux_blas_;
   std::vector<std::optional<DeviceLayerWeights>> layers_;  // nullopt: MTP layer absent from the checkpoint
   DeviceBuffer main_rope_, compress_rope_;                  // [max_context, rope_head_dim] f32
   std::unique_ptr<DeviceCaches> caches_;

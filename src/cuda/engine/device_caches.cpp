@@ -1,11 +1,15 @@
 #include "cuda/engine/device_caches.h"
 
+#include <algorithm>
+#include <span>
 #include <utility>
 
 namespace dsv4::cuda {
 namespace {
 
 constexpr std::array<CacheKind, 3> kKinds = {CacheKind::window, CacheKind::compressed, CacheKind::index_keys};
+// The changed tables are uploaded through a staging buffer of this size, in batches.
+constexpr size_t kTableUploadBytes = size_t{1} << 20;
 
 }  // namespace
 
@@ -27,8 +31,10 @@ KvCacheOptions device_options(KvCacheOptions options, const std::vector<std::vec
 }  // namespace
 
 DeviceCaches::DeviceCaches(const ModelConfig& config, const ModelTopology& topology, KvCacheOptions options,
-                           const std::vector<std::vector<int64_t>>& ring_floats, cudaStream_t stream)
-    : manager_(config, topology, device_options(std::move(options), ring_floats)), stream_(stream) {
+                           const std::vector<std::vector<int64_t>>& ring_floats, int64_t max_context,
+                           int64_t max_step_tokens, cudaStream_t stream)
+    : manager_(config, topology, device_options(std::move(options), ring_floats)), stream_(stream),
+      table_upload_(kTableUploadBytes) {
   const int layers = topology.size();
   arena_of_layer_.assign(static_cast<size_t>(layers), {-1, -1, -1});
   for (int l = 0; l < layers; ++l)
@@ -52,6 +58,88 @@ DeviceCaches::DeviceCaches(const ModelConfig& config, const ModelTopology& topol
       DSV4_CUDA_CHECK(cudaMemsetAsync(ring.slab.data(), 0, ring.slab.bytes(), stream_));
       rings_[static_cast<size_t>(l)].push_back(std::move(ring));
     }
+
+  // Block-table mirrors. A window table holds the pages from the first kept row (length − window −
+  // rollback rows) to the end of a step's rows; a compressed one every entry of max_context tokens.
+  const KvCacheOptions& o = manager_.options();
+  pool_tables_.resize(manager_.pools().size());
+  std::vector<int64_t> offsets(pool_tables_.size());
+  int64_t ints = 0;
+  for (int l = 0; l < layers; ++l)
+    for (CacheKind kind : kKinds) {
+      if (!manager_.has_pool(kind, l)) continue;
+      const int index = manager_.pool_index(kind, l);
+      const PagePool& pool = manager_.pool(kind, l);
+      const int64_t rpp = pool.rows_per_page(), per_row = manager_.tokens_per_row(kind, l);
+      const int64_t rows = kind == CacheKind::window ? manager_.sliding_window() + o.rollback_rows + max_step_tokens
+                                                     : max_context / per_row;
+      const int64_t width = std::min(pool.num_pages(), (rows + rpp - 1) / rpp + 2);
+      DSV4_CHECK(width <= INT32_MAX && pool.num_pages() <= INT32_MAX, "engine: create: pool '", pool.name(), "' has ",
+                 pool.num_pages(), " pages, more than i32 block tables address");
+      DevicePoolTable& t = pool_tables_[static_cast<size_t>(index)];
+      t.width = static_cast<int32_t>(width);
+      t.rows_per_page = static_cast<int32_t>(rpp);
+      t.tokens_per_row = static_cast<int32_t>(per_row);
+      offsets[static_cast<size_t>(index)] = ints;
+      ints += (width + 1) * sequences;
+    }
+  tables_ = DeviceBuffer(static_cast<size_t>(ints) * sizeof(int32_t));
+  // Free slots read as empty tables: every page -1.
+  if (ints > 0) DSV4_CUDA_CHECK(cudaMemsetAsync(tables_.data(), 0xff, tables_.bytes(), stream_));
+  for (size_t i = 0; i < pool_tables_.size(); ++i) {
+    DevicePoolTable& t = pool_tables_[i];
+    t.table = static_cast<int32_t*>(tables_.data()) + offsets[i];
+    t.first = t.table + int64_t{t.width} * sequences;
+  }
+  pool_table_array_ = DeviceBuffer(pool_tables_.size() * sizeof(DevicePoolTable));
+  pool_table_array_.upload(pool_tables_.data(), pool_table_array_.bytes(), stream_);
+}
+
+PagedCache DeviceCaches::paged(CacheKind kind, int layer) const {
+  const DevicePoolTable& t = pool_tables_[static_cast<size_t>(manager_.pool_index(kind, layer))];
+  const int64_t sequences = manager_.options().capacity.max_sequences;
+  int device = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&device));
+  PagedCache cache;
+  cache.pages = pages(kind, layer);
+  cache.geometry = geometry(kind, layer);
+  cache.tensor_scale = manager_.pool(kind, layer).tensor_scale();
+  cache.block_table = TensorView::contiguous(t.table, DType::i32, {sequences, t.width}, Device::cuda, device);
+  cache.first_logical_page = TensorView::contiguous(t.first, DType::i32, {sequences}, Device::cuda, device);
+  return cache;
+}
+
+void DeviceCaches::upload_table_changes() {
+  const std::vector<KvCacheManager::TableChange> changes = manager_.take_table_changes();
+  // In batches that fit the staging buffer: records first, then their pages.
+  size_t next = 0;
+  while (next < changes.size()) {
+    std::vector<TableChangeRecord> records;
+    std::vector<int32_t> pages;
+    size_t bytes = 0;
+    for (; next < changes.size(); ++next) {
+      const KvCacheManager::TableChange& c = changes[next];
+      const BlockTableView t = manager_.slot_block_table(c.pool, c.slot);
+      const DevicePoolTable& mirror = pool_tables_[static_cast<size_t>(c.pool)];
+      DSV4_CHECK(static_cast<int64_t>(t.pages.size()) <= mirror.width, "engine: the block table of sequence slot ",
+                 c.slot, " in pool '", manager_.pools()[static_cast<size_t>(c.pool)]->name(), "' holds ",
+                 t.pages.size(), " pages, more than the ", mirror.width, " planned at create");
+      const size_t more = sizeof(TableChangeRecord) + t.pages.size() * sizeof(int32_t);
+      if (!records.empty() && align_workspace(bytes + more) + 2 * kWorkspaceAlignment > kTableUploadBytes) break;
+      records.push_back({c.pool, static_cast<int32_t>(c.slot), static_cast<int32_t>(t.first_logical_page),
+                         static_cast<int32_t>(t.pages.size()), static_cast<int32_t>(pages.size()), 0});
+      for (const int64_t page : t.pages) pages.push_back(static_cast<int32_t>(page));
+      bytes += more;
+    }
+    table_upload_.begin();  // waits until the previous batch has left the staging buffer
+    const TensorView r = table_upload_.append(records.data(), records.size() * sizeof(TableChangeRecord), DType::u8,
+                                              {static_cast<int64_t>(records.size() * sizeof(TableChangeRecord))});
+    const TensorView p = table_upload_.append(std::span<const int32_t>(pages), DType::i32,
+                                              {static_cast<int64_t>(pages.size())});
+    table_upload_.upload(stream_);
+    launch_apply_table_changes(static_cast<const TableChangeRecord*>(r.data), static_cast<int64_t>(records.size()),
+                               p.ptr<const int32_t>(), device_pool_tables(), stream_);
+  }
 }
 
 const DeviceCaches::Arena& DeviceCaches::arena(CacheKind kind, int layer) const {

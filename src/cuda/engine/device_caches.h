@@ -1,7 +1,8 @@
 // The KV caches of the CUDA engine: a KvCacheManager does the page bookkeeping (allocation, block
 // tables, slots, fork sharing, copy-on-write, all-or-nothing reserve) and this class keeps the
-// pool bytes on the device, one arena per pool with the manager's page geometry, plus the
-// compressor rings (the projected rows of still-open groups) of every sequence slot. Every device change the manager's
+// pool bytes on the device, one arena per pool with the manager's page geometry, the compressor
+// rings (the projected rows of still-open groups) of every sequence slot, and a mirror of every
+// block table by sequence slot, updated with what changed (block_tables.h). Every device change the manager's
 // bookkeeping implies (a page copied on write, a state zeroed or copied) is queued on the
 // engine's stream, so it is ordered with the kernels that read and write the pages.
 //
@@ -12,6 +13,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda/engine/block_tables.h"
+#include "cuda/engine/step_upload.h"
 #include "dsv4/cuda/runtime.h"
 #include "dsv4/kv_cache.h"
 
@@ -22,8 +25,11 @@ class DeviceCaches {
   // Allocates every arena and compressor ring (zeroed). `ring_floats[layer]` lists the floats per
   // sequence of each compressor ring of the layer (empty for layers without a compressor); the
   // manager accounts their sum as the layer's compressor state.
+  // Tables are sized for sequences of at most max_context tokens growing by at most
+  // max_step_tokens per step.
   DeviceCaches(const ModelConfig& config, const ModelTopology& topology, KvCacheOptions options,
-               const std::vector<std::vector<int64_t>>& ring_floats, cudaStream_t stream);
+               const std::vector<std::vector<int64_t>>& ring_floats, int64_t max_context, int64_t max_step_tokens,
+               cudaStream_t stream);
 
   const KvCacheManager& manager() const { return manager_; }
 
@@ -39,6 +45,17 @@ class DeviceCaches {
   bool has_pool(CacheKind kind, int layer) const { return manager_.has_pool(kind, layer); }
   // The pool's device arena [num_pages, page_stride] u8 and its geometry.
   TensorView pages(CacheKind kind, int layer) const;
+  // The pool as kernels read it: its arena and the mirror of its block tables, rows by sequence
+  // slot (block_table [max_sequences, width] i32, first_logical_page [max_sequences] i32). The
+  // views stay the same for the engine's lifetime.
+  PagedCache paged(CacheKind kind, int layer) const;
+  // Queues on the stream the upload of every block table changed since the last call. Host work
+  // and bytes are proportional to the changed tables.
+  void upload_table_changes();
+  // The mirrors of every pool, in KvCacheManager::pools() order: on the host, and the same array
+  // on the device.
+  const std::vector<DevicePoolTable>& pool_tables() const { return pool_tables_; }
+  const DevicePoolTable* device_pool_tables() const { return static_cast<const DevicePoolTable*>(pool_table_array_.data()); }
   const PageGeometry& geometry(CacheKind kind, int layer) const { return manager_.pool(kind, layer).geometry(); }
   // Ring `ring` of the layer's compressors: [max_sequences, ring_rows, row_width] f32, indexed by
   // KvCacheManager::sequence_slot; ring_rows · row_width must be the ring's floats per sequence.
@@ -64,6 +81,10 @@ class DeviceCaches {
     DeviceBuffer slab;   // [max_sequences, floats]
   };
   std::vector<std::vector<Ring>> rings_;            // per layer
+  DeviceBuffer tables_;                             // every pool's mirror
+  std::vector<DevicePoolTable> pool_tables_;        // per pool
+  DeviceBuffer pool_table_array_;                   // pool_tables_ on the device
+  StepUpload table_upload_;                         // staging of the changed tables
 };
 
 }  // namespace dsv4::cuda

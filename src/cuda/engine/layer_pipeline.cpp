@@ -37,6 +37,21 @@ LinearParams linear_params(const TensorView& x, const TensorView& weight, int ac
 
 }  // namespace
 
+LayerPipeline::LayerPipeline(const LayerPipelineInputs& in) : in_(in) {
+  if (!in_.aux_stream) return;
+  DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+}
+
+LayerPipeline::~LayerPipeline() {
+  if (fork_) cudaEventDestroy(fork_);
+  if (join_) cudaEventDestroy(join_);
+}
+
+LayerPipeline::Lane LayerPipeline::aux_lane() const {
+  return in_.aux_stream ? Lane{in_.aux_stream, in_.workspace->aux_scratch, in_.aux_blas} : main_lane();
+}
+
 TensorView LayerPipeline::view(void* data, DType dtype, const std::vector<int64_t>& shape) const {
   return TensorView::contiguous(data, dtype, shape, Device::cuda, in_.device);
 }
@@ -46,8 +61,8 @@ TensorView LayerPipeline::rope_table(int layer) const {
   return table.view(DType::f32, {in_.max_context, config().rope_head_dim});
 }
 
-void LayerPipeline::project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const {
-  run_linear(linear_params(x, w.view(), w.activation_block, y, in_.blas), in_.workspace->scratch, in_.stream);
+void LayerPipeline::project(const TensorView& x, const DeviceWeight& w, const TensorView& y, const Lane& lane) const {
+  run_linear(linear_params(x, w.view(), w.activation_block, y, lane.blas), lane.scratch, lane.stream);
 }
 
 CacheInsertParams LayerPipeline::insert_params(int layer, RowQuantizer quantizer, const TensorView& positions,
@@ -159,6 +174,8 @@ void LayerPipeline::project_queries(int layer, const TensorView& x, const Tensor
   q_norm.weight = w.get(WeightRole::q_norm).view();
   q_norm.eps = r.eps;
   run_rms_norm(q_norm, in_.stream);
+  // The indexer branch needs x and qr only: from here it may run beside the rest (run()).
+  if (fork_) DSV4_CUDA_CHECK(cudaEventRecord(fork_, in_.stream));
   project(qr, w.get(WeightRole::wq_b), view(ws.q, DType::bf16, {T, H * D}));
   RopeHeadsParams q_rope;
   q_rope.x = q_rope.out = view(ws.q, DType::bf16, {T, H, D});
@@ -222,11 +239,26 @@ void LayerPipeline::run(int layer, const TensorView& hidden_in, const TensorView
   const LayerStep& ls = in_.step->layer(layer);
   const TensorView& positions = in_.step->token_position();
   const Activations a = load_input("run_layer", layer, hidden_in, attn_out, in_.step->tokens());
+  const bool branch = r.plan.owns_compressor || r.plan.owns_indexer;
+  // The compressor and the indexer (SPEC §3, §4) read x and q_norm's output and write buffers of
+  // their own: on the aux lane they overlap q's projection and RoPE and the window insert (as
+  // vLLM's aux stream does), joining before the attention reads their entries and picks.
   project_queries(layer, a.x, positions);
+  const Lane lane = aux_lane();
+  if (branch && fork_) {
+    DSV4_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, fork_, 0));
+    if (r.plan.owns_compressor) compress(layer, lane);
+    if (r.plan.owns_indexer) index(layer, lane);
+    DSV4_CUDA_CHECK(cudaEventRecord(join_, lane.stream));
+  }
   // The step's window rows, stored before the attention reads them.
   insert_window_rows(layer, a.x, positions, ls.window_slots, ls.window);
-  if (r.plan.owns_compressor) compress(layer);
-  if (r.plan.owns_indexer) index(layer);
+  if (branch && fork_) {
+    DSV4_CUDA_CHECK(cudaStreamWaitEvent(in_.stream, join_, 0));
+  } else {
+    if (r.plan.owns_compressor) compress(layer, lane);
+    if (r.plan.owns_indexer) index(layer, lane);
+  }
   attend(layer);
   project_output(layer, positions, a.out, attn_out);
 }
@@ -301,9 +333,9 @@ void LayerPipeline::run_draft_block(int layer, const TensorView& hidden_in, cons
 
 // Compressed entries and index keys of a kv-source layer for the groups closing in this step
 // (SPEC §3, §4.1; V4.0 §12), in the pipeline compressor.h describes.
-void LayerPipeline::compress(int layer) {
+void LayerPipeline::compress(int layer, const Lane& lane) {
   Workspace& ws = *in_.workspace;
-  const cudaStream_t stream = in_.stream;
+  const cudaStream_t stream = lane.stream;
   const LayerRecipe& r = recipe(layer);
   const DeviceLayerWeights& w = weights(layer);
   const LayerStep& ls = in_.step->layer(layer);
@@ -314,7 +346,7 @@ void LayerPipeline::compress(int layer) {
   const auto pool = [&](const CompressorGeometry& c, int ring, WeightRole wkv, WeightRole wgate, WeightRole norm,
                         WeightRole bias, void* latent) {
     const TensorView projected = view(ws.compressor_rows, DType::f32, {T, c.row_width()});
-    run_linear(linear_params(x, w.fused(wkv, wgate), 0, projected, in_.blas), ws.scratch, stream);
+    run_linear(linear_params(x, w.fused(wkv, wgate), 0, projected, lane.blas), lane.scratch, stream);
     CompressorPoolParams p;
     p.rows = projected;
     p.token_position = in_.step->token_position();
@@ -346,7 +378,7 @@ void LayerPipeline::compress(int layer) {
       keys.rows = view(ws.index_latent, ws.rows, {T, dI});
     } else {
       keys.rows = view(ws.keys, ws.rows, {T, dI});
-      project(latent, w.get(WeightRole::indexer_wk), keys.rows);
+      project(latent, w.get(WeightRole::indexer_wk), keys.rows, lane);
       keys.norm_weight = w.get(WeightRole::indexer_k_norm).view();
       keys.eps = r.eps;
     }
@@ -361,9 +393,9 @@ void LayerPipeline::compress(int layer) {
 
 // The indexer of an index-source layer: scores over its kv source's keys, candidate blocks, top-k
 // picks (SPEC §4), in token chunks that fit the score buffer.
-void LayerPipeline::index(int layer) {
+void LayerPipeline::index(int layer, const Lane& lane) {
   Workspace& ws = *in_.workspace;
-  const cudaStream_t stream = in_.stream;
+  const cudaStream_t stream = lane.stream;
   const LayerRecipe& r = recipe(layer);
   const LayerPlan& plan = r.plan;
   const DeviceLayerWeights& w = weights(layer);
@@ -374,7 +406,7 @@ void LayerPipeline::index(int layer) {
   // Queries and head weights (SPEC §4.2).
   const TensorView q = view(ws.index_q, DType::bf16, {T, nI, dI});
   project(view(ws.qr, ws.rows, {T, config().q_lora_rank}), w.get(WeightRole::indexer_wq_b),
-          view(ws.index_q, DType::bf16, {T, nI * dI}));
+          view(ws.index_q, DType::bf16, {T, nI * dI}), lane);
   RopeHeadsParams rope;
   rope.x = rope.out = q;
   rope.token_position = in_.step->token_position();
@@ -383,7 +415,7 @@ void LayerPipeline::index(int layer) {
   rope.quant = r.index_rows;
   run_rope_heads(rope, stream);
   project(view(ws.x, DType::bf16, {T, config().hidden_size}), w.get(WeightRole::indexer_weights_proj),
-          view(ws.index_w_raw, ws.rows, {T, nI}));
+          view(ws.index_w_raw, ws.rows, {T, nI}), lane);
   launch_scale_to_f32(ws.index_w_raw, ws.rows, r.index_weight_scale, r.round_bf16, ws.index_w, T * nI, stream);
   const TensorView weights = view(ws.index_w, DType::f32, {T, nI});
 

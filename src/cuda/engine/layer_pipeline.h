@@ -34,6 +34,11 @@ struct LayerPipelineInputs {
   Workspace* workspace = nullptr;
   const BlasLt* blas = nullptr;
   cudaStream_t stream = nullptr;
+  // The indexer branch's lane (compressor and indexer of source layers), run beside the query
+  // projection and the window insert when set: a second stream with its own cuBLASLt workspace
+  // and scratch. nullptr: everything on `stream`.
+  cudaStream_t aux_stream = nullptr;
+  const BlasLt* aux_blas = nullptr;
   int device = 0;
   Communicator* communicator = nullptr;  // tensor parallelism, else nullptr
   bool split_indexer = false;            // the index heads are the rank's share
@@ -41,7 +46,10 @@ struct LayerPipelineInputs {
 
 class LayerPipeline {
  public:
-  explicit LayerPipeline(const LayerPipelineInputs& in) : in_(in) {}
+  explicit LayerPipeline(const LayerPipelineInputs& in);
+  ~LayerPipeline();
+  LayerPipeline(const LayerPipeline&) = delete;
+  LayerPipeline& operator=(const LayerPipeline&) = delete;
 
   // Runs `layer` over the step: hidden_in / attn_out [step tokens, hidden] f32, on the host
   // (staged through the workspace; the call then waits for the stream) or on the engine's device.
@@ -69,9 +77,19 @@ class LayerPipeline {
     float* out = nullptr;
   };
 
+  // Where a piece of a layer runs: its stream, the scratch of its GEMMs and their cuBLASLt.
+  struct Lane {
+    cudaStream_t stream;
+    void* scratch;
+    const BlasLt* blas;
+  };
+  Lane main_lane() const { return {in_.stream, in_.workspace->scratch, in_.blas}; }
+  Lane aux_lane() const;
+
   TensorView view(void* data, DType dtype, const std::vector<int64_t>& shape) const;
   TensorView rope_table(int layer) const;
-  void project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const;
+  void project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const { project(x, w, y, main_lane()); }
+  void project(const TensorView& x, const DeviceWeight& w, const TensorView& y, const Lane& lane) const;
   // An insert into `cache` at `positions` [T] i32 with the layer's RoPE table (rows, norm and
   // position offset left to the caller).
   CacheInsertParams insert_params(int layer, RowQuantizer quantizer, const TensorView& positions,
@@ -85,11 +103,12 @@ class LayerPipeline {
   void insert_window_rows(int layer, const TensorView& x, const TensorView& positions, const TensorView& slots,
                           const PagedCache& cache);
   void project_output(int layer, const TensorView& positions, float* out, const TensorView& attn_out);
-  void compress(int layer);
-  void index(int layer);
+  void compress(int layer, const Lane& lane);
+  void index(int layer, const Lane& lane);
   void attend(int layer);
 
   LayerPipelineInputs in_;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;  // the aux lane's start after q_norm and its end
 };
 
 }  // namespace dsv4::cuda

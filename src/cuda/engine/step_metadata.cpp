@@ -12,20 +12,6 @@ size_t paged_bytes(const KvCacheManager& manager, CacheKind kind, int layer, int
          align_workspace(static_cast<size_t>(T) * 8);
 }
 
-size_t metadata_bytes(const ModelTopology& topology, const KvCacheManager& manager, int64_t T, int64_t S,
-                      int64_t max_context) {
-  size_t bytes = 5 * align_workspace(static_cast<size_t>(T) * 4);  // the token arrays, window ranges
-  for (int l = 0; l < topology.size(); ++l) {
-    const LayerPlan& plan = topology[l];
-    bytes += paged_bytes(manager, CacheKind::window, l, manager.sliding_window() + T, S, T);
-    if (!plan.owns_compressor) continue;
-    const int64_t entries = max_context / plan.compress_ratio;
-    bytes += paged_bytes(manager, CacheKind::compressed, l, entries, S, T);
-    if (plan.owns_index_keys) bytes += paged_bytes(manager, CacheKind::index_keys, l, entries, S, T);
-  }
-  return bytes;
-}
-
 // A pool's block tables [S, longest table] (-1 padded) and first logical pages [S] of the given
 // sequences, appended to `upload`.
 PagedCache pack_paged(StepUpload& upload, const DeviceCaches& caches, CacheKind kind, int layer,
@@ -56,63 +42,102 @@ PagedCache pack_paged(StepUpload& upload, const DeviceCaches& caches, CacheKind 
 
 }  // namespace
 
-StepMetadata::StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens,
-                           int64_t max_sequences, int64_t max_context)
-    : upload_(metadata_bytes(topology, caches.manager(), max_tokens, max_sequences, max_context)),
-      layers_(static_cast<size_t>(topology.size())) {}
+namespace {
 
-void StepMetadata::pack(const StepLayout& step, const ModelTopology& topology, const DeviceCaches& caches,
-                        cudaStream_t stream) {
+// Entries rounded up to within an eighth of their power of two (at least 256), at most `limit`:
+// a step graph captured at one context length replays the next ones (SPEC-exact either way: the
+// kernels mask every entry a token cannot see).
+int64_t entries_bucket(int64_t entries, int64_t limit) {
+  if (entries == 0) return 0;
+  int64_t power = 1;
+  while (power < entries) power *= 2;
+  const int64_t granule = std::max<int64_t>(256, power / 8);
+  return std::min(limit, (entries + granule - 1) / granule * granule);
+}
+
+uint64_t mix(uint64_t hash, uint64_t value) { return (hash ^ value) * 0x100000001b3ull; }
+
+}  // namespace
+
+StepMetadata::StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens,
+                           int64_t max_context)
+    : max_tokens_(max_tokens), max_context_(max_context),
+      upload_(4 * align_workspace(static_cast<size_t>(max_tokens) * 4)),
+      slots_(caches.pool_tables().size() * static_cast<size_t>(max_tokens) * sizeof(int64_t)),
+      layers_(static_cast<size_t>(topology.size())) {
+  std::vector<int64_t*> rows;
+  for (size_t p = 0; p < caches.pool_tables().size(); ++p)
+    rows.push_back(static_cast<int64_t*>(slots_.data()) + static_cast<int64_t>(p) * max_tokens);
+  slot_pointers_ = DeviceBuffer(rows.size() * sizeof(int64_t*));
+  // A synchronous copy: `rows` ends with this constructor.
+  DSV4_CUDA_CHECK(cudaMemcpy(slot_pointers_.data(), rows.data(), slot_pointers_.bytes(), cudaMemcpyHostToDevice));
+  // What each layer reads and writes sits at the same addresses every step.
+  int device = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&device));
   const KvCacheManager& manager = caches.manager();
-  const int64_t T = step.tokens();
-  std::vector<CacheStepEntry> cache_step;
-  std::vector<SequenceId> sequences;
-  std::vector<int32_t> token_position(step.positions.begin(), step.positions.end()), state_slot;
-  for (const StepChunk& ch : step.chunks) {
-    cache_step.push_back({ch.sequence, ch.tokens});
-    sequences.push_back(ch.sequence);
-    state_slot.insert(state_slot.end(), static_cast<size_t>(ch.tokens),
-                      static_cast<int32_t>(manager.sequence_slot(ch.sequence)));
-  }
-  upload_.begin();
-  tokens_ = T;
-  token_sequence_ = upload_.append(std::span<const int32_t>(step.chunk_of), DType::i32, {T});
-  token_position_ = upload_.append(std::span<const int32_t>(token_position), DType::i32, {T});
-  state_slot_ = upload_.append(std::span<const int32_t>(state_slot), DType::i32, {T});
-  window_first_ = window_last_ = TensorView{};
-  max_window_rows_ = 0;
-  if (!step.windows.empty()) {
-    std::vector<int32_t> first, last;
-    for (const WindowRange& w : step.windows) {
-      first.push_back(static_cast<int32_t>(w.first));
-      last.push_back(static_cast<int32_t>(w.last));
-      max_window_rows_ = std::max(max_window_rows_, w.last - w.first + 1);
-    }
-    window_first_ = upload_.append(std::span<const int32_t>(first), DType::i32, {T});
-    window_last_ = upload_.append(std::span<const int32_t>(last), DType::i32, {T});
-  }
-  const auto paged = [&](CacheKind kind, int layer) { return pack_paged(upload_, caches, kind, layer, sequences); };
-  const auto slots = [&](const std::vector<int64_t>& s) {
-    return upload_.append(std::span<const int64_t>(s), DType::i64, {T});
+  const auto slots = [&](CacheKind kind, int layer) {
+    return TensorView::contiguous(rows[static_cast<size_t>(manager.pool_index(kind, layer))], DType::i64,
+                                  {max_tokens}, Device::cuda, device);
   };
   for (int l = 0; l < topology.size(); ++l) {
     LayerStep& ls = layers_[static_cast<size_t>(l)];
-    ls = LayerStep{};
-    const LayerPlan& plan = topology[l];
-    const LayerStepSlots layer_slots = manager.step_slots(cache_step, l);
-    ls.window = paged(CacheKind::window, l);
-    ls.window_slots = slots(layer_slots.window);
-    if (!plan.owns_compressor) continue;
-    ls.compressed = paged(CacheKind::compressed, l);
-    ls.compressed_slots = slots(layer_slots.compressed);
-    if (plan.owns_index_keys) {
-      ls.index_keys = paged(CacheKind::index_keys, l);
-      ls.index_key_slots = slots(layer_slots.index_keys);
-    }
-    for (const StepChunk& ch : step.chunks)
-      ls.entries = std::max(ls.entries, (ch.start + ch.tokens) / plan.compress_ratio);
+    ls.window = caches.paged(CacheKind::window, l);
+    ls.window_slots = slots(CacheKind::window, l);
+    if (!topology[l].owns_compressor) continue;
+    ls.compressed = caches.paged(CacheKind::compressed, l);
+    ls.compressed_slots = slots(CacheKind::compressed, l);
+    if (!topology[l].owns_index_keys) continue;
+    ls.index_keys = caches.paged(CacheKind::index_keys, l);
+    ls.index_key_slots = slots(CacheKind::index_keys, l);
   }
+}
+
+void StepMetadata::pack(const StepLayout& step, const ModelTopology& topology, DeviceCaches& caches,
+                        cudaStream_t stream) {
+  const KvCacheManager& manager = caches.manager();
+  const int64_t T = step.tokens();
+  const size_t reserve = static_cast<size_t>(max_tokens_) * 4;
+  std::vector<int32_t> token_slot, token_position(step.positions.begin(), step.positions.end());
+  for (const StepChunk& ch : step.chunks)
+    token_slot.insert(token_slot.end(), static_cast<size_t>(ch.tokens),
+                      static_cast<int32_t>(manager.sequence_slot(ch.sequence)));
+  std::vector<int32_t> first, last;
+  max_window_rows_ = 0;
+  for (const WindowRange& w : step.windows) {
+    first.push_back(static_cast<int32_t>(w.first));
+    last.push_back(static_cast<int32_t>(w.last));
+    max_window_rows_ = std::max(max_window_rows_, w.last - w.first + 1);
+  }
+  // The tokens' arrays, each at its fixed offset.
+  upload_.begin();
+  tokens_ = T;
+  token_sequence_ = upload_.append(std::span<const int32_t>(token_slot), DType::i32, {T}, reserve);
+  token_position_ = upload_.append(std::span<const int32_t>(token_position), DType::i32, {T}, reserve);
+  window_first_ = upload_.append(std::span<const int32_t>(first), DType::i32, {static_cast<int64_t>(first.size())},
+                                 reserve);
+  window_last_ = upload_.append(std::span<const int32_t>(last), DType::i32, {static_cast<int64_t>(last.size())},
+                                reserve);
+  if (step.windows.empty()) window_first_ = window_last_ = TensorView{};
   upload_.upload(stream);
+  // The tables, then the slots read from them.
+  caches.upload_table_changes();
+  launch_step_slots(caches.device_pool_tables(), static_cast<int64_t* const*>(slot_pointers_.data()),
+                    static_cast<int>(caches.pool_tables().size()), token_sequence_.ptr<const int32_t>(),
+                    token_position_.ptr<const int32_t>(), T, stream);
+
+  int64_t longest = 0;
+  for (const StepChunk& ch : step.chunks) longest = std::max(longest, ch.start + ch.tokens);
+  graph_key_ = mix(mix(mix(0xcbf29ce484222325ull, static_cast<uint64_t>(T)), step.windows.empty() ? 0 : 1),
+                   static_cast<uint64_t>(max_window_rows_));
+  for (int l = 0; l < topology.size(); ++l) {
+    LayerStep& ls = layers_[static_cast<size_t>(l)];
+    for (TensorView* v : {&ls.window_slots, &ls.compressed_slots, &ls.index_key_slots})
+      if (is_present(*v)) *v = TensorView::contiguous(v->data, DType::i64, {T}, Device::cuda, v->device_index);
+    if (!topology[l].owns_compressor) continue;
+    const int64_t ratio = topology[l].compress_ratio;
+    ls.entries = entries_bucket(longest / ratio, max_context_ / ratio);
+    graph_key_ = mix(graph_key_, static_cast<uint64_t>(ls.entries));
+  }
 }
 
 // The draft layers' window tables hold at most the sliding window plus the rollback rows, on

@@ -17,38 +17,51 @@ namespace dsv4::cuda {
 struct LayerStep {
   PagedCache window, compressed, index_keys;                   // compressed / index_keys: kv sources only
   TensorView window_slots, compressed_slots, index_key_slots;  // [step tokens] i64
-  int64_t entries = 0;  // kv sources: the longest compressed cache of the step's sequences after it
+  // kv sources: the entries the step's index scores and entry lists span: the longest compressed
+  // cache of the step's sequences after it, rounded up (entries_bucket) so that steps of a growing
+  // context share it.
+  int64_t entries = 0;
 };
 
+// Every array of a step sits at an address fixed at create: the tokens' arrays and slots in
+// buffers of max_tokens, the block tables in DeviceCaches' mirrors by sequence slot. What changes
+// from step to step is only the data (uploaded at begin_step) and the scalars graph_key() covers,
+// so the kernels a step launches are the same for every step of the same key.
 class StepMetadata {
  public:
-  // Capacity for steps of at most max_tokens tokens of at most max_sequences sequences, each at
-  // most max_context long.
-  StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens, int64_t max_sequences,
-               int64_t max_context);
+  // Capacity for steps of at most max_tokens tokens, each sequence at most max_context long.
+  StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens, int64_t max_context);
 
-  // Packs `step` (reserved in `caches`) and queues its upload on `stream`.
-  void pack(const StepLayout& step, const ModelTopology& topology, const DeviceCaches& caches, cudaStream_t stream);
+  // Uploads `step` (reserved in `caches`) on `stream`: the tokens' arrays, the block tables that
+  // changed, then the slots every pool's tokens write (computed on the device).
+  void pack(const StepLayout& step, const ModelTopology& topology, DeviceCaches& caches, cudaStream_t stream);
 
   int64_t tokens() const { return tokens_; }
-  // [step tokens] i32: the token's entry in the step (row of every block table), its position,
-  // its sequence's slot in the compressor rings.
+  // [step tokens] i32: the token's sequence slot (the row of every block table and compressor
+  // ring) and its position.
   const TensorView& token_sequence() const { return token_sequence_; }
   const TensorView& token_position() const { return token_position_; }
-  const TensorView& state_slot() const { return state_slot_; }
+  const TensorView& state_slot() const { return token_sequence_; }
   // [step tokens] i32 when the step has image spans (StepLayout::windows), else absent: the first
   // and last window position each token attends; and the most window rows a token has then.
   const TensorView& window_first() const { return window_first_; }
   const TensorView& window_last() const { return window_last_; }
   int64_t max_window_rows() const { return max_window_rows_; }
   const LayerStep& layer(int l) const { return layers_[static_cast<size_t>(l)]; }
-  size_t device_bytes() const { return upload_.capacity(); }
+  // Equal for two steps exactly when their kernels' arguments are equal: the token count, every
+  // kv source's entries, the image-span window bound.
+  uint64_t graph_key() const { return graph_key_; }
+  size_t device_bytes() const { return upload_.capacity() + slots_.bytes() + slot_pointers_.bytes(); }
 
  private:
-  StepUpload upload_;
+  int64_t max_tokens_ = 0, max_context_ = 0;
+  StepUpload upload_;     // the tokens' arrays, at fixed offsets
+  DeviceBuffer slots_;    // [pools, max_tokens] i64
+  DeviceBuffer slot_pointers_;  // [pools] i64*: the rows of slots_
   int64_t tokens_ = 0;
-  TensorView token_sequence_, token_position_, state_slot_, window_first_, window_last_;
+  TensorView token_sequence_, token_position_, window_first_, window_last_;
   int64_t max_window_rows_ = 0;
+  uint64_t graph_key_ = 0;
   std::vector<LayerStep> layers_;
 };
 

@@ -1,5 +1,6 @@
 #include "cuda/engine/step_upload.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace dsv4::cuda {
@@ -28,16 +29,17 @@ void StepUpload::begin() {
   used_ = 0;
 }
 
-TensorView StepUpload::append(const void* data, size_t bytes, DType dtype, const std::vector<int64_t>& shape) {
+TensorView StepUpload::append(const void* data, size_t bytes, DType dtype, const std::vector<int64_t>& shape,
+                              size_t reserve_bytes) {
   const size_t offset = used_;
   TensorView v = TensorView::contiguous(static_cast<std::byte*>(device_.data()) + offset, dtype, shape, Device::cuda);
   DSV4_CHECK(static_cast<size_t>(v.numel()) * dtype_size(dtype) == bytes, "engine: begin_step: metadata array of ",
              bytes, " bytes does not match its shape ", v.shape_string());
-  DSV4_CHECK(bytes <= capacity_ - offset, "engine: begin_step: the step's metadata needs more than the ", capacity_,
-             " bytes planned at create");
+  DSV4_CHECK(bytes <= capacity_ - offset && reserve_bytes <= capacity_ - offset,
+             "engine: begin_step: the step's metadata needs more than the ", capacity_, " bytes planned at create");
   if (bytes > 0) std::memcpy(host_ + offset, data, bytes);
   // Both offset and capacity are multiples of the alignment, so this stays within the capacity.
-  used_ = offset + align_workspace(bytes);
+  used_ = offset + align_workspace(std::max(bytes, reserve_bytes));
   DSV4_CUDA_CHECK(cudaGetDevice(&v.device_index));
   return v;
 }

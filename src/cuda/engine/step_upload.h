@@ -24,10 +24,14 @@ class StepUpload {
   void begin();
   // Appends an array (256-byte aligned) and returns its device view [shape] of `dtype`, valid
   // after upload(). Throws when the packed bytes would exceed the capacity.
-  TensorView append(const void* data, size_t bytes, DType dtype, const std::vector<int64_t>& shape);
+  // With `reserve_bytes`, the array takes at least that much room, so that the arrays after it
+  // keep their offsets whatever its size.
+  TensorView append(const void* data, size_t bytes, DType dtype, const std::vector<int64_t>& shape,
+                    size_t reserve_bytes = 0);
   template <class T>
-  TensorView append(std::span<const T> values, DType dtype, const std::vector<int64_t>& shape) {
-    return append(values.data(), values.size_bytes(), dtype, shape);
+  TensorView append(std::span<const T> values, DType dtype, const std::vector<int64_t>& shape,
+                    size_t reserve_bytes = 0) {
+    return append(values.data(), values.size_bytes(), dtype, shape, reserve_bytes);
   }
   // Queues the copy of everything appended since begin() on `stream`.
   void upload(cudaStream_t stream);

@@ -51,8 +51,10 @@ struct Workspace {
   // not part of it: it is the BlasLt's alone.
   DeviceBuffer scratch_memory;
   void* scratch = nullptr;
+  DeviceBuffer aux_scratch_memory;  // the aux lane's (LayerPipelineInputs::aux_stream), as large
+  void* aux_scratch = nullptr;
 
-  size_t device_bytes() const { return memory.bytes() + scratch_memory.bytes(); }
+  size_t device_bytes() const { return memory.bytes() + scratch_memory.bytes() + aux_scratch_memory.bytes(); }
 };
 
 // Carves every buffer but the scratch (its size depends on the GEMMs: LayerPipeline::scratch_bytes).
