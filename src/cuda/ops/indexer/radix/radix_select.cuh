@@ -5,8 +5,9 @@
 // row's ascending pick list. Nothing goes through global memory but the picks, and the result is a
 // pure function of the keys (histogram counts do not depend on the order of the atomics).
 //
-// It only reads `keys[0, count)` of each CTA: a kernel that fills them another way (a fused score
-// scan keeping its candidates) can reuse it as is.
+// It only reads each CTA's `keys[0, count)`, the keys of row positions first + i: a kernel that
+// computes its chunk's scores into shared memory instead of loading them (a fused score scan) can
+// call it as is.
 #pragma once
 
 #include <cooperative_groups.h>
