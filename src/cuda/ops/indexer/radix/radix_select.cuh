@@ -108,15 +108,25 @@ __device__ Selection select_picks(const uint32_t* keys, int count, int64_t k, Se
   const unsigned cluster_size = RowCluster::size();
   uint32_t prefix = 0u, mask = 0u;
   int remaining = static_cast<int>(k < INT32_MAX ? k : INT32_MAX);  // picks left among the keys matching prefix
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   int eligible = 0;
   for (int shift = 32 - kRadixBits, pass = 0; shift >= 0; shift -= kRadixBits, ++pass) {
     auto& copies = s.histogram[pass & 1];
     for (int b = threadIdx.x; b < kHistogramCopies * (kBins + 1); b += kThreads) (&copies[0][0])[b] = 0u;
     __syncthreads();
     unsigned* copy = copies[threadIdx.x % kHistogramCopies];
-    for (int i = threadIdx.x; i < count; i += kThreads) {
-      const uint32_t key = keys[i];
-      if (key != 0u && (key & mask) == prefix) atomicAdd(&copy[(key >> shift) & (kBins - 1)], 1u);
+    for (int warp_base = static_cast<int>(threadIdx.x) - lane; warp_base < count; warp_base += kThreads) {
+      const int i = warp_base + lane;
+      const uint32_t key = i < count ? keys[i] : 0u;
+      const bool counted = key != 0u && (key & mask) == prefix;
+      const unsigned bin = (key >> shift) & (kBins - 1), voters = __ballot_sync(kFullMask, counted);
+      // A warp whose counted keys share one bin (a run of equal scores) adds them in one atomic.
+      const unsigned first_bin = __shfl_sync(kFullMask, bin, voters ? __ffs(voters) - 1 : 0);
+      if (__all_sync(kFullMask, !counted || bin == first_bin)) {
+        if (lane == 0 && voters) atomicAdd(&copy[first_bin], static_cast<unsigned>(__popc(voters)));
+      } else if (counted) {
+        atomicAdd(&copy[bin], 1u);
+      }
     }
     __syncthreads();
     unsigned* histogram = copies[0];
