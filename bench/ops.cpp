@@ -2,6 +2,8 @@
 //   indexer            index scores of one decode token per sequence against its `context` keys
 //                      (ratio 1, MXFP4 key cache)
 //   topk               top-k (index_topk) of one score row of `context` entries per sequence
+//   topk-blocks        the candidate blocks' top-k (candidate_topk_blocks) of one row of `context`
+//                      block scores per sequence (a context of E entries has E / candidate_block_size)
 //   attention-decode   sparse attention of one decode token per sequence: window rows (v41_fp8)
 //                      plus index_topk picked entries (v41_fp4) out of `context`
 //   attention-prefill  sparse attention of a `context`-token prefill chunk per sequence, each token
@@ -136,8 +138,9 @@ void bench_indexer(const BenchOptions& o, const ModelConfig& c, cuda::Stream& st
   print_result(o, c, w, us);
 }
 
-void bench_topk(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
-  const int64_t B = o.batch, E = o.context, k = c.index_topk;
+// Rows of random scores in [-1, 1), whole rows eligible; k: index_topk or candidate_topk_blocks.
+void bench_topk(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream, int64_t k) {
+  const int64_t B = o.batch, E = o.context;
   DeviceTensor scores = random_device_tensor(DType::f32, {B, E}, 4), picks = poisoned_tensor(DType::i32, {B, k});
   cuda::TopkParams p;
   p.scores = scores.view;
@@ -330,7 +333,10 @@ void bench_cache_insert(const BenchOptions& o, const ModelConfig& c, cuda::Strea
 const std::vector<BenchOp>& bench_ops() {
   static const std::vector<BenchOp> ops = {
       {"indexer", true, &bench_indexer},
-      {"topk", true, &bench_topk},
+      {"topk", true, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_topk(o, c, s, c.index_topk); }},
+      {"topk-blocks", true, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) {
+         bench_topk(o, c, s, c.candidate_topk_blocks);
+       }},
       {"attention-decode", true, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_attention(o, c, s, false); }},
       {"attention-prefill", false, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_attention(o, c, s, true); }},
       {"compressor", false, &bench_compressor},

@@ -8,6 +8,7 @@
 // entries must match exactly.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -184,15 +185,40 @@ std::vector<float> tie_heavy_scores(int64_t n, uint32_t seed) {
   return s;
 }
 
+// Rows of mixed scores: bf16 values of a small set (ties) next to fp32 values over many binades
+// (keys that differ only in their low bits), NaN, -inf, +inf and -0; every fifth row is all -inf
+// and every fifth all one value.
+std::vector<float> mixed_scores(int64_t tokens, int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::vector<float> s(static_cast<size_t>(tokens * n));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < n; ++j) {
+      float& x = s[t * n + j];
+      const uint32_t r = rng() % 100;
+      if (t % 5 == 3) x = 1.5f;
+      else if (t % 5 == 4 || r < 6) x = -kInf;
+      else if (r < 8) x = std::numeric_limits<float>::quiet_NaN();
+      else if (r < 9) x = kInf;
+      else if (r < 10) x = -0.0f;
+      else if (r < 55) x = round_to_bf16(static_cast<float>(static_cast<int>(rng() % 64) - 32) * 0.0625f);
+      else x = (rng() % 2 ? -1.0f : 1.0f) * std::ldexp(mantissa(rng), static_cast<int>(rng() % 41) - 20);
+    }
+  return s;
+}
+
 struct TopkCase {
   int64_t tokens, n, k;
   int ratio;  // 0: whole rows
   int64_t group_size = 1;
   uint32_t seed = 1;
+  bool mixed = false;  // mixed_scores, else tie_heavy_scores
 };
 
-void check_topk(const TopkCase& c) {
-  const auto scores = tie_heavy_scores(c.tokens * c.n, c.seed);
+// run_topk (implementation null: through the chooser) vs reference::select_topk, bit for bit; the
+// picks start out as 0x5a5a5a5a, so an element left unwritten shows.
+void check_topk(const TopkCase& c, const TopkImplementation* implementation = nullptr) {
+  const auto scores = c.mixed ? mixed_scores(c.tokens, c.n, c.seed) : tie_heavy_scores(c.tokens * c.n, c.seed);
   std::vector<int32_t> position(c.tokens);
   std::mt19937 rng(c.seed + 1);
   for (auto& p : position) p = static_cast<int32_t>(rng() % (c.n * std::max(c.ratio, 1) * c.group_size + 5));
@@ -205,16 +231,30 @@ void check_topk(const TopkCase& c) {
   DeviceTensor ds = testing::device_tensor(scores, DType::f32, {c.tokens, c.n});
   DeviceTensor dpos = testing::device_array(position, DType::i32, {c.tokens});
   DeviceTensor dpicks = testing::poisoned_tensor(DType::i32, {c.tokens, c.k});
+  dpicks.buffer.fill_bytes(0x5a);  // not -1, the padding
   TopkParams p{.scores = ds.view, .group_size = c.group_size, .picks = dpicks.view};
   if (c.ratio > 0) {
     p.token_position = dpos.view;
     p.compress_ratio = c.ratio;
   }
   Stream stream;
-  run_topk(p, stream.get());
+  if (implementation) {
+    validate_topk(p);
+    ASSERT_EQ(implementation->supports(p, device_info()), "") << implementation->name << ", n " << c.n;
+    implementation->run(p, stream.get());
+  } else {
+    run_topk(p, stream.get());
+  }
   stream.synchronize("topk test");
-  EXPECT_EQ(testing::download_as<int32_t>(dpicks.view), expected)
-      << "tokens " << c.tokens << ", n " << c.n << ", k " << c.k << ", ratio " << c.ratio;
+  const std::vector<int32_t> got = testing::download_as<int32_t>(dpicks.view);
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    const auto row = [&](const std::vector<int32_t>& v) {
+      return std::vector<int32_t>(v.begin() + t * c.k, v.begin() + (t + 1) * c.k);
+    };
+    ASSERT_EQ(row(got), row(expected)) << (implementation ? implementation->name : "chosen") << ": token " << t
+                                       << " of " << c.tokens << ", n " << c.n << ", k " << c.k << ", ratio " << c.ratio
+                                       << ", group " << c.group_size << ", mixed " << c.mixed;
+  }
 }
 
 TEST_F(CudaTest, TopkMatchesReferenceWithTiesNanAndInfinities) {
@@ -223,6 +263,43 @@ TEST_F(CudaTest, TopkMatchesReferenceWithTiesNanAndInfinities) {
   check_topk({.tokens = 3, .n = 20, .k = 50, .ratio = 0, .seed = 3});       // k > n: -1 padding
   check_topk({.tokens = 2, .n = 70001, .k = 512, .ratio = 1, .seed = 4});   // long rows
   check_topk({.tokens = 5, .n = 40, .k = 6, .ratio = 2, .group_size = 8, .seed = 5});  // block rows
+}
+
+// The radix top-k against the reference on the row lengths it runs differently: one CTA of 256
+// threads (up to 4096 scores) or of 1024, and on sm_90 clusters of 5 and 8 CTAs (chunks of 52, 64
+// and 150 KB); the chooser picks it for them.
+TEST_F(CudaTest, TopkRadixMatchesReference) {
+  uint32_t seed = 40;
+  for (const int64_t n : {1, 7, 513, 4096, 65536 + 3, 131072})
+    for (const int64_t k : {1, 64, 512, 2048})
+      for (const bool mixed : {false, true}) {
+        const TopkCase c{.tokens = n >= 65536 ? 5 : 11, .n = n, .k = k, .ratio = 0, .seed = ++seed, .mixed = mixed};
+        check_topk(c, &kTopkRadix);
+        if (HasFatalFailure()) return;
+      }
+  // Causal lengths (some rows see none, many fewer than k) and candidate blocks of 8 entries.
+  check_topk({.tokens = 13, .n = 131072, .k = 2048, .ratio = 1, .seed = 60, .mixed = true}, &kTopkRadix);
+  check_topk({.tokens = 13, .n = 4099, .k = 512, .ratio = 4, .seed = 61, .mixed = true}, &kTopkRadix);
+  check_topk({.tokens = 13, .n = 16384, .k = 2048, .ratio = 1, .group_size = 8, .seed = 62, .mixed = true},
+             &kTopkRadix);
+  check_topk({.tokens = 9, .n = 301, .k = 37, .ratio = 2, .group_size = 8, .seed = 63}, &kTopkRadix);
+  check_topk({.tokens = 3, .n = 300001, .k = 512, .ratio = 0, .seed = 64, .mixed = true}, &kTopkRadix);
+
+  using testing::fake_device_view;
+  for (const int64_t n : {1, 4096, 131072})
+    EXPECT_STREQ(topk_implementation({.scores = fake_device_view(DType::f32, {4, n}),
+                                      .picks = fake_device_view(DType::i32, {4, 512})}),
+                 "radix")
+        << n;
+}
+
+// The fallback, called directly (the chooser takes radix for these rows).
+TEST_F(CudaTest, TopkSimtMatchesReference) {
+  check_topk({.tokens = 7, .n = 1000, .k = 64, .ratio = 0, .seed = 71}, &kTopkSimt);
+  check_topk({.tokens = 9, .n = 301, .k = 37, .ratio = 2, .seed = 72, .mixed = true}, &kTopkSimt);
+  check_topk({.tokens = 3, .n = 20, .k = 50, .ratio = 0, .seed = 73}, &kTopkSimt);
+  check_topk({.tokens = 5, .n = 70001, .k = 512, .ratio = 1, .seed = 74, .mixed = true}, &kTopkSimt);
+  check_topk({.tokens = 5, .n = 40, .k = 6, .ratio = 2, .group_size = 8, .seed = 75}, &kTopkSimt);
 }
 
 TEST_F(CudaTest, CandidateBlocksMatchReference) {
@@ -317,14 +394,36 @@ TEST(IndexerCudaValidation, ReportsTheFirstBadArgument) {
             "dsv4: candidate_block_scores: argument 'block_scores' has shape [3, 12], expected [3, 13]");
 }
 
-// The dispatch seam (indexer_implementations.h): today the SIMT kernels run every call on every
-// device the library supports; the choice needs no device.
+// The dispatch seam (indexer_implementations.h): today the SIMT index scores run every call on
+// every device the library supports; the choice needs no device.
 TEST(IndexerCudaDispatch, ChoosesSimtOnEveryDevice) {
   for (const int compute_capability : {80, 86, 89, 90, 100, 120}) {
     const DeviceInfo device{compute_capability};
     EXPECT_STREQ(choose_index_scores(fake_index_scores_params(), device).name, "simt") << compute_capability;
-    EXPECT_STREQ(choose_topk(fake_topk_params(), device).name, "simt") << compute_capability;
   }
+}
+
+// The radix top-k takes every row its CTAs' shared memory holds: up to 8 CTAs of a cluster on
+// sm_90 (about 8 x 54K scores), one CTA elsewhere (about 38K on an A100, 22K on Ada); longer rows
+// go to the SIMT kernel.
+TEST(IndexerCudaDispatch, ChoosesTopkByDeviceAndRowLength) {
+  using testing::fake_device_view;
+  const auto rows_of = [](int64_t n) {
+    return TopkParams{.scores = fake_device_view(DType::f32, {3, n}), .picks = fake_device_view(DType::i32, {3, 2048})};
+  };
+  const DeviceInfo h200{90, 232448}, a100{80, 166912}, ada{89, 101376}, blackwell{100, 232448};
+  for (const DeviceInfo& device : {h200, a100, ada, blackwell}) {
+    EXPECT_STREQ(choose_topk(fake_topk_params(), device).name, "radix") << device.compute_capability;
+    EXPECT_STREQ(choose_topk(rows_of(20000), device).name, "radix") << device.compute_capability;
+  }
+  EXPECT_STREQ(choose_topk(rows_of(131072), h200).name, "radix");
+  EXPECT_STREQ(choose_topk(rows_of(400000), h200).name, "radix");
+  EXPECT_STREQ(choose_topk(rows_of(500000), h200).name, "simt");
+  EXPECT_STREQ(choose_topk(rows_of(30000), a100).name, "radix");
+  EXPECT_STREQ(choose_topk(rows_of(50000), a100).name, "simt");
+  EXPECT_STREQ(choose_topk(rows_of(131072), blackwell).name, "simt");  // runs the compute_80 PTX: no clusters
+  const std::string why_not = kTopkRadix.supports(rows_of(131072), a100);
+  EXPECT_EQ(why_not.rfind("rows of 131072 scores exceed the shared memory of 1 CTA (", 0), 0u) << why_not;
 }
 
 // Any number of index heads and any index_dim that is a multiple of 32 run; other dims name the
@@ -348,8 +447,9 @@ TEST(IndexerCudaDispatch, IndexDimsNameTheLimit) {
 
 TEST_F(CudaTest, IndexerChoosesSimtOnThisDevice) {
   EXPECT_STREQ(index_scores_implementation(fake_index_scores_params()), "simt");
-  EXPECT_STREQ(topk_implementation(fake_topk_params()), "simt");
 }
+
+TEST_F(CudaTest, TopkChoosesRadixOnThisDevice) { EXPECT_STREQ(topk_implementation(fake_topk_params()), "radix"); }
 
 }  // namespace
 }  // namespace dsv4::cuda

@@ -16,7 +16,7 @@ constexpr int64_t kMaxGridY = 65535;
 
 // In order of preference (indexer_implementations.h); the SIMT fallbacks last.
 constexpr const IndexScoresImplementation* kIndexScoresImplementations[] = {&kIndexScoresSimt};
-constexpr const TopkImplementation* kTopkImplementations[] = {&kTopkSimt};
+constexpr const TopkImplementation* kTopkImplementations[] = {&kTopkRadix, &kTopkSimt};
 
 __global__ void candidate_block_scores_kernel(const float* scores, const int32_t* token_position, int ratio,
                                               int64_t block_size, int64_t entries, int64_t blocks, float* out) {

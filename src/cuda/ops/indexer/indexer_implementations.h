@@ -28,6 +28,10 @@ struct TopkImplementation {
 extern const IndexScoresImplementation kIndexScoresSimt;
 extern const TopkImplementation kTopkSimt;
 
+// The top-k whose rows go through shared memory once (radix/): thread-block clusters on sm_90,
+// one CTA per row elsewhere; rows longer than those CTAs hold fall back to kTopkSimt.
+extern const TopkImplementation kTopkRadix;
+
 // In order of preference; the choosers take the first that supports the call.
 std::span<const IndexScoresImplementation* const> index_scores_implementations();
 std::span<const TopkImplementation* const> topk_implementations();

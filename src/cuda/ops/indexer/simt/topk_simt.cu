@@ -4,22 +4,12 @@
 
 #include "cuda/common/device_math.cuh"
 #include "cuda/ops/indexer/indexer_implementations.h"
-#include "cuda/ops/indexer/visible_entries.cuh"
+#include "cuda/ops/indexer/topk_rules.cuh"
 
 namespace dsv4::cuda {
 namespace {
 
 constexpr int kTopkThreads = 256;
-
-// Order-preserving key of a score for "larger is better": 0 for -inf (not eligible), 1 for NaN
-// (eligible, below every number), and for numbers an unsigned code >= 2 ordered like the floats
-// (-0 and +0 equal).
-__device__ __forceinline__ uint32_t topk_key(float score) {
-  if (score != score) return 1u;
-  if (score == -INFINITY) return 0u;
-  const uint32_t bits = float_bits(score == 0.0f ? 0.0f : score);
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
 
 struct TopkLaunch {
   const float* scores = nullptr;
@@ -49,11 +39,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(TopkLaunch a) {
   const int64_t t = blockIdx.x;
   const float* row = a.scores + t * a.n;
   int32_t* picks = a.picks + t * a.k;
-  int64_t length = a.n;
-  if (a.token_position && a.compress_ratio > 0) {
-    const int64_t visible = visible_entries(a.token_position[t], a.compress_ratio);
-    length = min(length, (visible + a.group_size - 1) / a.group_size);
-  }
+  const int64_t length = topk_eligible_length(a.n, a.token_position, a.compress_ratio, a.group_size, t);
 
   int eligible = 0;
   for (int64_t j = threadIdx.x; j < length; j += kTopkThreads) eligible += topk_key(row[j]) != 0u;
