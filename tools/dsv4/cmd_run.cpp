@@ -390,13 +390,6 @@ int64_t accepted_drafts(uint64_t seed, int sequence, int64_t attempt, int64_t dr
   return k;
 }
 
-// The layers the main job runs with run_layer, 0 .. n−1: every layer but the DSpark draft layers
-// (the trailing MTP layers of a DSpark model), which take the target's hidden states and draft
-// blocks instead (docs/speculative.md).
-int run_layer_count(const ModelConfig& config) {
-  return config.has_dspark() ? config.num_layers : config.total_layers();
-}
-
 // DSpark drafting of a model with draft layers (docs/speculative.md): the target layers' inputs of
 // every step go to the draft layers' windows, and every stage runs a block per verifying sequence.
 // Rows stay in the engine's memory; copies and residual updates are queued on its stream.
@@ -413,9 +406,7 @@ class Drafter {
 
   // Queues the copy of layer `layer`'s inputs (the first `rows` rows) when it is a target layer.
   void keep_inputs(int layer, const DeviceRows& inputs, int64_t rows) {
-    const std::vector<int>& targets = config_.dspark_target_layer_ids;
-    for (size_t j = 0; j < targets.size(); ++j)
-      if (targets[j] == layer) main_.copy_rows_from(inputs, 0, 0, rows, static_cast<int64_t>(j) * config_.hidden_size);
+    keep_draft_inputs(config_, layer, inputs, rows, main_);
   }
   // Inside the step, after the backbone: the draft layers store the step's rows (queued).
   void run_context(int64_t rows) { engine_.run_draft_context(main_.view(rows)); }
@@ -468,7 +459,7 @@ std::optional<std::pair<StepRows::Span, int64_t>> probed_span(const StepRows& st
 WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe,
                     bool show_progress, Trace* trace) {
   const int64_t hidden = engine.config().hidden_size;
-  const int layers = run_layer_count(engine.config());
+  const int layers = backbone_layer_count(engine.config());
   const ModelTopology& topology = engine.topology();
   std::optional<Drafter> drafter;
   if (w.speculative > 0 && engine.config().has_dspark()) drafter.emplace(engine, w);
@@ -615,7 +606,7 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
   std::vector<int32_t> recomputed_picks(probe.picks.size(), -1);
   DeviceRows device_in(*engine, probe.length, hidden), device_out(*engine, probe.length, hidden);
   engine->begin_step({{engine->add_sequence(), probe.length}});
-  for (int l = 0; l < run_layer_count(config); ++l) {
+  for (int l = 0; l < backbone_layer_count(config); ++l) {
     run_layer_on_host_rows(*engine, l, probe.length, probe.layer_inputs(l), outputs.data(), device_in, device_out);
     probe.record_sampled(recomputed, l, 0, probe.length, outputs.data(), 0, hidden);
     if (topology[l].owns_indexer)
@@ -630,7 +621,7 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
     return std::equal(probe.picks.begin() + first, probe.picks.begin() + first + probe.topk,
                       recomputed_picks.begin() + first);
   };
-  for (int l = 0; l < run_layer_count(config); ++l)
+  for (int l = 0; l < backbone_layer_count(config); ++l)
     if (topology[l].owns_indexer)
       for (int64_t i = 0; i < positions; ++i) {
         result.pick_rows += 1;
@@ -638,7 +629,7 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
       }
   double error_sq = 0.0, norm_sq = 0.0;
   result.worst_layer_rel_l2 = -1.0;
-  for (int l = 0; l < run_layer_count(config); ++l) {
+  for (int l = 0; l < backbone_layer_count(config); ++l) {
     double layer_error_sq = 0.0, layer_norm_sq = 0.0;
     for (int64_t i = 0; i < positions; ++i) {
       const int source = topology[l].index_source;
@@ -762,7 +753,7 @@ int run(const RunOptions& o) {
                  seconds_since(setup_start));
 
 
-  Probe probe(*engine, w, o.seed, run_layer_count(config));
+  Probe probe(*engine, w, o.seed, backbone_layer_count(config));
   const WorkloadStats stats = serve(*engine, backend, w, o.seed, probe, reports, trace ? &*trace : nullptr);
   // Every rank holds the all-reduced outputs: they must be the same bits everywhere.
   const bool ranks_agree = !ranks || ranks->same_on_all_ranks(stats.output_checksum);
@@ -849,7 +840,7 @@ int run(const RunOptions& o) {
       "least %.0f%% required), %lld of %lld outputs left out for attending other picks: rel L2 %.2e (worst layer "
       "%d: %.2e), tolerance %.0e: %s\n",
       probe.sequence, static_cast<long long>(probe.length), static_cast<long long>(probe.length),
-      ranks ? "single-GPU (unsharded) " : "", probe.positions.size(), run_layer_count(config),
+      ranks ? "single-GPU (unsharded) " : "", probe.positions.size(), backbone_layer_count(config),
       static_cast<long long>(check.picks_equal), static_cast<long long>(check.pick_rows), 100.0 * kMinPickAgreement,
       static_cast<long long>(check.left_out), static_cast<long long>(check.left_out + check.compared), check.rel_l2,
       check.worst_layer, check.worst_layer_rel_l2, tolerance,

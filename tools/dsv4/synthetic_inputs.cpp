@@ -91,4 +91,15 @@ void chain_residual(DeviceRows& hidden, const DeviceRows& attn_out, int64_t rows
   launch_chain_residual(h.ptr<float>(), a.ptr<float>(), rows, h.shape[1], hidden.stream());
 }
 
+int backbone_layer_count(const ModelConfig& config) {
+  return config.has_dspark() ? config.num_layers : config.total_layers();
+}
+
+void keep_draft_inputs(const ModelConfig& config, int layer, const DeviceRows& inputs, int64_t rows,
+                       DeviceRows& main_hidden) {
+  const std::vector<int>& targets = config.dspark_target_layer_ids;
+  for (size_t j = 0; j < targets.size(); ++j)
+    if (targets[j] == layer) main_hidden.copy_rows_from(inputs, 0, 0, rows, static_cast<int64_t>(j) * config.hidden_size);
+}
+
 }  // namespace dsv4::cli

@@ -100,6 +100,17 @@ class TokenInputs {
 // engine's stream, not waited for.
 void chain_residual(DeviceRows& hidden, const DeviceRows& attn_out, int64_t rows);
 
+// The layers the residual stream runs with run_layer, 0 .. n−1: every layer but the DSpark draft
+// layers (the trailing MTP layers of a DSpark model), which take the target's hidden states
+// (run_draft_context) and draft blocks instead (docs/speculative.md).
+int backbone_layer_count(const ModelConfig& config);
+
+// When `layer` is a DSpark target layer: queues the copy of its inputs (the first `rows` rows of
+// `inputs`) to its columns of `main_hidden` ([rows, hidden_size x |dspark_target_layer_ids|], what
+// run_draft_context takes).
+void keep_draft_inputs(const ModelConfig& config, int layer, const DeviceRows& inputs, int64_t rows,
+                       DeviceRows& main_hidden);
+
 // --- host (cpu backend) -------------------------------------------------------------------------
 
 // rows [keys.size(), hidden]: the layer-0 inputs of the tokens.
