@@ -249,9 +249,10 @@ std::string layer_kind(const LayerPlan& p) {
   return kind;
 }
 
-// The bytes a decode token at position `context` reads from the caches of a backbone layer: its
-// window rows, the compressed rows it attends (the picks, or every entry without an index source)
-// and, for an index source, every index key it scores.
+// The bytes a decode token at position `context` reads from the caches of a backbone layer at
+// least: its window rows, the compressed rows it attends (the picks, or every entry without an
+// index source) and, for an index source, the index keys it scores (those of the candidate blocks
+// when it is candidate-filtered).
 double decode_cache_bytes(const ModelConfig& c, const LayerPlan& p, const KvFormatSet& formats, int64_t context) {
   const auto row_bytes = [](KvRowFormat f, int64_t dims) { return static_cast<double>(row_layout(f, dims).row_bytes()); };
   double bytes = static_cast<double>(std::min(c.sliding_window, context + 1)) * row_bytes(formats.window, c.head_dim);
@@ -260,7 +261,8 @@ double decode_cache_bytes(const ModelConfig& c, const LayerPlan& p, const KvForm
     const bool picks = p.owns_indexer || p.index_source >= 0;
     bytes += static_cast<double>(picks ? std::min(c.index_topk, entries) : entries) *
              row_bytes(formats.compressed, c.head_dim);
-    if (p.owns_indexer) bytes += static_cast<double>(entries) * row_bytes(formats.index_keys, c.index_head_dim);
+    const int64_t scored = p.uses_candidates ? std::min(entries, c.candidate_topk_blocks * c.candidate_block_size) : entries;
+    if (p.owns_indexer) bytes += static_cast<double>(scored) * row_bytes(formats.index_keys, c.index_head_dim);
   }
   return bytes;
 }

@@ -3,7 +3,8 @@
 // between layers hidden <- RMSNorm(hidden + attn_out) (no weight, eps 1e-6). The host loops (cpu
 // backend) and the kernels (cuda backend, synthetic_inputs.cu) compute the same bits: the value
 // and norm formulas below are shared, and the norm sums its squares in one fixed order that a warp
-// reduction follows (32 strided partial sums, then halving pairwise).
+// reduction follows (32 strided partial sums, then halving pairwise). Also what both commands
+// drive the backbone with: which layers run_layer takes, and the DSpark draft layers' inputs.
 #pragma once
 
 #include <cmath>
