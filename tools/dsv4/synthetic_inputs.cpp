@@ -88,7 +88,9 @@ void chain_residual(DeviceRows& hidden, const DeviceRows& attn_out, int64_t rows
     chain_residual(h.ptr<float>(), a.ptr<float>(), rows, h.shape[1]);
     return;
   }
+#ifdef DSV4_WITH_CUDA
   launch_chain_residual(h.ptr<float>(), a.ptr<float>(), rows, h.shape[1], hidden.stream());
+#endif
 }
 
 int backbone_layer_count(const ModelConfig& config) {
