@@ -16,6 +16,11 @@
 
 namespace dsv4::bench {
 
+// H200 ceilings the results are compared with.
+inline constexpr double kCopyBytesPerSecond = 4.2e12;  // HBM3e, read + write
+inline constexpr double kBf16FlopsPerSecond = 760e12;  // dense bf16 tensor-core GEMM
+inline constexpr double kFp8FlopsPerSecond = 1350e12;  // dense fp8 tensor-core GEMM
+
 // What one operation was timed at and what a run of it moves and computes.
 struct Workload {
   std::string what;            // one line: shapes and formats

@@ -7,14 +7,6 @@
 #include "bench/bench.h"
 
 namespace dsv4::bench {
-namespace {
-
-// H200 ceilings the results are compared with.
-constexpr double kCopyBytesPerSecond = 4.2e12;  // HBM3e, read + write
-constexpr double kBf16FlopsPerSecond = 760e12;  // dense bf16 tensor-core GEMM
-constexpr double kFp8FlopsPerSecond = 1350e12;  // dense fp8 tensor-core GEMM
-
-}  // namespace
 
 std::vector<double> time_runs(const BenchOptions& o, cudaStream_t stream, const std::function<void()>& launch) {
   launch();  // outside the capture: one-time work (function attributes, lazy module loading)

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/device_inputs.h"
@@ -35,6 +37,16 @@ class CudaTest : public ::testing::Test {
     if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
   }
 };
+
+// Holds up the default stream for `duration` (a host function that sleeps there): what is queued
+// on it afterwards runs late, as when another process holds the GPU, while work on non-blocking
+// streams (the engines') goes on. Catches work on the default stream that nothing orders with them.
+inline void hold_default_stream(std::chrono::milliseconds duration) {
+  DSV4_CUDA_CHECK(cudaLaunchHostFunc(
+      nullptr,
+      [](void* ms) { std::this_thread::sleep_for(std::chrono::milliseconds(reinterpret_cast<intptr_t>(ms))); },
+      reinterpret_cast<void*>(static_cast<intptr_t>(duration.count()))));
+}
 
 // Random values, host and device tensors, poisoned outputs, downloads: shared with the benchmarks.
 using inputs::device_array;

@@ -1,7 +1,9 @@
 // The runtime plumbing every op and the engine stand on: host-to-device copies that have landed
-// when they return, and the diagnostic fill of new device buffers.
+// when they return, and the diagnostic fill of new device buffers (landed when they are returned).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -45,6 +47,27 @@ TEST_F(CudaTest, AllocationFillFillsNewBuffers) {
   std::vector<uint8_t> bytes(1000);
   filled.download(bytes.data(), bytes.size());
   for (size_t i = 0; i < bytes.size(); ++i) ASSERT_EQ(bytes[i], 0x5a) << "byte " << i;
+}
+
+// The fill runs on the default stream, which the engines' non-blocking streams are not ordered
+// with. determinism_cuda_test failed once in five runs beside another test (ctest -j2): a fill
+// the GPU ran late, while the other process held it, overwrote weights that the engine's stream
+// had uploaded into the new buffer since. With the default stream held up, a copy on a
+// non-blocking stream into a just-filled buffer must survive.
+TEST_F(CudaTest, AllocationFillHasLandedWhenTheBufferIsReturned) {
+  constexpr size_t kBytes = size_t{8} << 20;
+  const std::vector<uint8_t> host(kBytes, 0x11);
+  std::vector<uint8_t> seen(kBytes);
+  Stream stream;
+  set_allocation_fill(0x5a);
+  testing::hold_default_stream(std::chrono::milliseconds(300));
+  const DeviceBuffer buffer(kBytes);
+  set_allocation_fill(std::nullopt);
+  copy_to_device(buffer.data(), host.data(), kBytes, stream.get());
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());  // a fill still queued anywhere lands now
+  buffer.download(seen.data(), kBytes);
+  const auto overwritten = std::count(seen.begin(), seen.end(), uint8_t{0x5a});
+  ASSERT_EQ(overwritten, 0) << overwritten << " of " << kBytes << " uploaded bytes were overwritten by the fill";
 }
 
 }  // namespace

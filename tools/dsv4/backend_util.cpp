@@ -173,4 +173,27 @@ void DeviceRows::download(float* host, int64_t rows) const {
   std::memcpy(host, data_, bytes);
 }
 
+void DeviceRows::copy_rows_from(const DeviceRows& source, int64_t source_row, int64_t row, int64_t rows,
+                                int64_t col) {
+  DSV4_CHECK(rows >= 0 && source_row >= 0 && source_row + rows <= source.capacity_rows_ && row >= 0 &&
+                 row + rows <= capacity_rows_ && col >= 0 && col + source.cols_ <= cols_ &&
+                 (stream_ == nullptr) == (source.stream_ == nullptr),
+             "device rows: copy of rows [", source_row, ", ", source_row + rows, ") of ", source.cols_,
+             " columns to rows [", row, ", ", row + rows, ") at column ", col, " of [", capacity_rows_, ", ", cols_,
+             "] does not fit or crosses devices");
+  const float* from = source.data_ + source_row * source.cols_;
+  float* to = data_ + row * cols_ + col;
+  const size_t row_bytes = static_cast<size_t>(source.cols_) * sizeof(float);
+#ifdef DSV4_WITH_CUDA
+  if (stream_ != nullptr) {
+    if (rows > 0)
+      check_cuda(cudaMemcpy2DAsync(to, static_cast<size_t>(cols_) * sizeof(float), from, row_bytes, row_bytes,
+                                   static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, stream_),
+                 "cudaMemcpy2DAsync between device rows");
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(to + r * cols_, from + r * source.cols_, row_bytes);
+}
+
 }  // namespace dsv4::cli

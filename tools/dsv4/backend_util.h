@@ -54,6 +54,12 @@ class DeviceRows {
   void upload(const float* host, int64_t rows);
   // Copies the first `rows` rows to `host`.
   void download(float* host, int64_t rows) const;
+  // Rows [source_row, source_row + rows) of `source`, all its columns, into rows [row, row + rows)
+  // at columns [col, col + source columns) of these; queued on the engine's stream, not waited
+  // for (host rows: copied at once).
+  void copy_rows_from(const DeviceRows& source, int64_t source_row, int64_t row, int64_t rows, int64_t col = 0);
+  // The engine's stream (nullptr: host rows).
+  CUstream_st* stream() const { return stream_; }
 
  private:
   void check_rows(int64_t rows, const char* what) const;

@@ -5,8 +5,11 @@
 //
 // Layer inputs are synthetic: layer 0 of every token gets uniform random values of unit variance
 // that depend only on (seed, sequence, position, attempt); layer l+1 gets RMSNorm(h_l + attn_out_l)
-// of the same token (no weight), a residual stream in miniature. The check feeds the recomputation
-// the inputs each layer had in the workload, so that every layer is compared on its own.
+// of the same token (no weight), a residual stream in miniature (synthetic_inputs.h: the same bits
+// from the host loops of the cpu backend and the kernels of the cuda backend). With the cuda
+// backend the rows stay on the GPU: a step's layers and residual updates are stream-ordered device
+// work with no copy across PCIe and no wait in between. The check feeds the recomputation the
+// inputs each layer had in the workload, so that every layer is compared on its own.
 //
 // With --speculative K every decode step is a verify step, DSpark-style: each sequence past its
 // prompt carries its bonus token and K drafts, a seeded random number of the drafts is accepted and
@@ -25,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsv4/backend_util.h"
@@ -34,6 +38,7 @@
 #include "dsv4/error.h"
 #include "dsv4/parallel.h"
 #include "dsv4/progress.h"
+#include "dsv4/synthetic_inputs.h"
 #include "dsv4/tensor_parallel.h"
 #include "dsv4/weights.h"
 
@@ -86,47 +91,7 @@ struct RunOptions {
   bool was_given(const std::string& flag) const { return profile_flags.at(flag)->count() > 0; }
 };
 
-// --- synthetic inputs ------------------------------------------------------------------------
-
-uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// Layer-0 input of one token: uniform on [-sqrt(3), sqrt(3)] (unit variance). `attempt` tells
-// apart the tokens a position gets in successive verify steps (0 without speculation).
-void fill_token_input(uint64_t seed, int64_t sequence, int64_t position, int64_t attempt, float* row, int64_t hidden) {
-  uint64_t state = seed;
-  state = splitmix64(state) ^ static_cast<uint64_t>(sequence);
-  state = splitmix64(state) ^ static_cast<uint64_t>(position);
-  if (attempt > 0) state = splitmix64(state) ^ static_cast<uint64_t>(attempt);
-  const double half_width = std::sqrt(3.0);
-  const double scale = 2.0 * half_width / 18446744073709551616.0;  // 2^64
-  for (int64_t h = 0; h < hidden; ++h)
-    row[h] = static_cast<float>(static_cast<double>(splitmix64(state)) * scale - half_width);
-}
-
-// Host work this large is spread over threads; below it, waking the thread team (which then spins,
-// taking cores from the engine) costs more than it saves.
-constexpr int64_t kParallelElements = int64_t{1} << 22;
-
-// hidden <- RMSNorm(hidden + attn_out) row by row (no weight, eps 1e-6).
-void chain_residual(float* hidden, const float* attn_out, int64_t rows, int64_t cols) {
-#pragma omp parallel for schedule(static) if (rows * cols >= kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
-    float* h = hidden + r * cols;
-    const float* a = attn_out + r * cols;
-    double sum_sq = 0.0;
-    for (int64_t c = 0; c < cols; ++c) {
-      h[c] += a[c];
-      sum_sq += static_cast<double>(h[c]) * h[c];
-    }
-    const float inv_rms = static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(cols) + 1e-6));
-    for (int64_t c = 0; c < cols; ++c) h[c] *= inv_rms;
-  }
-}
+// --- synthetic inputs (synthetic_inputs.h) ---------------------------------------------------
 
 // One step's token rows: which sequence and positions each entry covers.
 struct StepRows {
@@ -141,16 +106,13 @@ struct StepRows {
   int64_t rows = 0;
 };
 
-void fill_step_inputs(uint64_t seed, const StepRows& step, int64_t hidden, std::vector<float>& rows) {
-  rows.resize(static_cast<size_t>(step.rows * hidden));
-  int64_t row = 0;
-  for (const StepRows::Span& span : step.spans) {
-#pragma omp parallel for schedule(static) if (span.tokens * hidden >= kParallelElements)
-    for (int64_t t = 0; t < span.tokens; ++t)
-      fill_token_input(seed, span.sequence, span.first_position + t, span.attempt, rows.data() + (row + t) * hidden,
-                       hidden);
-    row += span.tokens;
-  }
+// The tokens of the step's rows, in order.
+std::vector<TokenKey> step_token_keys(const StepRows& step) {
+  std::vector<TokenKey> keys;
+  keys.reserve(static_cast<size_t>(step.rows));
+  for (const StepRows::Span& span : step.spans)
+    for (int64_t t = 0; t < span.tokens; ++t) keys.push_back({span.sequence, span.first_position + t, span.attempt});
+  return keys;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -158,17 +120,13 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Runs layer `layer` of a begun step on `rows` rows of `hidden` and brings its output to `attn_out`
-// on the host. Returns the seconds spent in the engine (run_layer until its device work finished).
-double run_layer_on_host_rows(Engine& engine, int layer, int64_t rows, const float* hidden,
-                              float* attn_out, DeviceRows& device_in, DeviceRows& device_out) {
+// The check: runs layer `layer` of a begun step on `rows` host rows of `hidden` and brings its
+// output to `attn_out` on the host.
+void run_layer_on_host_rows(Engine& engine, int layer, int64_t rows, const float* hidden, float* attn_out,
+                            DeviceRows& device_in, DeviceRows& device_out) {
   device_in.upload(hidden, rows);
-  const auto start = Clock::now();
   engine.run_layer(layer, device_in.view(rows), device_out.view(rows));
-  wait_for_engine(engine);
-  const double seconds = seconds_since(start);
   device_out.download(attn_out, rows);
-  return seconds;
 }
 
 // --- the workload ----------------------------------------------------------------------------
@@ -249,22 +207,34 @@ StepRows plan_step(const Workload& w, std::vector<SequenceState>& states, Engine
 }
 
 // The sequence checked against a recomputation, and the outputs recorded at sampled positions.
+// During the workload the rows are recorded in the engine's memory (copies queued on its stream
+// between the layers); download() brings them to the host once the workload is done.
 struct Probe {
   static constexpr int64_t kMaxPositions = 32;
   int sequence = 0;
   int64_t length = 0;
+  int layers = 0;
+  int64_t hidden = 0;
   std::vector<int64_t> positions;          // sampled, ascending
   std::vector<int64_t> slot_of_position;   // [length], -1 when not sampled
   std::vector<float> outputs;              // [layers, positions, hidden] at the sampled positions
   std::vector<float> inputs;               // [layers, length, hidden] every layer's input, all positions
   int64_t topk = 0;
   std::vector<int32_t> picks;              // [layers, positions, topk] index sources' picks at the sampled positions
+  DeviceRows input_rows;                   // inputs, in the engine's memory
+  DeviceRows output_rows;                  // outputs, in the engine's memory
 
-  Probe(const Workload& w, uint64_t seed, int layers, int64_t hidden, int64_t index_topk) : topk(index_topk) {
+  Probe(const Engine& engine, const Workload& w, uint64_t seed, int layer_count)
+      : sequence(sampled_sequence(w, seed)),
+        length(w.prompt_lengths[sequence] + w.gen_len),
+        layers(layer_count),
+        hidden(engine.config().hidden_size),
+        topk(engine.config().index_topk),
+        input_rows(engine, layer_count * length, hidden),
+        output_rows(engine, layer_count * std::min(kMaxPositions, length), hidden) {
     uint64_t state = seed ^ 0x9B0BEull;
-    sequence = static_cast<int>(splitmix64(state) % w.prompt_lengths.size());
+    splitmix64(state);  // the draw that chose the sequence
     const int64_t prompt = w.prompt_lengths[sequence];
-    length = prompt + w.gen_len;
     // The last prompt token and the last token (a decode step when there is one), then random ones.
     std::vector<bool> sampled(static_cast<size_t>(length), false);
     sampled[prompt - 1] = sampled[length - 1] = true;
@@ -282,15 +252,31 @@ struct Probe {
         slot_of_position[p] = static_cast<int64_t>(positions.size());
         positions.push_back(p);
       }
-    outputs.assign(static_cast<size_t>(layers) * positions.size() * hidden, 0.0f);
-    inputs.assign(static_cast<size_t>(layers * length * hidden), 0.0f);
     picks.assign(static_cast<size_t>(layers) * positions.size() * topk, -1);
   }
 
-  const float* layer_inputs(int layer, int64_t hidden) const { return inputs.data() + layer * length * hidden; }
+  // The sequence the probe follows (the first draw of its seeded generator).
+  static int sampled_sequence(const Workload& w, uint64_t seed) {
+    uint64_t state = seed ^ 0x9B0BEull;
+    return static_cast<int>(splitmix64(state) % w.prompt_lengths.size());
+  }
 
-  // Keeps the sampled rows of layer `layer`'s rows ([step rows, width]: outputs, picks) for a span
-  // of this sequence at `first_row`.
+  const float* layer_inputs(int layer) const { return inputs.data() + layer * length * hidden; }
+
+  // Queues the copies of layer `layer`'s inputs and sampled outputs of a span of this sequence at
+  // `first_row` of the step's rows.
+  void record_rows(int layer, int64_t first_position, int64_t tokens, const DeviceRows& hidden_in,
+                   const DeviceRows& attn_out, int64_t first_row) {
+    input_rows.copy_rows_from(hidden_in, first_row, layer * length + first_position, tokens);
+    const int64_t slots = static_cast<int64_t>(positions.size());
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t slot = slot_of_position[first_position + t];
+      if (slot >= 0) output_rows.copy_rows_from(attn_out, first_row + t, layer * slots + slot, 1);
+    }
+  }
+
+  // Keeps the sampled rows of `rows` ([step rows, width]: picks) for a span of this sequence at
+  // `first_row`.
   template <class T>
   void record_sampled(std::vector<T>& into, int layer, int64_t first_position, int64_t tokens, const T* rows,
                       int64_t first_row, int64_t width) const {
@@ -302,11 +288,12 @@ struct Probe {
     }
   }
 
-  // Keeps layer `layer`'s input rows of a span of this sequence at `first_row`.
-  void record_inputs(int layer, int64_t first_position, int64_t tokens, const float* hidden_in, int64_t first_row,
-                     int64_t hidden) {
-    std::copy_n(hidden_in + first_row * hidden, tokens * hidden,
-                inputs.data() + (layer * length + first_position) * hidden);
+  // Brings the recorded rows to the host (waits for the engine's stream).
+  void download() {
+    inputs.resize(static_cast<size_t>(layers * length * hidden));
+    outputs.resize(static_cast<size_t>(layers) * positions.size() * static_cast<size_t>(hidden));
+    input_rows.download(inputs.data(), layers * length);
+    output_rows.download(outputs.data(), layers * static_cast<int64_t>(positions.size()));
   }
 };
 
@@ -359,8 +346,16 @@ class Trace {
   Trace(const Trace&) = delete;
   Trace& operator=(const Trace&) = delete;
 
-  void record(const Engine& engine, int64_t step, int layer, int64_t rows, int64_t hidden, const float* inputs,
-              const float* outputs) {
+  // Downloads the layer's rows, which waits for the engine's stream: tracing synchronizes after
+  // every layer (a debugging mode; the workload's timings are then not representative).
+  void record(const Engine& engine, int64_t step, int layer, int64_t rows, int64_t hidden, const DeviceRows& hidden_in,
+              const DeviceRows& attn_out) {
+    inputs_.resize(static_cast<size_t>(rows * hidden));
+    outputs_.resize(static_cast<size_t>(rows * hidden));
+    hidden_in.download(inputs_.data(), rows);
+    attn_out.download(outputs_.data(), rows);
+    const float* inputs = inputs_.data();
+    const float* outputs = outputs_.data();
     const bool index_source = engine.topology()[layer].owns_indexer;
     const HostTensor picks = index_source ? engine.layer_picks(layer) : HostTensor();
     std::fprintf(file_, "step %lld layer %d rows %lld in %016llx out %016llx picks %016llx\n",
@@ -373,6 +368,7 @@ class Trace {
 
  private:
   FILE* file_;
+  std::vector<float> inputs_, outputs_;  // the layer's rows on the host
 };
 
 // The caches in the byte formats a serving engine of the model's family keeps (vLLM's defaults on
@@ -394,15 +390,9 @@ int64_t accepted_drafts(uint64_t seed, int sequence, int64_t attempt, int64_t dr
   return k;
 }
 
-// The layers the main job runs with run_layer, 0 .. n−1: every layer but the DSpark draft layers
-// (the trailing MTP layers of a DSpark model), which take the target's hidden states and draft
-// blocks instead (docs/speculative.md).
-int run_layer_count(const ModelConfig& config) {
-  return config.has_dspark() ? config.num_layers : config.total_layers();
-}
-
 // DSpark drafting of a model with draft layers (docs/speculative.md): the target layers' inputs of
 // every step go to the draft layers' windows, and every stage runs a block per verifying sequence.
+// Rows stay in the engine's memory; copies and residual updates are queued on its stream.
 class Drafter {
  public:
   Drafter(Engine& engine, const Workload& w)
@@ -411,56 +401,36 @@ class Drafter {
         block_(config_.dspark_block_size),
         main_(engine, w.step_tokens, config_.dspark_main_width()),
         block_in_(engine, w.max_running * block_, config_.hidden_size),
-        block_out_(engine, w.max_running * block_, config_.hidden_size) {}
+        block_out_(engine, w.max_running * block_, config_.hidden_size),
+        block_inputs_(engine, w.max_running * block_) {}
 
-  // Keeps layer `layer`'s inputs [rows, hidden] when it is a target layer.
-  void keep_inputs(int layer, const float* inputs, int64_t rows) {
-    const std::vector<int>& targets = config_.dspark_target_layer_ids;
-    const int64_t hidden = config_.hidden_size, width = config_.dspark_main_width();
-    main_hidden_.resize(static_cast<size_t>(rows * width));
-    for (size_t j = 0; j < targets.size(); ++j)
-      if (targets[j] == layer)
-        for (int64_t r = 0; r < rows; ++r)
-          std::copy_n(inputs + r * hidden, hidden, main_hidden_.data() + r * width + static_cast<int64_t>(j) * hidden);
+  // Queues the copy of layer `layer`'s inputs (the first `rows` rows) when it is a target layer.
+  void keep_inputs(int layer, const DeviceRows& inputs, int64_t rows) {
+    keep_draft_inputs(config_, layer, inputs, rows, main_);
   }
-  // Inside the step, after the backbone: the draft layers store the step's rows. Returns seconds.
-  double run_context(int64_t rows) {
-    main_.upload(main_hidden_.data(), rows);
-    const auto start = Clock::now();
-    engine_.run_draft_context(main_.view(rows));
-    wait_for_engine(engine_);
-    return seconds_since(start);
-  }
+  // Inside the step, after the backbone: the draft layers store the step's rows (queued).
+  void run_context(int64_t rows) { engine_.run_draft_context(main_.view(rows)); }
   // Before a step: every stage over one block per verify span. Returns seconds.
   double run_blocks(uint64_t seed, const StepRows& step, const std::vector<SequenceState>& states,
                     WorkloadStats& stats) {
-    const int64_t hidden = config_.hidden_size;
     std::vector<SequenceId> sequences;
-    std::vector<float> in, out;
+    std::vector<TokenKey> keys;
     for (const StepRows::Span& span : step.spans) {
       if (!span.verify) continue;
       sequences.push_back(states[span.sequence].id);
-      for (int64_t j = 0; j < block_; ++j) {
-        in.resize(in.size() + static_cast<size_t>(hidden));
-        fill_token_input(seed ^ 0xD5BA4Cull, span.sequence, span.first_position + j, span.attempt,
-                         in.data() + in.size() - hidden, hidden);
-      }
+      for (int64_t j = 0; j < block_; ++j) keys.push_back({span.sequence, span.first_position + j, span.attempt});
     }
     if (sequences.empty()) return 0.0;
-    const int64_t rows = static_cast<int64_t>(sequences.size()) * block_;
-    out.resize(in.size());
-    double seconds = 0.0;
+    const int64_t rows = static_cast<int64_t>(keys.size());
+    block_inputs_.fill(seed ^ 0xD5BA4Cull, keys, block_in_);
+    const auto start = Clock::now();
     for (int stage = 0; stage < config_.num_mtp_layers; ++stage) {
-      block_in_.upload(in.data(), rows);
-      const auto start = Clock::now();
       engine_.run_draft_block(config_.num_layers + stage, sequences, block_in_.view(rows), block_out_.view(rows));
-      wait_for_engine(engine_);
-      seconds += seconds_since(start);
-      block_out_.download(out.data(), rows);
-      chain_residual(in.data(), out.data(), rows, hidden);
+      if (stage + 1 < config_.num_mtp_layers) chain_residual(block_in_, block_out_, rows);
       stats.draft_blocks += static_cast<int64_t>(sequences.size());
     }
-    return seconds;
+    wait_for_engine(engine_);
+    return seconds_since(start);
   }
 
  private:
@@ -468,19 +438,35 @@ class Drafter {
   const ModelConfig& config_;
   int64_t block_;
   DeviceRows main_, block_in_, block_out_;
-  std::vector<float> main_hidden_;
+  TokenInputs block_inputs_;
 };
 
+// The span of the probe's sequence in a step and its first row, if the step has one.
+std::optional<std::pair<StepRows::Span, int64_t>> probed_span(const StepRows& step, int probe_sequence) {
+  int64_t row = 0;
+  for (const StepRows::Span& span : step.spans) {
+    if (span.sequence == probe_sequence) return std::pair{span, row};
+    row += span.tokens;
+  }
+  return std::nullopt;
+}
+
+// Runs the workload. The step's rows live in the engine's memory (the GPU's with the cuda backend):
+// the layer-0 inputs are generated there (one upload of the step's token keys before the step),
+// the residual update between layers is a kernel, and the probe's rows are copied there; inside a
+// step nothing crosses PCIe and nothing waits for the device (unless --trace), so everything
+// between begin_step and the last layer is stream-ordered device work.
 WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t seed, Probe& probe,
                     bool show_progress, Trace* trace) {
   const int64_t hidden = engine.config().hidden_size;
-  const int layers = run_layer_count(engine.config());
+  const int layers = backbone_layer_count(engine.config());
   const ModelTopology& topology = engine.topology();
   std::optional<Drafter> drafter;
   if (w.speculative > 0 && engine.config().has_dspark()) drafter.emplace(engine, w);
   std::vector<SequenceState> states(w.prompt_lengths.size());
-  DeviceRows device_in(engine, w.step_tokens, hidden), device_out(engine, w.step_tokens, hidden);
-  std::vector<float> inputs, outputs;
+  DeviceRows hidden_rows(engine, w.step_tokens, hidden), out_rows(engine, w.step_tokens, hidden);
+  TokenInputs token_inputs(engine, w.step_tokens);
+  std::vector<float> last_outputs;  // the last layer's outputs of a step, on the host for the checksum
   WorkloadStats stats;
   Progress progress("run", w.total_tokens());
   int64_t tokens_done = 0, finished = 0;
@@ -495,7 +481,6 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
       entries.push_back({states[span.sequence].id, span.tokens});
       if (span.first_position < w.prompt_lengths[span.sequence]) prefill_tokens += span.tokens;
     }
-    fill_step_inputs(seed, step, hidden, inputs);
 
     double engine_seconds = 0.0;
     if (drafter) {
@@ -503,34 +488,32 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
       stats.draft_seconds += seconds;
       engine_seconds += seconds;
     }
+    token_inputs.fill(seed, step_token_keys(step), hidden_rows);
+    const auto probed = probed_span(step, probe.sequence);
     auto step_start = Clock::now();
     engine.begin_step(entries);
-    engine_seconds += seconds_since(step_start);
-    outputs.resize(inputs.size());
     for (int l = 0; l < layers; ++l) {
-      if (drafter) drafter->keep_inputs(l, inputs.data(), step.rows);
-      engine_seconds += run_layer_on_host_rows(engine, l, step.rows, inputs.data(), outputs.data(),
-                                               device_in, device_out);
-      if (trace) trace->record(engine, stats.steps, l, step.rows, hidden, inputs.data(), outputs.data());
-      int64_t row = 0;
-      for (const StepRows::Span& span : step.spans) {
-        if (span.sequence == probe.sequence) {
-          probe.record_inputs(l, span.first_position, span.tokens, inputs.data(), row, hidden);
-          probe.record_sampled(probe.outputs, l, span.first_position, span.tokens, outputs.data(), row, hidden);
-          if (topology[l].owns_indexer)
-            probe.record_sampled(probe.picks, l, span.first_position, span.tokens,
-                                 static_cast<const int32_t*>(engine.layer_picks(l).data()), row, probe.topk);
-        }
-        row += span.tokens;
-      }
-      if (l + 1 < layers) chain_residual(inputs.data(), outputs.data(), step.rows, hidden);
-      else stats.output_checksum = hash_floats(stats.output_checksum, outputs.data(), step.rows * hidden);
+      if (drafter) drafter->keep_inputs(l, hidden_rows, step.rows);
+      engine.run_layer(l, hidden_rows.view(step.rows), out_rows.view(step.rows));
+      if (probed) probe.record_rows(l, probed->first.first_position, probed->first.tokens, hidden_rows, out_rows,
+                                    probed->second);
+      if (trace) trace->record(engine, stats.steps, l, step.rows, hidden, hidden_rows, out_rows);
+      if (l + 1 < layers) chain_residual(hidden_rows, out_rows, step.rows);
     }
-    if (drafter) engine_seconds += drafter->run_context(step.rows);
+    if (drafter) drafter->run_context(step.rows);
+    wait_for_engine(engine);
+    engine_seconds += seconds_since(step_start);
+    if (probed)
+      for (int l = 0; l < layers; ++l)
+        if (topology[l].owns_indexer)
+          probe.record_sampled(probe.picks, l, probed->first.first_position, probed->first.tokens,
+                               static_cast<const int32_t*>(engine.layer_picks(l).data()), probed->second, probe.topk);
+    last_outputs.resize(static_cast<size_t>(step.rows * hidden));
+    out_rows.download(last_outputs.data(), step.rows);
+    stats.output_checksum = hash_floats(stats.output_checksum, last_outputs.data(), step.rows * hidden);
     step_start = Clock::now();
     engine.end_step();
     engine_seconds += seconds_since(step_start);
-
     // Verify steps keep the bonus token and the accepted drafts, and roll the rest back.
     int64_t committed = 0;
     for (const StepRows::Span& span : step.spans) {
@@ -623,9 +606,8 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
   std::vector<int32_t> recomputed_picks(probe.picks.size(), -1);
   DeviceRows device_in(*engine, probe.length, hidden), device_out(*engine, probe.length, hidden);
   engine->begin_step({{engine->add_sequence(), probe.length}});
-  for (int l = 0; l < run_layer_count(config); ++l) {
-    run_layer_on_host_rows(*engine, l, probe.length, probe.layer_inputs(l, hidden), outputs.data(),
-                           device_in, device_out);
+  for (int l = 0; l < backbone_layer_count(config); ++l) {
+    run_layer_on_host_rows(*engine, l, probe.length, probe.layer_inputs(l), outputs.data(), device_in, device_out);
     probe.record_sampled(recomputed, l, 0, probe.length, outputs.data(), 0, hidden);
     if (topology[l].owns_indexer)
       probe.record_sampled(recomputed_picks, l, 0, probe.length,
@@ -639,7 +621,7 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
     return std::equal(probe.picks.begin() + first, probe.picks.begin() + first + probe.topk,
                       recomputed_picks.begin() + first);
   };
-  for (int l = 0; l < run_layer_count(config); ++l)
+  for (int l = 0; l < backbone_layer_count(config); ++l)
     if (topology[l].owns_indexer)
       for (int64_t i = 0; i < positions; ++i) {
         result.pick_rows += 1;
@@ -647,7 +629,7 @@ CheckResult check_probe(const ModelConfig& config, std::shared_ptr<const ModelWe
       }
   double error_sq = 0.0, norm_sq = 0.0;
   result.worst_layer_rel_l2 = -1.0;
-  for (int l = 0; l < run_layer_count(config); ++l) {
+  for (int l = 0; l < backbone_layer_count(config); ++l) {
     double layer_error_sq = 0.0, layer_norm_sq = 0.0;
     for (int64_t i = 0; i < positions; ++i) {
       const int source = topology[l].index_source;
@@ -771,11 +753,12 @@ int run(const RunOptions& o) {
                  seconds_since(setup_start));
 
 
-  Probe probe(w, o.seed, run_layer_count(config), config.hidden_size, config.index_topk);
+  Probe probe(*engine, w, o.seed, backbone_layer_count(config));
   const WorkloadStats stats = serve(*engine, backend, w, o.seed, probe, reports, trace ? &*trace : nullptr);
   // Every rank holds the all-reduced outputs: they must be the same bits everywhere.
   const bool ranks_agree = !ranks || ranks->same_on_all_ranks(stats.output_checksum);
   if (!reports) return ranks_agree ? 0 : 1;
+  probe.download();
   // The recomputation runs unsharded (the whole model on one device, no communicator): under --tp
   // it compares the tensor-parallel outputs with single-GPU ones.
   const CheckResult check = check_probe(config, weights, options, probe);
@@ -857,7 +840,7 @@ int run(const RunOptions& o) {
       "least %.0f%% required), %lld of %lld outputs left out for attending other picks: rel L2 %.2e (worst layer "
       "%d: %.2e), tolerance %.0e: %s\n",
       probe.sequence, static_cast<long long>(probe.length), static_cast<long long>(probe.length),
-      ranks ? "single-GPU (unsharded) " : "", probe.positions.size(), run_layer_count(config),
+      ranks ? "single-GPU (unsharded) " : "", probe.positions.size(), backbone_layer_count(config),
       static_cast<long long>(check.picks_equal), static_cast<long long>(check.pick_rows), 100.0 * kMinPickAgreement,
       static_cast<long long>(check.left_out), static_cast<long long>(check.left_out + check.compared), check.rel_l2,
       check.worst_layer, check.worst_layer_rel_l2, tolerance,

@@ -62,8 +62,11 @@ class DeviceBuffer {
 
   // Copies of the first `bytes` bytes, queued on `stream` and finished on return (copy_to_device).
   void upload(const void* host, size_t bytes, cudaStream_t stream = nullptr);
+  // cudaMemcpy on the default stream: not ordered after work on a non-blocking stream, so
+  // synchronize the stream that wrote the buffer first.
   void download(void* host, size_t bytes) const;
-  // Sets every byte (synchronous); tests poison outputs with 0xff (a NaN in every float format).
+  // Sets every byte and returns when they are set, so that work queued afterwards on any stream
+  // comes after the fill; tests poison outputs with 0xff (a NaN in every float format).
   void fill_bytes(uint8_t value);
 
  private:

@@ -90,7 +90,12 @@ void DeviceBuffer::download(void* host, size_t bytes) const {
 }
 
 void DeviceBuffer::fill_bytes(uint8_t value) {
-  if (bytes_ > 0) DSV4_CUDA_CHECK(cudaMemset(data_, value, bytes_));
+  if (bytes_ == 0) return;
+  // cudaMemset is queued on the default stream, which the engines' non-blocking streams are not
+  // ordered with: unwaited, a fill that the GPU runs late (another process holding it) lands on
+  // top of what a copy or kernel on another stream wrote since (determinism_cuda_test).
+  DSV4_CUDA_CHECK(cudaMemsetAsync(data_, value, bytes_, nullptr));
+  DSV4_CUDA_CHECK(cudaStreamSynchronize(nullptr));
 }
 
 DeviceBuffer to_device(const HostTensor& host) {
