@@ -34,6 +34,9 @@
 #include "dsv4/backend_util.h"
 #include "dsv4/command.h"
 #include "dsv4/config.h"
+#ifdef DSV4_WITH_CUDA
+#include "dsv4/cuda/step_graphs.h"
+#endif
 #include "dsv4/engine.h"
 #include "dsv4/error.h"
 #include "dsv4/parallel.h"
@@ -223,6 +226,14 @@ struct Probe {
   std::vector<int32_t> picks;              // [layers, positions, topk] index sources' picks at the sampled positions
   DeviceRows input_rows;                   // inputs, in the engine's memory
   DeviceRows output_rows;                  // outputs, in the engine's memory
+#ifdef DSV4_WITH_CUDA
+  // Graphed steps (cuda backend): the span's placement is data on the device, {first row in the
+  // step, first position, tokens}, so that the copies a step graph captured replay with each
+  // step's span; at most kGraphedRows tokens of this sequence per graphed step.
+  static constexpr int64_t kGraphedRows = 16;
+  cuda::DeviceBuffer span;                 // [3] i64
+  cuda::DeviceBuffer device_slot_of_position;  // [length] i64
+#endif
 
   Probe(const Engine& engine, const Workload& w, uint64_t seed, int layer_count)
       : sequence(sampled_sequence(w, seed)),
@@ -253,6 +264,13 @@ struct Probe {
         positions.push_back(p);
       }
     picks.assign(static_cast<size_t>(layers) * positions.size() * topk, -1);
+#ifdef DSV4_WITH_CUDA
+    if (engine.cuda_stream()) {
+      span = cuda::DeviceBuffer(3 * sizeof(int64_t));
+      device_slot_of_position = cuda::DeviceBuffer(slot_of_position.size() * sizeof(int64_t));
+      device_slot_of_position.upload(slot_of_position.data(), device_slot_of_position.bytes(), engine.cuda_stream());
+    }
+#endif
   }
 
   // The sequence the probe follows (the first draw of its seeded generator).
@@ -274,6 +292,27 @@ struct Probe {
       if (slot >= 0) output_rows.copy_rows_from(attn_out, first_row + t, layer * slots + slot, 1);
     }
   }
+
+#ifdef DSV4_WITH_CUDA
+  // The span of this sequence in the next step (tokens 0: none), for record_graphed_rows; waits for
+  // the engine's stream.
+  void set_span(int64_t first_row, int64_t first_position, int64_t tokens, CUstream_st* stream) {
+    const int64_t values[3] = {first_row, first_position, tokens};
+    span.upload(values, sizeof values, stream);
+  }
+  // record_rows with the span set_span gave, as data: what a step graph replays.
+  void record_graphed_rows(int layer, const DeviceRows& hidden_in, const DeviceRows& attn_out) {
+    const int64_t slots = static_cast<int64_t>(positions.size());
+    const auto* s = static_cast<const int64_t*>(span.data());
+    launch_copy_span_rows(hidden_in.view(1).ptr<float>(),
+                          input_rows.view(layers * length).ptr<float>() + layer * length * hidden, hidden, s, nullptr,
+                          kGraphedRows, input_rows.stream());
+    launch_copy_span_rows(attn_out.view(1).ptr<float>(),
+                          output_rows.view(layers * slots).ptr<float>() + layer * slots * hidden, hidden, s,
+                          static_cast<const int64_t*>(device_slot_of_position.data()), kGraphedRows,
+                          output_rows.stream());
+  }
+#endif
 
   // Keeps the sampled rows of `rows` ([step rows, width]: picks) for a span of this sequence at
   // `first_row`.
@@ -313,6 +352,7 @@ struct WorkloadStats {
   int64_t drafts = 0, accepted = 0;      // ... drafts they carried, drafts accepted
   int64_t committed_alone = 0;           // tokens kept by decode-only steps (decode_tokens_alone less rejected drafts)
   int64_t draft_blocks = 0;              // DSpark: blocks run (sequences x stages)
+  int64_t graph_captures = 0, graph_replays = 0;  // cuda: steps run as step graphs (cuda::StepGraphs)
   double draft_seconds = 0.0;            // ... engine time of run_draft_block (in the decode / prefill times too)
   std::vector<int64_t> cache_bytes;      // per sequence, at its end
   // A hash of the last layer's outputs of every step, which depend on every earlier layer's (the
@@ -466,6 +506,12 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
   std::vector<SequenceState> states(w.prompt_lengths.size());
   DeviceRows hidden_rows(engine, w.step_tokens, hidden), out_rows(engine, w.step_tokens, hidden);
   TokenInputs token_inputs(engine, w.step_tokens);
+#ifdef DSV4_WITH_CUDA
+  // Step graphs for the cuda backend, but not with --trace (it reads every layer on the host) nor
+  // with a drafter (its context runs between the layers).
+  std::optional<cuda::StepGraphs> graphs;
+  if (backend == Backend::cuda && !trace && !drafter) graphs.emplace();
+#endif
   std::vector<float> last_outputs;  // the last layer's outputs of a step, on the host for the checksum
   WorkloadStats stats;
   Progress progress("run", w.total_tokens());
@@ -490,9 +536,30 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
     }
     token_inputs.fill(seed, step_token_keys(step), hidden_rows);
     const auto probed = probed_span(step, probe.sequence);
+#ifdef DSV4_WITH_CUDA
+    // Steps whose probe span fits run as step graphs: captured once per step key, then replayed.
+    const bool graphed = graphs && (!probed || probed->first.tokens <= Probe::kGraphedRows);
+    if (graphed)
+      probe.set_span(probed ? probed->second : 0, probed ? probed->first.first_position : 0,
+                     probed ? probed->first.tokens : 0, engine.cuda_stream());
+#endif
     auto step_start = Clock::now();
     engine.begin_step(entries);
-    for (int l = 0; l < layers; ++l) {
+#ifdef DSV4_WITH_CUDA
+    if (graphed) {
+      const bool replayed = graphs->run(engine, [&] {
+        for (int l = 0; l < layers; ++l) {
+          engine.run_layer(l, hidden_rows.view(step.rows), out_rows.view(step.rows));
+          probe.record_graphed_rows(l, hidden_rows, out_rows);
+          if (l + 1 < layers) chain_residual(hidden_rows, out_rows, step.rows);
+        }
+      });
+      (replayed ? stats.graph_replays : stats.graph_captures) += 1;
+    }
+#else
+    constexpr bool graphed = false;
+#endif
+    for (int l = 0; l < layers && !graphed; ++l) {
       if (drafter) drafter->keep_inputs(l, hidden_rows, step.rows);
       engine.run_layer(l, hidden_rows.view(step.rows), out_rows.view(step.rows));
       if (probed) probe.record_rows(l, probed->first.first_position, probed->first.tokens, hidden_rows, out_rows,
@@ -795,6 +862,9 @@ int run(const RunOptions& o) {
               static_cast<long long>(stats.steps), static_cast<long long>(stats.prefill_steps),
               static_cast<long long>(stats.decode_steps), stats.wall_seconds, stats.engine_seconds(),
               static_cast<unsigned long long>(stats.output_checksum));
+  if (stats.graph_captures > 0)
+    std::printf("step graphs: %lld steps replayed a graph, %lld captured one (one per step key)\n",
+                static_cast<long long>(stats.graph_replays), static_cast<long long>(stats.graph_captures));
   std::printf("prefill: %lld tokens in %.2f s of steps with prefill: %s (these steps also decoded %lld tokens)\n",
               static_cast<long long>(stats.prefill_tokens), stats.prefill_step_seconds,
               format_rate(stats.prefill_tokens, stats.prefill_step_seconds).c_str(),

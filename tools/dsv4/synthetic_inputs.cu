@@ -40,7 +40,25 @@ __global__ void chain_residual_kernel(float* hidden, const float* attn_out, int6
   for (int64_t c = lane; c < cols; c += kNormLanes) h[c] = __fmul_rn(h[c], inv_rms);
 }
 
+__global__ void copy_span_rows_kernel(const float* source, float* dest, int64_t cols, const int64_t* span,
+                                      const int64_t* map) {
+  const int64_t t = blockIdx.x;
+  if (t >= span[2]) return;
+  const int64_t row = map ? map[span[1] + t] : span[1] + t;
+  if (row < 0) return;
+  const float* from = source + (span[0] + t) * cols;
+  float* to = dest + row * cols;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) to[c] = from[c];
+}
+
 }  // namespace
+
+void launch_copy_span_rows(const float* source, float* dest, int64_t cols, const int64_t* span, const int64_t* map,
+                           int64_t max_rows, CUstream_st* stream) {
+  if (max_rows == 0) return;
+  copy_span_rows_kernel<<<static_cast<unsigned>(max_rows), kThreads, 0, stream>>>(source, dest, cols, span, map);
+  cuda::check_launch("run: copy_span_rows");
+}
 
 void launch_fill_token_inputs(uint64_t seed, const TokenKey* keys, int64_t rows, float* out, int64_t hidden,
                               CUstream_st* stream) {

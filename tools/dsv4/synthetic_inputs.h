@@ -124,5 +124,11 @@ void chain_residual(float* hidden, const float* attn_out, int64_t rows, int64_t 
 void launch_fill_token_inputs(uint64_t seed, const TokenKey* keys, int64_t rows, float* out, int64_t hidden,
                               CUstream_st* stream);
 void launch_chain_residual(float* hidden, const float* attn_out, int64_t rows, int64_t cols, CUstream_st* stream);
+// Row copies placed by data on the device, so that a captured step graph replays them with each
+// step's placement: span = {first source row, first destination index, rows} (device i64[3]);
+// source row span[0] + t (t < span[2], at most max_rows) goes to destination row map[span[1] + t]
+// (device i64; -1: not kept) or, without a map, span[1] + t. Rows of `cols` floats.
+void launch_copy_span_rows(const float* source, float* dest, int64_t cols, const int64_t* span, const int64_t* map,
+                           int64_t max_rows, CUstream_st* stream);
 
 }  // namespace dsv4::cli
