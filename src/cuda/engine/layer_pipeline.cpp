@@ -24,14 +24,26 @@ TensorView rows_of(const TensorView& v, int64_t first, int64_t count) {
   return r;
 }
 
-LinearParams linear_params(const TensorView& x, const TensorView& weight, int activation_block, const TensorView& y,
-                           const BlasLt* blas) {
+// A projection without block scales (the fused compressor projections).
+LinearParams linear_params(const TensorView& x, const TensorView& weight, const TensorView& y, const BlasLt* blas) {
   LinearParams p;
   p.x = x;
   p.weight = weight;
-  p.activation_block = activation_block;
   p.y = y;
   p.blas = blas;
+  return p;
+}
+
+// Projection `w` as the recipe stores it (e4m3 with its scales, act_quant, fp32 product).
+LinearParams linear_params(const TensorView& x, const DeviceWeight& w, const TensorView& y, const BlasLt* blas) {
+  LinearParams p = linear_params(x, w.view(), y, blas);
+  p.weight_scale = w.scale_view();
+  if (w.dtype == DType::e4m3) {
+    p.block_out = w.block_out;
+    p.block_in = w.block_in;
+  }
+  p.activation_block = w.activation_block;
+  p.f32_product = w.f32_product;
   return p;
 }
 
@@ -47,7 +59,7 @@ TensorView LayerPipeline::rope_table(int layer) const {
 }
 
 void LayerPipeline::project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const {
-  run_linear(linear_params(x, w.view(), w.activation_block, y, in_.blas), in_.workspace->scratch, in_.stream);
+  run_linear(linear_params(x, w, y, in_.blas), in_.workspace->scratch, in_.stream);
 }
 
 CacheInsertParams LayerPipeline::insert_params(int layer, RowQuantizer quantizer, const TensorView& positions,
@@ -69,7 +81,14 @@ OutputProjectionParams LayerPipeline::output_params(int layer, const TensorView&
   p.o = o;
   p.token_position = positions;
   p.rope_table = rope_table(layer);
-  p.wo_a = weights(layer).get(WeightRole::wo_a).view({G, R, H * D / G});
+  const DeviceWeight& wo_a = weights(layer).get(WeightRole::wo_a);
+  p.wo_a = wo_a.view({G, R, H * D / G});
+  p.wo_a_scale = wo_a.scale_view();  // the checkpoint's blocks over all G·R rows (LinearParams)
+  if (wo_a.dtype == DType::e4m3) {
+    p.block_out = wo_a.block_out;
+    p.block_in = wo_a.block_in;
+  }
+  p.f32_product = wo_a.f32_product;
   p.y = y;
   p.blas = in_.blas;
   return p;
@@ -83,20 +102,19 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
   void* any = ws.memory.data();
   const auto rows_view = [&](int64_t cols) { return view(any, ws.rows, {T, cols}); };
   const auto bf16_view = [&](int64_t cols) { return view(any, DType::bf16, {T, cols}); };
+  const auto x_view = [&](int64_t cols) { return view(any, ws.rows, {T, cols}); };  // ws.x
   size_t scratch = 0;
   for (size_t l = 0; l < in_.recipes->size(); ++l) {
     const LayerRecipe& r = (*in_.recipes)[l];
     if (!(*in_.weights)[l]) continue;
     const DeviceLayerWeights& w = *(*in_.weights)[l];
-    const auto measure = [&](const TensorView& x, const TensorView& weight, int activation_block, const TensorView& y) {
-      scratch = std::max(scratch, linear_workspace_bytes(linear_params(x, weight, activation_block, y, in_.blas)));
-    };
+    const auto measure = [&](const LinearParams& p) { scratch = std::max(scratch, linear_workspace_bytes(p)); };
     const auto measure_role = [&](const TensorView& x, WeightRole role, const TensorView& y) {
-      measure(x, w.get(role).view(), w.get(role).activation_block, y);
+      measure(linear_params(x, w.get(role), y, in_.blas));
     };
-    measure_role(bf16_view(hidden), WeightRole::wq_a, rows_view(config().q_lora_rank));
+    measure_role(x_view(hidden), WeightRole::wq_a, rows_view(config().q_lora_rank));
     measure_role(rows_view(config().q_lora_rank), WeightRole::wq_b, bf16_view(H * D));
-    measure_role(bf16_view(hidden), WeightRole::wkv, rows_view(D));
+    measure_role(x_view(hidden), WeightRole::wkv, rows_view(D));
     measure_role(rows_view(config().o_groups * config().o_lora_rank), WeightRole::wo_b,
                  in_.communicator ? view(any, DType::f32, {T, hidden}) : rows_view(hidden));
     OutputProjectionParams output = output_params(static_cast<int>(l), view(any, DType::i32, {T}),
@@ -104,17 +122,18 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
                                                   view(any, ws.rows, {T, config().o_groups, config().o_lora_rank}));
     scratch = std::max(scratch, output_projection_workspace_bytes(output));
     if (r.compressor) {
-      measure(bf16_view(hidden), w.fused(WeightRole::compressor_wkv, WeightRole::compressor_wgate), 0,
-              view(any, DType::f32, {T, r.compressor->row_width()}));
+      measure(linear_params(x_view(hidden), w.fused(WeightRole::compressor_wkv, WeightRole::compressor_wgate),
+                            view(any, DType::f32, {T, r.compressor->row_width()}), in_.blas));
       if (r.index_compressor)
-        measure(bf16_view(hidden), w.fused(WeightRole::indexer_compressor_wkv, WeightRole::indexer_compressor_wgate), 0,
-                view(any, DType::f32, {T, r.index_compressor->row_width()}));
+        measure(linear_params(x_view(hidden),
+                              w.fused(WeightRole::indexer_compressor_wkv, WeightRole::indexer_compressor_wgate),
+                              view(any, DType::f32, {T, r.index_compressor->row_width()}), in_.blas));
       else if (r.plan.owns_index_keys)
         measure_role(rows_view(D), WeightRole::indexer_wk, rows_view(dI));
     }
     if (r.plan.owns_indexer) {
       measure_role(rows_view(config().q_lora_rank), WeightRole::indexer_wq_b, bf16_view(nI * dI));
-      measure_role(bf16_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
+      measure_role(x_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
     }
     if (r.plan.kind == AttentionKind::dspark) {
       measure_role(rows_view(hidden), WeightRole::wkv, rows_view(D));  // the context rows from main_x
@@ -141,8 +160,12 @@ LayerPipeline::Activations LayerPipeline::load_input(const char* operation, int 
   if (hidden_in.device == Device::cpu)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.staged_in, hidden_in.data, static_cast<size_t>(T * hidden) * 4,
                                     cudaMemcpyHostToDevice, in_.stream));
-  launch_f32_to_bf16(in, static_cast<uint16_t*>(ws.x), T * hidden, in_.stream);
-  return {view(ws.x, DType::bf16, {T, hidden}), attn_out.device == Device::cpu ? ws.staged_out : attn_out.ptr<float>()};
+  // The reference rounds x to bf16; Precision::fp32 keeps it (its GEMMs are fp32).
+  if (ws.rows == DType::f32)
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.x, in, static_cast<size_t>(T * hidden) * 4, cudaMemcpyDeviceToDevice, in_.stream));
+  else
+    launch_f32_to_bf16(in, static_cast<uint16_t*>(ws.x), T * hidden, in_.stream);
+  return {view(ws.x, ws.rows, {T, hidden}), attn_out.device == Device::cpu ? ws.staged_out : attn_out.ptr<float>()};
 }
 
 // Queries (SPEC §2.2 steps 1-4; V4.0 §12 adds the per-head normalization) into ws.q, q_norm's
@@ -308,13 +331,13 @@ void LayerPipeline::compress(int layer) {
   const DeviceLayerWeights& w = weights(layer);
   const LayerStep& ls = in_.step->layer(layer);
   const int64_t T = in_.step->tokens(), D = config().head_dim, dI = config().index_head_dim;
-  const TensorView x = view(ws.x, DType::bf16, {T, config().hidden_size});
+  const TensorView x = view(ws.x, ws.rows, {T, config().hidden_size});
 
   // Projects the step's tokens and pools every group that closes in it into `latent`.
   const auto pool = [&](const CompressorGeometry& c, int ring, WeightRole wkv, WeightRole wgate, WeightRole norm,
                         WeightRole bias, void* latent) {
     const TensorView projected = view(ws.compressor_rows, DType::f32, {T, c.row_width()});
-    run_linear(linear_params(x, w.fused(wkv, wgate), 0, projected, in_.blas), ws.scratch, stream);
+    run_linear(linear_params(x, w.fused(wkv, wgate), projected, in_.blas), ws.scratch, stream);
     CompressorPoolParams p;
     p.rows = projected;
     p.token_position = in_.step->token_position();
@@ -382,7 +405,7 @@ void LayerPipeline::index(int layer) {
   rope.hadamard = r.index_hadamard;
   rope.quant = r.index_rows;
   run_rope_heads(rope, stream);
-  project(view(ws.x, DType::bf16, {T, config().hidden_size}), w.get(WeightRole::indexer_weights_proj),
+  project(view(ws.x, ws.rows, {T, config().hidden_size}), w.get(WeightRole::indexer_weights_proj),
           view(ws.index_w_raw, ws.rows, {T, nI}));
   launch_scale_to_f32(ws.index_w_raw, ws.rows, r.index_weight_scale, r.round_bf16, ws.index_w, T * nI, stream);
   const TensorView weights = view(ws.index_w, DType::f32, {T, nI});

@@ -43,7 +43,7 @@ Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecip
   const auto n = [](int64_t a, int64_t b) { return static_cast<size_t>(a * b); };
   add(&ws.staged_in, n(T, hidden) * 4);
   add(&ws.staged_out, n(T, hidden) * 4);
-  add(&ws.x, n(T, hidden) * 2);
+  add(&ws.x, n(T, hidden) * row_size);
   add(&ws.qr, n(T, config.q_lora_rank) * row_size);
   add(&ws.q, n(T, H * D) * 2);
   add(&ws.kv, n(T, D) * row_size);

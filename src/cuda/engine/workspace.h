@@ -20,7 +20,7 @@ struct Workspace {
   DType rows = DType::bf16;         // dtype of the intermediate rows (f32 in Precision::fp32)
   float* staged_in = nullptr;       // [T, hidden] f32: host hidden_in
   float* staged_out = nullptr;      // [T, hidden] f32: host attn_out
-  void* x = nullptr;                // [T, hidden] bf16
+  void* x = nullptr;                // [T, hidden] rows (the layer input, rounded to bf16 unless fp32)
   void* qr = nullptr;               // [T, q_lora] rows
   void* q = nullptr;                // [T, H, D] bf16
   void* kv = nullptr;               // [T, D] rows
