@@ -94,7 +94,14 @@ OutputProjectionParams LayerPipeline::output_params(int layer, const TensorView&
   return p;
 }
 
-size_t LayerPipeline::scratch_bytes(int64_t T) const {
+// The projections' workspace grows with the rows within each implementation's range, and
+// run_linear switches implementation above kLinearFp8DecodeMaxRows rows: the largest step and
+// the largest step fp8_decode takes bound every step.
+size_t LayerPipeline::scratch_bytes(int64_t max_tokens) const {
+  return std::max(scratch_bytes_at(max_tokens), scratch_bytes_at(std::min(max_tokens, kLinearFp8DecodeMaxRows)));
+}
+
+size_t LayerPipeline::scratch_bytes_at(int64_t T) const {
   const Workspace& ws = *in_.workspace;
   const int64_t hidden = config().hidden_size, H = config().num_heads, D = config().head_dim;
   const int64_t dI = config().index_head_dim, nI = config().index_n_heads;
@@ -102,7 +109,6 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
   void* any = ws.memory.data();
   const auto rows_view = [&](int64_t cols) { return view(any, ws.rows, {T, cols}); };
   const auto bf16_view = [&](int64_t cols) { return view(any, DType::bf16, {T, cols}); };
-  const auto x_view = [&](int64_t cols) { return view(any, ws.rows, {T, cols}); };  // ws.x
   size_t scratch = 0;
   for (size_t l = 0; l < in_.recipes->size(); ++l) {
     const LayerRecipe& r = (*in_.recipes)[l];
@@ -112,9 +118,9 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
     const auto measure_role = [&](const TensorView& x, WeightRole role, const TensorView& y) {
       measure(linear_params(x, w.get(role), y, in_.blas));
     };
-    measure_role(x_view(hidden), WeightRole::wq_a, rows_view(config().q_lora_rank));
+    measure_role(rows_view(hidden), WeightRole::wq_a, rows_view(config().q_lora_rank));
     measure_role(rows_view(config().q_lora_rank), WeightRole::wq_b, bf16_view(H * D));
-    measure_role(x_view(hidden), WeightRole::wkv, rows_view(D));
+    measure_role(rows_view(hidden), WeightRole::wkv, rows_view(D));
     measure_role(rows_view(config().o_groups * config().o_lora_rank), WeightRole::wo_b,
                  in_.communicator ? view(any, DType::f32, {T, hidden}) : rows_view(hidden));
     OutputProjectionParams output = output_params(static_cast<int>(l), view(any, DType::i32, {T}),
@@ -122,10 +128,10 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
                                                   view(any, ws.rows, {T, config().o_groups, config().o_lora_rank}));
     scratch = std::max(scratch, output_projection_workspace_bytes(output));
     if (r.compressor) {
-      measure(linear_params(x_view(hidden), w.fused(WeightRole::compressor_wkv, WeightRole::compressor_wgate),
+      measure(linear_params(rows_view(hidden), w.fused(WeightRole::compressor_wkv, WeightRole::compressor_wgate),
                             view(any, DType::f32, {T, r.compressor->row_width()}), in_.blas));
       if (r.index_compressor)
-        measure(linear_params(x_view(hidden),
+        measure(linear_params(rows_view(hidden),
                               w.fused(WeightRole::indexer_compressor_wkv, WeightRole::indexer_compressor_wgate),
                               view(any, DType::f32, {T, r.index_compressor->row_width()}), in_.blas));
       else if (r.plan.owns_index_keys)
@@ -133,7 +139,7 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
     }
     if (r.plan.owns_indexer) {
       measure_role(rows_view(config().q_lora_rank), WeightRole::indexer_wq_b, bf16_view(nI * dI));
-      measure_role(x_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
+      measure_role(rows_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
     }
     if (r.plan.kind == AttentionKind::dspark) {
       measure_role(rows_view(hidden), WeightRole::wkv, rows_view(D));  // the context rows from main_x

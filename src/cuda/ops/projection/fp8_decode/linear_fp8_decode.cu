@@ -71,9 +71,15 @@ std::string supports(const LinearParams& p, const DeviceInfo& device) {
   return "";
 }
 
+// What supports() checks of the call itself (no device, no addresses): the workspace is sized for
+// the calls it may take only, so large prefill steps and other weights add nothing.
+bool call_supported(const LinearParams& p, const LinearShape& s) {
+  return p.weight.dtype == DType::e4m3 && !p.f32_product && s.rows <= kLinearFp8DecodeMaxRows;
+}
+
 size_t workspace_bytes(const LinearParams& p) {
   const LinearShape s = linear_shape(p);
-  return activation_copy_bytes(p, DType::bf16) + partial_bytes(s);
+  return call_supported(p, s) ? activation_copy_bytes(p, DType::bf16) + partial_bytes(s) : 0;
 }
 
 void run(const LinearParams& p, void* workspace, cudaStream_t stream) {

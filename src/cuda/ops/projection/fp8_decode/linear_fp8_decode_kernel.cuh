@@ -174,18 +174,25 @@ __global__ void __launch_bounds__(kFp8DecodeThreads) linear_fp8_decode_kernel(co
     cp_async_commit();
   }
   for (int step = 0; step < steps; ++step) {
+    const int k0 = k_begin + step * kFp8DecodeBlockK;
+    // The block scales of this lane's rows and channels, fetched while the stage lands.
+    float scales[2][2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int k = k0 + (half * 4 + c) * 16;
+      scales[half][0] = block_scale(a, scale_row0, k);
+      scales[half][1] = block_scale(a, scale_row1, k);
+    }
     cp_async_wait<kFp8DecodeStages - 2>();
     __syncthreads();  // the stage has landed for every thread; the slot refilled below is no longer read
     if (step + kFp8DecodeStages - 1 < steps) load_stage(step + kFp8DecodeStages - 1);
     cp_async_commit();
 
     const uint32_t stage = base + static_cast<uint32_t>((step % kFp8DecodeStages) * kStageBytes);
-    const int k0 = k_begin + step * kFp8DecodeBlockK;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // 64 channels: this lane's 16 feed four MMAs
       const int chunk = half * 4 + c;
-      const int k = k0 + chunk * 16;
-      const float scale0 = block_scale(a, scale_row0, k), scale1 = block_scale(a, scale_row1, k);
+      const float scale0 = scales[half][0], scale1 = scales[half][1];
       const uint4 codes0 = load_shared16(stage + weight_offset(r0, chunk));
       const uint4 codes1 = load_shared16(stage + weight_offset(r1, chunk));
       uint32_t w0[8], w1[8];
