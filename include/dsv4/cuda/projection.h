@@ -46,9 +46,11 @@ struct LinearParams {
 // converted to f32); bf16 and other e4m3 weights a bf16 GEMM (x rounded to bf16). y is written in
 // its own dtype.
 
-// The most rows the fp8_decode implementation takes: up to 64 tokens an fp8 weight byte carries
-// 128 multiply-adds, which mma.sync keeps up with at the HBM rate; beyond it the call is
-// compute-bound and the fallback's cuBLASLt (wgmma) GEMM wins despite the dequantization pass.
+// The most rows the fp8_decode implementation takes. At 64 rows a weight byte carries 64
+// multiply-adds: at the HBM rate (4.2 TB/s) that is about 540 TFLOP/s, where mma.sync's bf16 rate
+// (about 2/3 of wgmma's) runs out; beyond it the call is compute-bound and the fallback's cuBLASLt
+// (wgmma) GEMM wins despite its dequantization pass (5 bytes moved per weight instead of 1).
+// To be confirmed by `dsv4 bench --op linear-decode` against `--op linear` at 65 rows.
 inline constexpr int64_t kLinearFp8DecodeMaxRows = 64;
 
 void validate_linear(const LinearParams& p);
