@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -82,22 +83,18 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return packed;
 }
 
+// Two e4m3 codes (the low byte first) as floats, exactly (NaN stays NaN): cvt.rn.f16x2.e4m3x2 on
+// sm_89+, else the header's software decode; the f16 values widen exactly to f32.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t codes) {
+  const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xffff), __NV_E4M3);
+  return __half22float2(__half2(pair));
+}
+
 // Four e4m3 codes (the low byte first) times `scale`, rounded to bf16: pairs (0, 1) and (2, 3).
 __device__ __forceinline__ void e4m3x4_to_bf16(uint32_t codes, float scale, uint32_t& pair01, uint32_t& pair23) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  // e4m3 -> f16 is exact (NaN stays NaN); the f16 values widen exactly to f32.
-  uint32_t h01, h23;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
-      : "=r"(h01), "=r"(h23)
-      : "r"(codes));
-  const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(&h01));
-  const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(&h23));
+  const float2 f01 = e4m3x2_to_float2(codes), f23 = e4m3x2_to_float2(codes >> 16);
   pair01 = pack_bf16x2(f01.x * scale, f01.y * scale);
   pair23 = pack_bf16x2(f23.x * scale, f23.y * scale);
-#else
-  pair01 = pack_bf16x2(e4m3_to_float(codes & 0xff) * scale, e4m3_to_float((codes >> 8) & 0xff) * scale);
-  pair23 = pack_bf16x2(e4m3_to_float((codes >> 16) & 0xff) * scale, e4m3_to_float(codes >> 24) * scale);
-#endif
 }
 
 __device__ __forceinline__ float block_scale(const Fp8DecodeLaunch& a, int64_t scale_row, int k) {
