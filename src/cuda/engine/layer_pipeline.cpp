@@ -144,7 +144,7 @@ size_t LayerPipeline::scratch_bytes_at(int64_t T) const {
     if (r.plan.kind == AttentionKind::dspark) {
       measure_role(rows_view(hidden), WeightRole::wkv, rows_view(D));  // the context rows from main_x
       if (w.has(WeightRole::main_proj))
-        measure_role(bf16_view(config().dspark_main_width()), WeightRole::main_proj, rows_view(hidden));
+        measure_role(rows_view(config().dspark_main_width()), WeightRole::main_proj, rows_view(hidden));
     }
   }
   // A token attends its window (up to W + M rows in an image span) plus index_topk picks, on V4.0
@@ -268,10 +268,15 @@ void LayerPipeline::run_draft_context(const TensorView& main_hidden) {
   DSV4_CHECK(main_hidden.device == Device::cpu || main_hidden.device_index == in_.device,
              "engine: run_draft_context: main_hidden is on cuda device ", main_hidden.device_index,
              ", the engine runs on device ", in_.device);
-  // main_hidden to bf16 (the reference rounds it first); host rows through the staging buffer, a
-  // part of them at a time.
+  // main_hidden to bf16 (the reference rounds it first; Precision::fp32 keeps it f32); host rows
+  // in bf16 through the staging buffer, a part of them at a time.
+  const size_t main_bytes = static_cast<size_t>(T * width) * 4;
   uint16_t* main_bf16 = static_cast<uint16_t*>(ws.main_hidden);
-  if (main_hidden.device == Device::cpu) {
+  if (ws.rows == DType::f32) {
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.main_hidden, main_hidden.data, main_bytes,
+                                    main_hidden.device == Device::cpu ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice,
+                                    stream));
+  } else if (main_hidden.device == Device::cpu) {
     const int64_t chunk = in_.max_tokens * hidden;  // the floats ws.staged_in holds
     const float* host = static_cast<const float*>(main_hidden.data);
     for (int64_t done = 0; done < T * width; done += chunk) {
@@ -285,7 +290,7 @@ void LayerPipeline::run_draft_context(const TensorView& main_hidden) {
   }
   // main_x = main_norm(main_proj(main_hidden)), stage 0's weights (SPEC §13.1 step 1).
   const TensorView main_x = view(ws.main_x, ws.rows, {T, hidden});
-  project(view(ws.main_hidden, DType::bf16, {T, width}), weights(first).get(WeightRole::main_proj), main_x);
+  project(view(ws.main_hidden, ws.rows, {T, width}), weights(first).get(WeightRole::main_proj), main_x);
   RmsNormParams norm;
   norm.x = norm.out = main_x;
   norm.weight = weights(first).get(WeightRole::main_norm).view();

@@ -77,7 +77,7 @@ Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecip
   void* block_key_pages = nullptr;
   int64_t block_key_page_count = 0;
   if (draft_window) {
-    add(&ws.main_hidden, n(T, config.dspark_main_width()) * 2);
+    add(&ws.main_hidden, n(T, config.dspark_main_width()) * row_size);
     add(&ws.main_x, n(T, hidden) * row_size);
     const PageGeometry& g = draft_window->geometry;
     block_key_page_count = (T + g.rows_per_page - 1) / g.rows_per_page;
