@@ -499,8 +499,24 @@ TEST(LinearCudaValidation, ReportsTheFirstBadArgument) {
   EXPECT_EQ(error_of([&] { validate_linear(bad); }),
             "dsv4: linear: activation_block 48 does not divide the input size 64");
   bad = p;
+  bad.f32_product = true;
+  EXPECT_EQ(error_of([&] { validate_linear(bad); }),
+            "dsv4: linear: f32_product is set for a BF16 weight; give the weight as F32 for an fp32 product");
+  bad = p;
   bad.blas = nullptr;
   EXPECT_EQ(error_of([&] { validate_linear(bad); }), "dsv4: linear: argument 'blas' is null (pass the BlasLt of the stream)");
+
+  // A grouped e4m3 weight takes its scales per group or over all groups' rows (the checkpoint's).
+  LinearParams grouped{.x = fake_device_view(DType::bf16, {3, 2, 64}), .weight = fake_device_view(DType::e4m3, {2, 40, 64}),
+                       .weight_scale = fake_device_view(DType::ue8m0, {2, 2, 2}), .block_out = 32, .block_in = 32,
+                       .y = fake_device_view(DType::f32, {3, 2, 40}),
+                       .blas = reinterpret_cast<const BlasLt*>(&dummy_handle)};
+  EXPECT_NO_THROW(validate_linear(grouped));
+  grouped.weight_scale = fake_device_view(DType::ue8m0, {3, 2});  // ceil(2 · 40 / 32) rows
+  EXPECT_NO_THROW(validate_linear(grouped));
+  grouped.weight_scale = fake_device_view(DType::ue8m0, {2, 2});
+  EXPECT_EQ(error_of([&] { validate_linear(grouped); }),
+            "dsv4: linear: argument 'weight_scale' has shape [2, 2], expected [3, 2]");
 }
 
 }  // namespace
