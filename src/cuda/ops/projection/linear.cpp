@@ -8,8 +8,6 @@
 namespace dsv4::cuda {
 namespace {
 
-constexpr int kMaxActivationBlock = 128;  // the prepare kernel keeps one tile in registers
-
 // Implementations in order of preference; the cuBLASLt fallback last.
 constexpr const LinearImplementation* kImplementations[] = {&kLinearFp8Decode, &kLinearCublasLt};
 

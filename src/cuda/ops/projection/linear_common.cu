@@ -8,15 +8,13 @@
 namespace dsv4::cuda {
 namespace {
 
-constexpr int kMaxActivationTile = 128;  // validate_linear's bound on activation_block
-
 // x (bf16 | f32) -> the product's input dtype; with `tile` > 1 each run of `tile` channels is
 // fake-quantized to fp8 (one thread per tile).
 __global__ void prepare_activation_kernel(const void* x, DType x_dtype, void* out, DType out_dtype,
                                           int64_t num_tiles, int tile, bool quantize) {
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < num_tiles; t += int64_t{gridDim.x} * blockDim.x) {
     const int64_t base = t * tile;
-    float values[kMaxActivationTile];
+    float values[kMaxActivationBlock];
     for (int i = 0; i < tile; ++i) values[i] = load_float(x, x_dtype, base + i);
     if (quantize) fake_quant_fp8_ue8m0(values, values, tile);
     for (int i = 0; i < tile; ++i) store_float(out, out_dtype, base + i, values[i]);

@@ -45,6 +45,9 @@ LinearShape linear_shape(const LinearParams& p);
 // The dtype the product's inputs are in: f32 for an f32 weight or an f32 product, else bf16.
 DType linear_product_dtype(const LinearParams& p);
 
+// The largest activation_block (the preparation keeps one tile in registers).
+inline constexpr int kMaxActivationBlock = 128;
+
 // Whether x must be staged (converted to `dtype`, fake-quantized when activation_block > 0)
 // before the product reads it, and the bytes of the staged copy (0 when not).
 bool needs_activation_copy(const LinearParams& p, DType dtype);
