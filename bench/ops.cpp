@@ -11,7 +11,9 @@
 //   compressor         the ratio-2 compressor of a `context`-token chunk per sequence: the fused
 //                      [wkv; wgate] projection and the pooling with its state ring
 //   linear             wq_b (q_lora_rank -> heads x head_dim) of a `context`-token chunk per
-//                      sequence, fp8 weight with ue8m0 block scales dequantized per call
+//                      sequence, fp8 weight with ue8m0 block scales (run_linear's choice of kernel)
+//   linear-decode      wq_b and wo_b at 1, 16 and 64 tokens: the fp8_decode kernel's weight bytes
+//                      per second against the copy ceiling
 //   rope-heads         RoPE of q (heads x head_dim bf16) of a `context`-token chunk per sequence
 //   cache-insert       the window insert of a `context`-token chunk per sequence: RMSNorm, RoPE,
 //                      fp8 QAT and v41_fp8 encoding into a paged cache
@@ -249,9 +251,10 @@ void bench_compressor(const BenchOptions& o, const ModelConfig& c, cuda::Stream&
   print_result(o, c, w, us);
 }
 
-// wq_b of the preset with its e4m3 weight and ue8m0 block scales (random codes in a finite range).
-void bench_linear(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
-  const int64_t T = o.batch * o.context, out = c.num_heads * c.head_dim, in = c.q_lora_rank;
+// A projection of the preset with its e4m3 weight and block scales (random codes in a finite
+// range) over T tokens, timed as run_linear picks its implementation.
+void time_fp8_linear(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream, const char* name, int64_t T,
+                     int64_t out, int64_t in) {
   const int block = c.weight_quantization ? c.weight_quantization->block_out : 128;
   const int64_t scale_rows = (out + block - 1) / block, scale_cols = (in + block - 1) / block;
   HostTensor codes(DType::e4m3, {out, in}), scales(DType::ue8m0, {scale_rows, scale_cols});
@@ -266,12 +269,31 @@ void bench_linear(const BenchOptions& o, const ModelConfig& c, cuda::Stream& str
   DeviceBuffer workspace(cuda::linear_workspace_bytes(p));
   const std::vector<double> us = time_runs(o, stream.get(), [&] { run_linear(p, workspace.data(), stream.get()); });
   Workload w;
-  w.what = format_string("%" PRId64 " tokens: wq_b %" PRId64 " x %" PRId64 " e4m3 weight (block %d) dequantized to bf16, "
-                         "bf16 GEMM, bf16 out", T, out, in, block);
-  w.bytes = static_cast<double>(out * in) * (1 + 2 * 2) + static_cast<double>(T * in) * 2 + static_cast<double>(T * out) * 2;
-  w.bytes_note = "e4m3 weight read, bf16 weight written and read, x, y";
+  w.implementation = cuda::linear_implementation(p);
+  const bool in_registers = w.implementation == "fp8_decode";
+  w.what = format_string("%" PRId64 " tokens: %s %" PRId64 " x %" PRId64 " e4m3 weight (block %d, ue8m0 scales), %s, "
+                         "bf16 out", T, name, out, in, block,
+                         in_registers ? "converted to bf16 in registers" : "dequantized to bf16, bf16 GEMM");
+  const double x_y_bytes = static_cast<double>(T * in) * 2 + static_cast<double>(T * out) * 2;
+  w.bytes = static_cast<double>(out * in) * (in_registers ? 1 : 1 + 2 * 2) + x_y_bytes;
+  w.bytes_note = in_registers ? "e4m3 weight read once, x, y" : "e4m3 weight read, bf16 weight written and read, x, y";
   w.flops = 2.0 * static_cast<double>(T * out * in);
   print_result(o, c, w, us);
+}
+
+// wq_b (q_lora_rank -> heads x head_dim) of a `context`-token chunk per sequence.
+void bench_linear(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
+  time_fp8_linear(o, c, stream, "wq_b", o.batch * o.context, c.num_heads * c.head_dim, c.q_lora_rank);
+}
+
+// The decode projections that read the most weight bytes, wq_b and wo_b (groups x o_lora_rank ->
+// hidden), at 1, 16 and 64 tokens (a decode step of that many sequences; --batch and --context
+// are not used): the weight bytes per microsecond against the copy ceiling.
+void bench_linear_decode(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
+  for (const int64_t T : {1, 16, 64}) {
+    time_fp8_linear(o, c, stream, "wq_b", T, c.num_heads * c.head_dim, c.q_lora_rank);
+    time_fp8_linear(o, c, stream, "wo_b", T, c.hidden_size, c.o_groups * c.o_lora_rank);
+  }
 }
 
 // A RoPE table of the preset's rotated dims for every position of the chunk.
@@ -341,6 +363,7 @@ const std::vector<BenchOp>& bench_ops() {
       {"attention-prefill", false, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_attention(o, c, s, true); }},
       {"compressor", false, &bench_compressor},
       {"linear", false, &bench_linear},
+      {"linear-decode", true, &bench_linear_decode},
       {"rope-heads", false, &bench_rope_heads},
       {"cache-insert", false, &bench_cache_insert},
   };

@@ -103,9 +103,11 @@ TEST(GoldenV40, AttentionOutputsMatchEveryCallAndLayer) {
       std::vector<float> expected = g.floats(GoldenSet::layer_name(c, l, "attn_out"));
       std::vector<float> mine = r.outputs[c].attn_out[l];
       ASSERT_EQ(mine.size(), expected.size());
-      // A row whose picks tie at the cut attends a different, equally valid entry: left out.
-      for (size_t row = 0; row < r.ties[c][l].size(); ++row)
-        if (!r.ties[c][l][row].empty()) {
+      // A row whose picks tie at the cut attends a different, equally valid entry: left out, as
+      // are the rows the set flags ambiguous (float64 scores within 1e-6 at the cut).
+      const std::vector<uint8_t> usable = golden::usable_rows(g, c, l);
+      for (size_t row = 0; row < usable.size(); ++row)
+        if (!usable[row] || (row < r.ties[c][l].size() && !r.ties[c][l][row].empty())) {
           std::fill_n(mine.begin() + row * H, H, 0.0f);
           std::fill_n(expected.begin() + row * H, H, 0.0f);
           ++tied_rows;
@@ -114,14 +116,16 @@ TEST(GoldenV40, AttentionOutputsMatchEveryCallAndLayer) {
       EXPECT_LE(err, kTolerance) << "call " << c << " layer " << l;
       if (err > worst) worst = err, worst_call = c, worst_layer = l;
     }
-  std::printf("v40a fp32 precision: worst relative L2 error %.3g (call %d, layer %d); %lld rows with tied picks left out\n",
+  std::printf("v40a fp32 precision: worst relative L2 error %.3g (call %d, layer %d); %lld rows with tied or ambiguous "
+              "picks left out\n",
               worst, worst_call, worst_layer, static_cast<long long>(tied_rows));
-  EXPECT_LE(tied_rows, 4);  // measured 3
+  EXPECT_LE(tied_rows, 4);  // measured 3 (the set flags 3 of 150 CSA rows ambiguous)
 }
 
 // transformers records the CSA indexer's picks as entry indices in score order, −1 for none;
 // the engine publishes them sorted and −1 padded: the same sets, except on rows tied at the cut,
-// where they differ only in entries tied at the cut.
+// where they differ only in entries tied at the cut. Rows the set flags ambiguous (float64 scores
+// within 1e-6 of each other at the cut: any of them is a correct pick) are left out.
 TEST(GoldenV40, IndexerPicksMatch) {
   const Replayed& r = batched();
   const GoldenSet& g = r.golden;
@@ -134,7 +138,10 @@ TEST(GoldenV40, IndexerPicksMatch) {
       const int64_t width = g.shape(name)[2];
       const std::vector<float> expected = g.floats(name);
       const std::vector<int32_t>& mine = r.outputs[c].picks[l];
-      for (int64_t row = 0; row < g.batch * g.call_tokens(c); ++row, ++rows_compared) {
+      const std::vector<uint8_t> usable = golden::usable_rows(g, c, l);
+      for (int64_t row = 0; row < g.batch * g.call_tokens(c); ++row) {
+        if (!usable[static_cast<size_t>(row)]) continue;
+        ++rows_compared;
         std::vector<int32_t> a(mine.begin() + row * k, mine.begin() + (row + 1) * k), b;
         for (int64_t i = 0; i < width; ++i) b.push_back(static_cast<int32_t>(expected[row * width + i]));
         std::erase(a, -1);

@@ -35,6 +35,7 @@
 #include "dsv4/engine.h"
 #include "dsv4/weights.h"
 #include "engine/cpu_engine.h"
+#include "model/layer_recipe.h"
 
 namespace dsv4 {
 namespace {
@@ -522,6 +523,50 @@ TEST_F(EngineCudaValidation, RejectsStepsBeyondTheCapacity) {
   EXPECT_NE(message([&] { e->begin_step({{s + 7, 1}}); }).find("does not exist"), std::string::npos);
   for (int i = 0; i < 3; ++i) e->add_sequence();
   EXPECT_NE(message([&] { e->add_sequence(); }).find("the maximum is 4"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight memory
+
+// An fp8 checkpoint stays fp8 on the device: its projections take their e4m3 bytes plus block
+// scales, about half of the bf16 copies the engine kept before; the rest is laid out as before
+// (bf16 projections, f32 vectors, each tensor 256-byte aligned).
+TEST_F(EngineCudaValidation, Fp8WeightsStayFp8OnTheDevice) {
+  for (const char* preset : {"tiny-v4.1", "tiny-v4"}) {
+    const Model m = tiny_model(preset);
+    auto e = Engine::create(m.config, m.weights, engine_options(Backend::cuda, Precision::reference, ""));
+    const auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+    int64_t expected = 0, as_bf16 = 0, tensors = 0, fp8_bytes = 0, fp8_as_bf16 = 0;
+    for (int l = 0; l < m.topology.size(); ++l)
+      for (const ExpectedWeight& ew : expected_layer_weights(m.config, m.topology[l])) {
+        if (!m.weights->layers[static_cast<size_t>(l)].has(WeightRole::wq_a)) break;  // an absent (MTP) layer
+        const WeightTensor& w = m.weights->layers[static_cast<size_t>(l)].get(ew.role);
+        const bool projection = weight_recipe(ew.role).projection;
+        const int64_t bf16_bytes = w.numel() * (projection ? 2 : 4);
+        ++tensors;
+        as_bf16 += aligned(bf16_bytes);
+        if (w.is_fp8()) {
+          int64_t scales = 1;
+          for (int64_t d : w.scale_shape) scales *= d;
+          const int64_t bytes = aligned(w.numel()) + aligned(scales * static_cast<int64_t>(dtype_size(w.scale_dtype)));
+          expected += bytes;
+          fp8_bytes += bytes;
+          fp8_as_bf16 += aligned(bf16_bytes);
+        } else {
+          expected += aligned(bf16_bytes);
+        }
+      }
+    const int64_t weights = e->memory().weights;
+    std::printf("%s: device weights %lld bytes, %.3f of the bf16 copy's %lld; fp8 projections %.3f of bf16\n", preset,
+                static_cast<long long>(weights), static_cast<double>(weights) / static_cast<double>(as_bf16),
+                static_cast<long long>(as_bf16), static_cast<double>(fp8_bytes) / static_cast<double>(fp8_as_bf16));
+    ASSERT_GT(fp8_bytes, 0) << preset << ": the preset's random checkpoint has fp8 projections";
+    // Gate projections follow their kv projection without the alignment gap: up to 256 bytes less each.
+    EXPECT_LE(weights, expected) << preset;
+    EXPECT_GE(weights, expected - 256 * tensors) << preset;
+    EXPECT_LT(static_cast<double>(fp8_bytes), 0.52 * static_cast<double>(fp8_as_bf16)) << preset;
+    EXPECT_LT(weights, as_bf16) << preset;
+  }
 }
 
 // Without a device the backend refuses to start, with a message that says why.

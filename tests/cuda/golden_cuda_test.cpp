@@ -1,7 +1,8 @@
 // The golden sets (tests/data/golden) replayed on the CUDA engine, every call through every layer
 // with the recorded inputs, compared per call and layer with the recorded outputs:
 //  * v41a (DeepSeek's official V4.1 code, reference precision, default formats = v4.1-native);
-//  * v40a (transformers V4.0 in float64, Precision::fp32: bf16 activations on the GPU);
+//  * v40a (transformers V4.0 in float64, Precision::fp32: fp32 GEMMs on the GPU; the attention's
+//    and indexer's queries are bf16, as their kernels take them);
 //  * v40o_a (DeepSeek's official V4.0 code, reference precision with its indexer QAT: Hadamard +
 //    FP4 index queries and keys; every float tensor stored as bf16);
 //  * v41ds_a (DeepSeek's official V4.1 DSpark draft layers) through a drafter, per call and stage

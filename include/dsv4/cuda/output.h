@@ -15,9 +15,12 @@ struct OutputProjectionParams {
   TensorView token_position;  // [tokens] i32
   TensorView rope_table;      // [max_positions, rope_dim] f32 (the layer's table)
   TensorView wo_a;            // [groups, rank, heads / groups · head_dim] bf16 | f32 | e4m3
-  TensorView wo_a_scale;      // e4m3 only: [groups, ceil(rank / block_out), ceil(in / block_in)] ue8m0 | f32
+  // e4m3 only: [groups, ceil(rank / block_out), ceil(in / block_in)], or the checkpoint's
+  // [ceil(groups · rank / block_out), ceil(in / block_in)] (LinearParams::weight_scale) ue8m0 | f32
+  TensorView wo_a_scale;
   int block_out = 128;
   int block_in = 128;
+  bool f32_product = false;   // e4m3 wo_a: multiplied in fp32 (LinearParams::f32_product)
   TensorView y;               // [tokens, groups, rank] bf16 | f32
   const BlasLt* blas = nullptr;
 };

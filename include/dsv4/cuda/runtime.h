@@ -9,8 +9,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <compare>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -94,9 +98,25 @@ class Stream {
   cudaStream_t stream_ = nullptr;
 };
 
-// An owning cuBLASLt handle for the current device and the workspace its matmuls use. The
-// workspace belongs to cuBLASLt alone (its split-K reductions keep partial sums and counters
-// there; nothing else should write it), and one BlasLt serves one stream at a time.
+// What a cuBLASLt matmul's algorithm choice depends on: its sizes, dtypes and layout (the callers
+// name their layout; run_linear has one, row-major x · weightᵀ).
+struct BlasLtMatmulKey {
+  int layout = 0;
+  int64_t rows = 0, groups = 0, in = 0, out = 0;
+  DType input = DType::bf16, output = DType::bf16;
+  auto operator<=>(const BlasLtMatmulKey&) const = default;
+};
+
+// The bytes of a cublasLtMatmulAlgo_t (cublasLt.h: uint64_t data[8]).
+struct BlasLtAlgorithm {
+  uint64_t data[8] = {};
+};
+
+// An owning cuBLASLt handle for the current device, the workspace its matmuls use, and the
+// algorithms chosen so far. The workspace belongs to cuBLASLt alone (its split-K reductions keep
+// partial sums and counters there; nothing else should write it), and one BlasLt serves one
+// stream at a time (an engine and its stream). The algorithm cache is guarded by a mutex, so
+// BlasLts may also be shared for their choices, but the workspace may not.
 class BlasLt {
  public:
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation for Hopper
@@ -108,9 +128,30 @@ class BlasLt {
   cublasLtContext* get() const { return handle_; }
   void* workspace() const { return workspace_.data(); }
 
+  // The algorithm chosen for `key`, or `choose()`'s answer, remembered: the cuBLASLt heuristic is
+  // asked once per shape, and every later call of the shape runs the same algorithm (so the same
+  // bits).
+  template <class Choose>
+  BlasLtAlgorithm algorithm(const BlasLtMatmulKey& key, Choose&& choose) const {
+    std::lock_guard<std::mutex> lock(algorithms_->mutex);
+    auto it = algorithms_->chosen.find(key);
+    if (it == algorithms_->chosen.end()) it = algorithms_->chosen.emplace(key, choose()).first;
+    return it->second;
+  }
+  // How many shapes have an algorithm (tests, diagnostics).
+  size_t cached_algorithms() const {
+    std::lock_guard<std::mutex> lock(algorithms_->mutex);
+    return algorithms_->chosen.size();
+  }
+
  private:
+  struct Algorithms {
+    std::mutex mutex;
+    std::map<BlasLtMatmulKey, BlasLtAlgorithm> chosen;
+  };
   cublasLtContext* handle_ = nullptr;
   DeviceBuffer workspace_;
+  std::unique_ptr<Algorithms> algorithms_ = std::make_unique<Algorithms>();
 };
 
 // A paged KV cache as the kernels see it (SPEC §7, kv_format.h, kv_cache.h). Rows are addressed

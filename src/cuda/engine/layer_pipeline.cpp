@@ -24,14 +24,26 @@ TensorView rows_of(const TensorView& v, int64_t first, int64_t count) {
   return r;
 }
 
-LinearParams linear_params(const TensorView& x, const TensorView& weight, int activation_block, const TensorView& y,
-                           const BlasLt* blas) {
+// A projection without block scales (the fused compressor projections).
+LinearParams linear_params(const TensorView& x, const TensorView& weight, const TensorView& y, const BlasLt* blas) {
   LinearParams p;
   p.x = x;
   p.weight = weight;
-  p.activation_block = activation_block;
   p.y = y;
   p.blas = blas;
+  return p;
+}
+
+// Projection `w` as the recipe stores it (e4m3 with its scales, act_quant, fp32 product).
+LinearParams linear_params(const TensorView& x, const DeviceWeight& w, const TensorView& y, const BlasLt* blas) {
+  LinearParams p = linear_params(x, w.view(), y, blas);
+  p.weight_scale = w.scale_view();
+  if (w.dtype == DType::e4m3) {
+    p.block_out = w.block_out;
+    p.block_in = w.block_in;
+  }
+  p.activation_block = w.activation_block;
+  p.f32_product = w.f32_product;
   return p;
 }
 
@@ -62,7 +74,7 @@ TensorView LayerPipeline::rope_table(int layer) const {
 }
 
 void LayerPipeline::project(const TensorView& x, const DeviceWeight& w, const TensorView& y, const Lane& lane) const {
-  run_linear(linear_params(x, w.view(), w.activation_block, y, lane.blas), lane.scratch, lane.stream);
+  run_linear(linear_params(x, w, y, lane.blas), lane.scratch, lane.stream);
 }
 
 CacheInsertParams LayerPipeline::insert_params(int layer, RowQuantizer quantizer, const TensorView& positions,
@@ -84,13 +96,27 @@ OutputProjectionParams LayerPipeline::output_params(int layer, const TensorView&
   p.o = o;
   p.token_position = positions;
   p.rope_table = rope_table(layer);
-  p.wo_a = weights(layer).get(WeightRole::wo_a).view({G, R, H * D / G});
+  const DeviceWeight& wo_a = weights(layer).get(WeightRole::wo_a);
+  p.wo_a = wo_a.view({G, R, H * D / G});
+  p.wo_a_scale = wo_a.scale_view();  // the checkpoint's blocks over all G·R rows (LinearParams)
+  if (wo_a.dtype == DType::e4m3) {
+    p.block_out = wo_a.block_out;
+    p.block_in = wo_a.block_in;
+  }
+  p.f32_product = wo_a.f32_product;
   p.y = y;
   p.blas = in_.blas;
   return p;
 }
 
-size_t LayerPipeline::scratch_bytes(int64_t T) const {
+// The projections' workspace grows with the rows within each implementation's range, and
+// run_linear switches implementation above kLinearFp8DecodeMaxRows rows: the largest step and
+// the largest step fp8_decode takes bound every step.
+size_t LayerPipeline::scratch_bytes(int64_t max_tokens) const {
+  return std::max(scratch_bytes_at(max_tokens), scratch_bytes_at(std::min(max_tokens, kLinearFp8DecodeMaxRows)));
+}
+
+size_t LayerPipeline::scratch_bytes_at(int64_t T) const {
   const Workspace& ws = *in_.workspace;
   const int64_t hidden = config().hidden_size, H = config().num_heads, D = config().head_dim;
   const int64_t dI = config().index_head_dim, nI = config().index_n_heads;
@@ -103,15 +129,13 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
     const LayerRecipe& r = (*in_.recipes)[l];
     if (!(*in_.weights)[l]) continue;
     const DeviceLayerWeights& w = *(*in_.weights)[l];
-    const auto measure = [&](const TensorView& x, const TensorView& weight, int activation_block, const TensorView& y) {
-      scratch = std::max(scratch, linear_workspace_bytes(linear_params(x, weight, activation_block, y, in_.blas)));
-    };
+    const auto measure = [&](const LinearParams& p) { scratch = std::max(scratch, linear_workspace_bytes(p)); };
     const auto measure_role = [&](const TensorView& x, WeightRole role, const TensorView& y) {
-      measure(x, w.get(role).view(), w.get(role).activation_block, y);
+      measure(linear_params(x, w.get(role), y, in_.blas));
     };
-    measure_role(bf16_view(hidden), WeightRole::wq_a, rows_view(config().q_lora_rank));
+    measure_role(rows_view(hidden), WeightRole::wq_a, rows_view(config().q_lora_rank));
     measure_role(rows_view(config().q_lora_rank), WeightRole::wq_b, bf16_view(H * D));
-    measure_role(bf16_view(hidden), WeightRole::wkv, rows_view(D));
+    measure_role(rows_view(hidden), WeightRole::wkv, rows_view(D));
     measure_role(rows_view(config().o_groups * config().o_lora_rank), WeightRole::wo_b,
                  in_.communicator ? view(any, DType::f32, {T, hidden}) : rows_view(hidden));
     OutputProjectionParams output = output_params(static_cast<int>(l), view(any, DType::i32, {T}),
@@ -119,22 +143,23 @@ size_t LayerPipeline::scratch_bytes(int64_t T) const {
                                                   view(any, ws.rows, {T, config().o_groups, config().o_lora_rank}));
     scratch = std::max(scratch, output_projection_workspace_bytes(output));
     if (r.compressor) {
-      measure(bf16_view(hidden), w.fused(WeightRole::compressor_wkv, WeightRole::compressor_wgate), 0,
-              view(any, DType::f32, {T, r.compressor->row_width()}));
+      measure(linear_params(rows_view(hidden), w.fused(WeightRole::compressor_wkv, WeightRole::compressor_wgate),
+                            view(any, DType::f32, {T, r.compressor->row_width()}), in_.blas));
       if (r.index_compressor)
-        measure(bf16_view(hidden), w.fused(WeightRole::indexer_compressor_wkv, WeightRole::indexer_compressor_wgate), 0,
-                view(any, DType::f32, {T, r.index_compressor->row_width()}));
+        measure(linear_params(rows_view(hidden),
+                              w.fused(WeightRole::indexer_compressor_wkv, WeightRole::indexer_compressor_wgate),
+                              view(any, DType::f32, {T, r.index_compressor->row_width()}), in_.blas));
       else if (r.plan.owns_index_keys)
         measure_role(rows_view(D), WeightRole::indexer_wk, rows_view(dI));
     }
     if (r.plan.owns_indexer) {
       measure_role(rows_view(config().q_lora_rank), WeightRole::indexer_wq_b, bf16_view(nI * dI));
-      measure_role(bf16_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
+      measure_role(rows_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
     }
     if (r.plan.kind == AttentionKind::dspark) {
       measure_role(rows_view(hidden), WeightRole::wkv, rows_view(D));  // the context rows from main_x
       if (w.has(WeightRole::main_proj))
-        measure_role(bf16_view(config().dspark_main_width()), WeightRole::main_proj, rows_view(hidden));
+        measure_role(rows_view(config().dspark_main_width()), WeightRole::main_proj, rows_view(hidden));
     }
   }
   // A token attends its window (up to W + M rows in an image span) plus index_topk picks, on V4.0
@@ -156,8 +181,12 @@ LayerPipeline::Activations LayerPipeline::load_input(const char* operation, int 
   if (hidden_in.device == Device::cpu)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.staged_in, hidden_in.data, static_cast<size_t>(T * hidden) * 4,
                                     cudaMemcpyHostToDevice, in_.stream));
-  launch_f32_to_bf16(in, static_cast<uint16_t*>(ws.x), T * hidden, in_.stream);
-  return {view(ws.x, DType::bf16, {T, hidden}), attn_out.device == Device::cpu ? ws.staged_out : attn_out.ptr<float>()};
+  // The reference rounds x to bf16; Precision::fp32 keeps it (its GEMMs are fp32).
+  if (ws.rows == DType::f32)
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.x, in, static_cast<size_t>(T * hidden) * 4, cudaMemcpyDeviceToDevice, in_.stream));
+  else
+    launch_f32_to_bf16(in, static_cast<uint16_t*>(ws.x), T * hidden, in_.stream);
+  return {view(ws.x, ws.rows, {T, hidden}), attn_out.device == Device::cpu ? ws.staged_out : attn_out.ptr<float>()};
 }
 
 // Queries (SPEC §2.2 steps 1-4; V4.0 §12 adds the per-head normalization) into ws.q, q_norm's
@@ -271,10 +300,15 @@ void LayerPipeline::run_draft_context(const TensorView& main_hidden) {
   DSV4_CHECK(main_hidden.device == Device::cpu || main_hidden.device_index == in_.device,
              "engine: run_draft_context: main_hidden is on cuda device ", main_hidden.device_index,
              ", the engine runs on device ", in_.device);
-  // main_hidden to bf16 (the reference rounds it first); host rows through the staging buffer, a
-  // part of them at a time.
+  // main_hidden to bf16 (the reference rounds it first; Precision::fp32 keeps it f32); host rows
+  // in bf16 through the staging buffer, a part of them at a time.
+  const size_t main_bytes = static_cast<size_t>(T * width) * 4;
   uint16_t* main_bf16 = static_cast<uint16_t*>(ws.main_hidden);
-  if (main_hidden.device == Device::cpu) {
+  if (ws.rows == DType::f32) {
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.main_hidden, main_hidden.data, main_bytes,
+                                    main_hidden.device == Device::cpu ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice,
+                                    stream));
+  } else if (main_hidden.device == Device::cpu) {
     const int64_t chunk = in_.max_tokens * hidden;  // the floats ws.staged_in holds
     const float* host = static_cast<const float*>(main_hidden.data);
     for (int64_t done = 0; done < T * width; done += chunk) {
@@ -288,7 +322,7 @@ void LayerPipeline::run_draft_context(const TensorView& main_hidden) {
   }
   // main_x = main_norm(main_proj(main_hidden)), stage 0's weights (SPEC §13.1 step 1).
   const TensorView main_x = view(ws.main_x, ws.rows, {T, hidden});
-  project(view(ws.main_hidden, DType::bf16, {T, width}), weights(first).get(WeightRole::main_proj), main_x);
+  project(view(ws.main_hidden, ws.rows, {T, width}), weights(first).get(WeightRole::main_proj), main_x);
   RmsNormParams norm;
   norm.x = norm.out = main_x;
   norm.weight = weights(first).get(WeightRole::main_norm).view();
@@ -340,13 +374,13 @@ void LayerPipeline::compress(int layer, const Lane& lane) {
   const DeviceLayerWeights& w = weights(layer);
   const LayerStep& ls = in_.step->layer(layer);
   const int64_t T = in_.step->tokens(), D = config().head_dim, dI = config().index_head_dim;
-  const TensorView x = view(ws.x, DType::bf16, {T, config().hidden_size});
+  const TensorView x = view(ws.x, ws.rows, {T, config().hidden_size});
 
   // Projects the step's tokens and pools every group that closes in it into `latent`.
   const auto pool = [&](const CompressorGeometry& c, int ring, WeightRole wkv, WeightRole wgate, WeightRole norm,
                         WeightRole bias, void* latent) {
     const TensorView projected = view(ws.compressor_rows, DType::f32, {T, c.row_width()});
-    run_linear(linear_params(x, w.fused(wkv, wgate), 0, projected, lane.blas), lane.scratch, stream);
+    run_linear(linear_params(x, w.fused(wkv, wgate), projected, lane.blas), lane.scratch, stream);
     CompressorPoolParams p;
     p.rows = projected;
     p.token_position = in_.step->token_position();
@@ -414,7 +448,7 @@ void LayerPipeline::index(int layer, const Lane& lane) {
   rope.hadamard = r.index_hadamard;
   rope.quant = r.index_rows;
   run_rope_heads(rope, stream);
-  project(view(ws.x, DType::bf16, {T, config().hidden_size}), w.get(WeightRole::indexer_weights_proj),
+  project(view(ws.x, ws.rows, {T, config().hidden_size}), w.get(WeightRole::indexer_weights_proj),
           view(ws.index_w_raw, ws.rows, {T, nI}), lane);
   launch_scale_to_f32(ws.index_w_raw, ws.rows, r.index_weight_scale, r.round_bf16, ws.index_w, T * nI, stream);
   const TensorView weights = view(ws.index_w, DType::f32, {T, nI});

@@ -86,6 +86,8 @@ class LayerPipeline {
   Lane main_lane() const { return {in_.stream, in_.workspace->scratch, in_.blas}; }
   Lane aux_lane() const;
 
+  // scratch_bytes of steps of exactly T tokens.
+  size_t scratch_bytes_at(int64_t T) const;
   TensorView view(void* data, DType dtype, const std::vector<int64_t>& shape) const;
   TensorView rope_table(int layer) const;
   void project(const TensorView& x, const DeviceWeight& w, const TensorView& y) const { project(x, w, y, main_lane()); }

@@ -1,6 +1,5 @@
 #include "cuda/engine/layer_weights.h"
 
-#include "dsv4/cuda/projection.h"
 #include "dsv4/numeric.h"
 #include "model/layer_recipe.h"
 
@@ -18,30 +17,25 @@ int64_t element_count(const std::vector<int64_t>& shape) {
   return n;
 }
 
-// A bf16 device copy of a projection.
+// How a weight is kept on the device (the header's rules).
+DType device_dtype(const WeightRecipe& use, DType stored, Precision precision) {
+  if (!use.projection) return DType::f32;
+  if (stored == DType::e4m3) return DType::e4m3;
+  if (precision == Precision::fp32 || (use.fp32_product && stored == DType::f32)) return DType::f32;
+  return DType::bf16;
+}
+
+// A bf16 device copy of a bf16 or f32 projection (f32 values rounded).
 void upload_bf16(const WeightTensor& w, const DeviceWeight& d, cudaStream_t stream) {
   const int64_t n = w.numel();
   if (w.dtype == DType::bf16) {
     copy_to_device(d.data, w.data, static_cast<size_t>(n) * 2, stream);
-  } else if (w.dtype == DType::e4m3) {
-    DeviceBuffer codes(static_cast<size_t>(n));
-    DeviceBuffer scales(static_cast<size_t>(element_count(w.scale_shape)) * dtype_size(w.scale_dtype));
-    copy_to_device(codes.data(), w.data, codes.bytes(), stream);
-    copy_to_device(scales.data(), w.scale_data, scales.bytes(), stream);
-    run_dequantize_weight({.weight = codes.view(DType::e4m3, w.shape),
-                           .weight_scale = scales.view(w.scale_dtype, w.scale_shape),
-                           .block_out = w.block_out,
-                           .block_in = w.block_in,
-                           .out = d.view()},
-                          stream);
-    // The temporaries are freed on return: the conversion must have finished.
-    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));
-  } else {
-    const HostTensor values = w.to_f32();
-    std::vector<uint16_t> bits(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) bits[static_cast<size_t>(i)] = float_to_bf16_bits(values.as<float>()[i]);
-    copy_to_device(d.data, bits.data(), bits.size() * 2, stream);
+    return;
   }
+  const HostTensor values = w.to_f32();
+  std::vector<uint16_t> bits(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) bits[static_cast<size_t>(i)] = float_to_bf16_bits(values.as<float>()[i]);
+  copy_to_device(d.data, bits.data(), bits.size() * 2, stream);
 }
 
 void upload_f32(const WeightTensor& w, const DeviceWeight& d, cudaStream_t stream) {
@@ -49,7 +43,19 @@ void upload_f32(const WeightTensor& w, const DeviceWeight& d, cudaStream_t strea
   copy_to_device(d.data, values.data(), values.nbytes(), stream);
 }
 
+// The codes and block scales of an e4m3 projection, byte for byte.
+void upload_e4m3(const WeightTensor& w, const DeviceWeight& d, cudaStream_t stream) {
+  copy_to_device(d.data, w.data, static_cast<size_t>(w.numel()), stream);
+  copy_to_device(d.scale, w.scale_data, static_cast<size_t>(element_count(w.scale_shape)) * dtype_size(w.scale_dtype),
+                 stream);
+}
+
 }  // namespace
+
+TensorView DeviceWeight::scale_view() const {
+  if (dtype != DType::e4m3) return {};
+  return TensorView::contiguous(scale, scale_dtype, scale_shape, Device::cuda, device);
+}
 
 TensorView DeviceWeight::view(const std::vector<int64_t>& as_shape) const {
   DSV4_CHECK(element_count(as_shape) == element_count(shape), "engine: a weight of shape ", shape_string(shape),
@@ -64,7 +70,7 @@ DeviceLayerWeights::DeviceLayerWeights(const ModelConfig& config, const LayerRec
   int device = 0;
   DSV4_CUDA_CHECK(cudaGetDevice(&device));
   const std::vector<ExpectedWeight> expected = expected_layer_weights(config, plan);
-  std::vector<size_t> offsets;
+  std::vector<size_t> offsets, scale_offsets;  // per expected weight (scales: e4m3 only)
   size_t bytes = 0;
   for (const ExpectedWeight& e : expected) {
     DSV4_CHECK(weights.has(e.role), "engine: layer ", plan.layer, " has no weight '", weight_role_name(e.role), "'");
@@ -78,22 +84,39 @@ DeviceLayerWeights::DeviceLayerWeights(const ModelConfig& config, const LayerRec
                ", expected BF16, F32 or F8_E4M3");
     DeviceWeight& d = weights_[static_cast<size_t>(e.role)];
     const WeightRecipe use = weight_recipe(e.role);
-    const bool keep_f32 = !use.projection || (use.fp32_product && w.dtype == DType::f32);
-    d.dtype = keep_f32 ? DType::f32 : DType::bf16;
+    d.dtype = device_dtype(use, w.dtype, recipe.precision);
     d.shape = e.shape;
     d.device = device;
     if (recipe.round_bf16 && w.is_fp8() && use.fp8_activations) d.activation_block = w.block_in;
     if (!follows_its_kv(e.role)) bytes = align_workspace(bytes);
     offsets.push_back(bytes);
     bytes += static_cast<size_t>(element_count(e.shape)) * dtype_size(d.dtype);
+    if (d.dtype == DType::e4m3) {
+      d.scale_dtype = w.scale_dtype;
+      d.scale_shape = w.scale_shape;
+      d.block_out = w.block_out;
+      d.block_in = w.block_in;
+      d.f32_product = recipe.precision == Precision::fp32;
+      bytes = align_workspace(bytes);
+      scale_offsets.push_back(bytes);
+      bytes += static_cast<size_t>(element_count(w.scale_shape)) * dtype_size(w.scale_dtype);
+    } else {
+      scale_offsets.push_back(0);
+    }
   }
   memory_ = DeviceBuffer(bytes);
   for (size_t i = 0; i < expected.size(); ++i) {
     const WeightRole role = expected[i].role;
     DeviceWeight& d = weights_[static_cast<size_t>(role)];
     d.data = static_cast<std::byte*>(memory_.data()) + offsets[i];
-    if (d.dtype == DType::bf16) upload_bf16(weights.get(role), d, stream);
-    else upload_f32(weights.get(role), d, stream);
+    if (d.dtype == DType::e4m3) {
+      d.scale = static_cast<std::byte*>(memory_.data()) + scale_offsets[i];
+      upload_e4m3(weights.get(role), d, stream);
+    } else if (d.dtype == DType::bf16) {
+      upload_bf16(weights.get(role), d, stream);
+    } else {
+      upload_f32(weights.get(role), d, stream);
+    }
   }
   DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));
 }

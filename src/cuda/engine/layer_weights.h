@@ -1,9 +1,11 @@
-// A layer's attention weights on the device, converted once when the engine is created and kept
-// in one allocation per layer, as the layer recipe's weight_recipe says: projections as bf16 (fp8
-// weights dequantized with their block scales, exact for ue8m0 scales; f32 weights rounded) except
-// fp32 compressor projections, which the reference multiplies in fp32; vectors (norm weights,
-// attn_sink, position biases) as f32. A compressor's gate projection follows its kv projection
-// directly, so that the two multiply as one fused [kv; gate] GEMM (compressor.h).
+// A layer's attention weights on the device, uploaded once when the engine is created and kept
+// in one allocation per layer, as the layer recipe's weight_recipe says: fp8 projections as they
+// are stored (e4m3 codes and their block scales; run_linear multiplies them, LinearParams), other
+// projections as bf16 (f32 weights rounded) except fp32 compressor projections, which the
+// reference multiplies in fp32, and every projection in Precision::fp32, whose GEMMs are fp32;
+// vectors (norm weights, attn_sink, position biases) as f32. A compressor's gate projection
+// follows its kv projection directly, so that the two multiply as one fused [kv; gate] GEMM
+// (compressor.h).
 #pragma once
 
 #include <array>
@@ -25,9 +27,21 @@ struct DeviceWeight {
   // > 0: the reference quantizes the activation to fp8 in tiles of this many input channels
   // before this projection (fp8 checkpoint weight, Precision::reference).
   int activation_block = 0;
+  // e4m3 weights: the block scales as the checkpoint stores them, [ceil(rows / block_out),
+  // ceil(in / block_in)] over the stored rows (also for wo_a viewed per group: LinearParams
+  // takes that layout), inside the layer's allocation.
+  void* scale = nullptr;
+  DType scale_dtype = DType::ue8m0;
+  std::vector<int64_t> scale_shape;
+  int block_out = 0;
+  int block_in = 0;
+  // e4m3 weights in Precision::fp32: dequantized to f32 and multiplied in fp32 (LinearParams).
+  bool f32_product = false;
 
   bool present() const { return !shape.empty(); }
   TensorView view() const { return TensorView::contiguous(data, dtype, shape, Device::cuda, device); }
+  // The block scales of an e4m3 weight; absent (TensorView{}) for other dtypes.
+  TensorView scale_view() const;
   // The same elements in another shape of equal size (e.g. wo_a as [groups, rank, in]).
   TensorView view(const std::vector<int64_t>& as_shape) const;
 };
@@ -35,7 +49,7 @@ struct DeviceWeight {
 class DeviceLayerWeights {
  public:
   // Checks every tensor the plan needs against its expected shape (expected_layer_weights), then
-  // uploads and converts it on `stream`, waiting for the conversions to finish.
+  // uploads and converts it on `stream`, waiting for the copies to finish.
   DeviceLayerWeights(const ModelConfig& config, const LayerRecipe& recipe, const LayerWeights& weights,
                      cudaStream_t stream);
 

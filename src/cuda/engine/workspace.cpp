@@ -43,7 +43,7 @@ Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecip
   const auto n = [](int64_t a, int64_t b) { return static_cast<size_t>(a * b); };
   add(&ws.staged_in, n(T, hidden) * 4);
   add(&ws.staged_out, n(T, hidden) * 4);
-  add(&ws.x, n(T, hidden) * 2);
+  add(&ws.x, n(T, hidden) * row_size);
   add(&ws.qr, n(T, config.q_lora_rank) * row_size);
   add(&ws.q, n(T, H * D) * 2);
   add(&ws.kv, n(T, D) * row_size);
@@ -77,7 +77,7 @@ Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecip
   void* block_key_pages = nullptr;
   int64_t block_key_page_count = 0;
   if (draft_window) {
-    add(&ws.main_hidden, n(T, config.dspark_main_width()) * 2);
+    add(&ws.main_hidden, n(T, config.dspark_main_width()) * row_size);
     add(&ws.main_x, n(T, hidden) * row_size);
     const PageGeometry& g = draft_window->geometry;
     block_key_page_count = (T + g.rows_per_page - 1) / g.rows_per_page;

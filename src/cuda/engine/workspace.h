@@ -20,7 +20,7 @@ struct Workspace {
   DType rows = DType::bf16;         // dtype of the intermediate rows (f32 in Precision::fp32)
   float* staged_in = nullptr;       // [T, hidden] f32: host hidden_in
   float* staged_out = nullptr;      // [T, hidden] f32: host attn_out
-  void* x = nullptr;                // [T, hidden] bf16
+  void* x = nullptr;                // [T, hidden] rows (the layer input, rounded to bf16 unless fp32)
   void* qr = nullptr;               // [T, q_lora] rows
   void* q = nullptr;                // [T, H, D] bf16
   void* kv = nullptr;               // [T, D] rows
@@ -42,7 +42,7 @@ struct Workspace {
   int32_t* entry_picks = nullptr;   // [T, max HCA entries] i32
   int64_t entry_picks_capacity = 0; // entries per token
   // DSpark draft layers (make_workspace's draft_window given):
-  void* main_hidden = nullptr;      // [T, hidden · targets] bf16: run_draft_context's input
+  void* main_hidden = nullptr;      // [T, hidden · targets] rows: run_draft_context's input
   void* main_x = nullptr;           // [T, hidden] rows: main_norm(main_proj(main_hidden)), every stage's context
   PagedCache block_keys;            // flat (no block table), T rows in the draft windows' format: a draft
                                     // block's own keys (SPEC §13.1 step 3), slot = block row

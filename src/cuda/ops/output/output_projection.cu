@@ -19,7 +19,7 @@ LinearParams grouped_projection(const OutputProjectionParams& p, void* rotated) 
   const int64_t in = groups > 0 ? p.o.shape[1] / groups * p.o.shape[2] : 0;
   return {.x = TensorView::contiguous(rotated, rotated_dtype(p), {tokens, groups, in}, Device::cuda, p.o.device_index),
           .weight = p.wo_a, .weight_scale = p.wo_a_scale, .block_out = p.block_out, .block_in = p.block_in,
-          .y = p.y, .blas = p.blas};
+          .f32_product = p.f32_product, .y = p.y, .blas = p.blas};
 }
 
 }  // namespace
