@@ -47,10 +47,11 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
   if (heads > index_mma::kMaxHeads)
     return std::to_string(heads) + " index heads, supports at most " + std::to_string(index_mma::kMaxHeads);
   if (reinterpret_cast<uintptr_t>(p.q.data) % 16 != 0) return "q that is not 16-byte aligned";
-  // 4-byte loads of key words (and of index_fp8's fp32 row scale).
+  // 4-byte loads of key words, one load of a row's scales (fp32 or dim / 32 ue8m0 bytes).
   const PageGeometry& g = p.keys.geometry;
+  const int64_t scale_bytes = f == KvRowFormat::index_fp8 ? 4 : dim / 32;
   if (reinterpret_cast<uintptr_t>(p.keys.pages.data) % 4 != 0 || g.page_stride % 4 != 0 || g.data_offset(1) % 4 != 0 ||
-      (f == KvRowFormat::index_fp8 && (g.scale_offset(0) % 4 != 0 || g.scale_offset(1) % 4 != 0)))
+      g.scale_offset(0) % scale_bytes != 0 || g.scale_offset(1) % scale_bytes != 0)
     return "key rows that are not 4-byte aligned";
   const int per_cta = tokens_per_cta(tokens);
   if ((tokens + per_cta - 1) / per_cta > kMaxGridY)

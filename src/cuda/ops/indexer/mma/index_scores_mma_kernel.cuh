@@ -54,6 +54,7 @@ inline constexpr int kFragmentsPerWarp = 16;  // the queries' staging is amortiz
 inline constexpr int kChunkKeys = kWarps * kFragmentsPerWarp * kFragmentKeys;  // entries per CTA
 inline constexpr int kBlockChannels = 32;  // the MMA's K; the MXFP4 scale tile
 inline constexpr int kSumHeads = 32;       // heads per pass of the ordered head sum
+inline constexpr int kTermsStride = kSumHeads + 4;  // 16-byte rows: a lane's float4 reads of its row do not conflict
 inline constexpr int kMaxTokensPerCta = 8;
 inline constexpr int kMinBlocksPerSm = 4;  // 16 warps per SM keep enough key loads in flight
 inline constexpr int kMaxHeads = 128;
@@ -100,9 +101,9 @@ struct SharedLayout {
   // int [tokens][4]: eq low, eq high, largest per-head eq spread, sequence.
   __host__ __device__ size_t stats_offset() const { return exponent_offset() + size_t(tokens) * tiles * 8 * kBlocks * 2; }
   __host__ __device__ size_t visible_offset() const { return stats_offset() + size_t(tokens) * 4 * 4; }  // int64 [tokens]
-  // float [kWarps][16][kSumHeads + 1]
-  __host__ __device__ size_t terms_offset() const { return visible_offset() + size_t(tokens) * 8; }
-  __host__ __device__ size_t bytes() const { return terms_offset() + size_t(kWarps) * 16 * (kSumHeads + 1) * 4; }
+  // float [kWarps][16][kTermsStride], 16-byte aligned
+  __host__ __device__ size_t terms_offset() const { return (visible_offset() + size_t(tokens) * 8 + 15) / 16 * 16; }
+  __host__ __device__ size_t bytes() const { return terms_offset() + size_t(kWarps) * 16 * kTermsStride * 4; }
 };
 
 // e2m1 codes in the low nibbles of the 4 bytes -> e4m3 bytes of the values times 2^-6.
@@ -136,9 +137,10 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], 
 // The raw bytes of one 16-key fragment for a lane (rows g and g + 8), loaded ahead of their use.
 template <int kBlocks, bool kFp8>
 struct RawFragment {
-  static constexpr int kWords = kFp8 ? 2 : 1;  // 4-byte words per row and block
+  static_assert(kBlocks == 2 || kBlocks == 4);  // a row's MXFP4 scales are one 2- or 4-byte load
+  static constexpr int kWords = kFp8 ? 2 : 1;    // 4-byte words per row and block
   uint32_t words[2][kBlocks][kWords];
-  uint32_t scales[2][kBlocks];  // MXFP4: the ue8m0 bytes; fp8: the row's fp32 scale bits in [r][0]
+  uint32_t scales[2];  // MXFP4: the kBlocks ue8m0 bytes, low first; fp8: the row's fp32 scale bits
   bool own_row = false;         // lanes 0-15: row j0 + lane is addressable
 };
 
@@ -161,10 +163,12 @@ __device__ __forceinline__ void load_fragment(RawFragment<kBlocks, kFp8>& raw, c
         raw.words[r][b][1] = data ? __ldg(reinterpret_cast<const uint32_t*>(p + 4)) : 0u;
       } else {
         raw.words[r][b][0] = data ? __ldg(reinterpret_cast<const uint32_t*>(data + b * kBlockChannels / 2 + 4 * c)) : 0u;
-        raw.scales[r][b] = data ? __ldg(scales + b) : 127u;  // 127: 2^0 for a row that is not read
       }
     }
-    if constexpr (kFp8) raw.scales[r][0] = data ? __ldg(reinterpret_cast<const uint32_t*>(scales)) : float_bits(1.0f);
+    // A row that is not read gets scales 1 (ue8m0 127).
+    if constexpr (kFp8) raw.scales[r] = data ? __ldg(reinterpret_cast<const uint32_t*>(scales)) : float_bits(1.0f);
+    else if constexpr (kBlocks == 4) raw.scales[r] = data ? __ldg(reinterpret_cast<const uint32_t*>(scales)) : 0x7f7f7f7fu;
+    else raw.scales[r] = data ? __ldg(reinterpret_cast<const uint16_t*>(scales)) : 0x7f7fu;
   }
 }
 
@@ -179,11 +183,11 @@ __device__ __forceinline__ void fragment_registers(const RawFragment<kBlocks, kF
       if constexpr (kFp8) {
         a[b][r] = __byte_perm(raw.words[r][b][0], raw.words[r][b][1], 0x6420);      // even channels
         a[b][2 + r] = __byte_perm(raw.words[r][b][0], raw.words[r][b][1], 0x7531);  // odd channels
-        key_scale[r][b] = float_from_bits(raw.scales[r][0]) * 0x1p-6f;  // qs holds 2^12 for two 2^-6 factors: the e4m3 keys have none
+        key_scale[r][b] = float_from_bits(raw.scales[r]) * 0x1p-6f;  // qs holds 2^12 for two 2^-6 factors: the e4m3 keys have none
       } else {
         a[b][r] = e2m1x4_to_e4m3x4(raw.words[r][b][0] & 0x0f0f0f0fu);
         a[b][2 + r] = e2m1x4_to_e4m3x4((raw.words[r][b][0] >> 4) & 0x0f0f0f0fu);
-        key_scale[r][b] = ue8m0_to_float(static_cast<uint8_t>(raw.scales[r][b]));
+        key_scale[r][b] = ue8m0_to_float(static_cast<uint8_t>(raw.scales[r] >> (8 * b)));
       }
     }
 }
@@ -197,7 +201,8 @@ __device__ __forceinline__ bool fast_row(const RawFragment<kBlocks, kFp8>& raw, 
     int lo = INT_MAX, hi = INT_MIN;
 #pragma unroll
     for (int b = 0; b < kBlocks; ++b) {
-      const int e = raw.scales[r][b] == 0xffu ? 0 : static_cast<int>(raw.scales[r][b]) - 127;  // 0xff: NaN either way
+      const int byte = static_cast<int>((raw.scales[r] >> (8 * b)) & 0xffu);
+      const int e = byte == 0xff ? 0 : byte - 127;  // 0xff: a NaN dot either way
       lo = min(lo, e), hi = max(hi, e);
     }
     return stats[2] + (hi - lo) <= kFastSpread && stats[0] + lo >= kFastMinExponent && stats[1] + hi <= kFastMaxExponent;
@@ -274,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
   int* stats = reinterpret_cast<int*>(shared + layout.stats_offset());
   int64_t* visible = reinterpret_cast<int64_t*>(shared + layout.visible_offset());
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* terms = reinterpret_cast<float*>(shared + layout.terms_offset()) + warp * 16 * (kSumHeads + 1);
+  float* terms = reinterpret_cast<float*>(shared + layout.terms_offset()) + warp * 16 * kTermsStride;
 
   const int64_t t0 = int64_t{blockIdx.y} * a.tokens_per_cta;
   const int count = static_cast<int>(a.tokens - t0 < a.tokens_per_cta ? a.tokens - t0 : a.tokens_per_cta);
@@ -393,13 +398,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
               } else {
                 term = __fmul_rn(dot < 0.0f ? 0.0f : dot, weight[k]);
               }
-              terms[(g + 8 * r) * (kSumHeads + 1) + (tile - tile0) * 8 + 2 * c + k] = term;
+              terms[(g + 8 * r) * kTermsStride + (tile - tile0) * 8 + 2 * c + k] = term;
             }
           }
           __syncwarp();
-          if (lane < kFragmentKeys)  // the reference's order: head by head
-            for (int k = 0; k < min(kSumHeads, a.heads - tile0 * 8); ++k)
-              score = __fadd_rn(score, terms[lane * (kSumHeads + 1) + k]);
+          // The reference's order, head by head. Padding heads (zero queries and weights) add +0,
+          // which leaves the sum alone: it starts at +0 and a round-to-nearest sum is never -0
+          // unless both terms are.
+          if (lane < kFragmentKeys)
+            for (int k = 0; k < min(kSumHeads, (tiles - tile0) * 8); k += 4) {
+              const float4 t = *reinterpret_cast<const float4*>(terms + lane * kTermsStride + k);
+              score = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(score, t.x), t.y), t.z), t.w);
+            }
           __syncwarp();
         }
         if (lane < kFragmentKeys && j < a.entries) {
