@@ -252,12 +252,13 @@ TEST_F(CudaTest, IndexScoresMmaFp8Fp32) {
   }
 }
 
-// Prefill chunks (more tokens than a decode batch: 8 tokens per CTA share key fragments): runs of
-// one sequence that do not align with the CTA's tokens, and alternating sequences.
+// Prefill chunks: a CTA takes one token per 64 of the step (up to 8; 151 tokens: 2, 200: 3, 520:
+// 8), and consecutive tokens of one sequence share its key loads: runs of one sequence that do not
+// align with the CTAs' tokens, and alternating sequences.
 TEST_F(CudaTest, IndexScoresMmaFp8PrefillChunks) {
   ScoresCase runs{.heads = 32, .ratio = 1, .seed = 801, .fp4_queries = true, .implementation = "mma_fp8"};
-  for (int32_t p = 600; p < 637; ++p) runs.tokens.push_back({0, p});
-  for (int32_t p = 1000; p < 1038; ++p) runs.tokens.push_back({1, p});
+  for (int32_t p = 600; p < 675; ++p) runs.tokens.push_back({0, p});
+  for (int32_t p = 1000; p < 1076; ++p) runs.tokens.push_back({1, p});
   check_index_scores(runs);
   runs.bf16_rounding = true;
   check_index_scores(runs);
@@ -265,9 +266,15 @@ TEST_F(CudaTest, IndexScoresMmaFp8PrefillChunks) {
   runs.candidate_blocks = 60;
   runs.seed = 802;
   check_index_scores(runs);
-  ScoresCase alternating{.heads = 64, .dim = 64, .bf16_rounding = true, .ratio = 2, .seed = 803, .fp4_queries = true,
+  ScoresCase eight{.heads = 8, .dim = 64, .bf16_rounding = true, .ratio = 1, .seed = 803, .fp4_queries = true,
+                   .implementation = "mma_fp8"};
+  for (int32_t p = 300; p < 473; ++p) eight.tokens.push_back({0, p});
+  for (int32_t p = 900; p < 1100; ++p) eight.tokens.push_back({1, p});
+  for (int32_t p = 50; p < 197; ++p) eight.tokens.push_back({2, p});
+  check_index_scores(eight);
+  ScoresCase alternating{.heads = 16, .dim = 64, .bf16_rounding = true, .ratio = 2, .seed = 804, .fp4_queries = true,
                          .implementation = "mma_fp8"};
-  for (int32_t t = 0; t < 70; ++t) alternating.tokens.push_back({t % 3, 900 + 17 * t});
+  for (int32_t t = 0; t < 200; ++t) alternating.tokens.push_back({t % 3, 900 + 17 * t});
   check_index_scores(alternating);
 }
 

@@ -1,5 +1,6 @@
 // The fp8 tensor-core implementation of run_index_scores ("mma_fp8"), index_scores_mma_kernel.cuh;
 // the kernels are instantiated in src/cuda/instantiations/index_scores_mma_fp8_*.cu.
+#include <algorithm>
 #include <string>
 
 #include "cuda/common/paged_rows.h"
@@ -22,15 +23,22 @@ using index_mma::IndexScoresMmaLaunch;
 using index_mma::launch_index_scores_mma;
 
 constexpr int64_t kMaxGridY = 65535;
-// Steps of more tokens than a decode batch are prefill chunks: several tokens of a sequence per
-// CTA share the key fragments.
-constexpr int64_t kDecodeTokens = 64;
-
-int tokens_per_cta(int64_t tokens) { return tokens > kDecodeTokens ? index_mma::kMaxTokensPerCta : 1; }
+// Tokens per CTA: consecutive tokens of one sequence (a prefill chunk) share the CTA's key loads,
+// but tokens of different sequences (a decode batch) run one after the other in it, so a CTA
+// takes one token per 64 of the step (a decode batch of 64: one), at most kMaxTokensPerCta and
+// as many as kSharedBudget bytes of staged queries allow (4 CTAs per SM).
+constexpr int64_t kTokensPerExtraCtaToken = 64;
+constexpr size_t kSharedBudget = 56 * 1024;
 
 size_t shared_bytes(int blocks, int tokens_per_cta, int heads) {
   return blocks == 2 ? index_mma::SharedLayout<2>(tokens_per_cta, heads).bytes()
                      : index_mma::SharedLayout<4>(tokens_per_cta, heads).bytes();
+}
+
+int tokens_per_cta(int64_t tokens, int heads, int blocks) {
+  int n = static_cast<int>(std::clamp<int64_t>(tokens / kTokensPerExtraCtaToken, 1, index_mma::kMaxTokensPerCta));
+  while (n > 1 && shared_bytes(blocks, n, heads) > kSharedBudget) --n;
+  return n;
 }
 
 std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
@@ -53,7 +61,7 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
   if (reinterpret_cast<uintptr_t>(p.keys.pages.data) % 4 != 0 || g.page_stride % 4 != 0 || g.data_offset(1) % 4 != 0 ||
       g.scale_offset(0) % scale_bytes != 0 || g.scale_offset(1) % scale_bytes != 0)
     return "key rows that are not 4-byte aligned";
-  const int per_cta = tokens_per_cta(tokens);
+  const int per_cta = tokens_per_cta(tokens, static_cast<int>(heads), static_cast<int>(dim / 32));
   if ((tokens + per_cta - 1) / per_cta > kMaxGridY)
     return std::to_string(tokens) + " tokens, supports at most " + std::to_string(kMaxGridY * per_cta);
   return needs_shared_memory(static_cast<long long>(shared_bytes(static_cast<int>(dim / 32), per_cta, static_cast<int>(heads))),
@@ -78,7 +86,7 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
     a.candidate_block_size = p.candidate_block_size;
   }
   a.scores = p.scores.ptr<float>();
-  a.tokens_per_cta = tokens_per_cta(a.tokens);
+  a.tokens_per_cta = tokens_per_cta(a.tokens, a.heads, static_cast<int>(p.q.shape[2] / 32));
   a.bf16_rounding = p.bf16_rounding;
   a.partial = p.partial;
   const bool fp8 = p.keys.geometry.format == KvRowFormat::index_fp8;
