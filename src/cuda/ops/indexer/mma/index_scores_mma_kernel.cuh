@@ -106,6 +106,12 @@ struct SharedLayout {
   __host__ __device__ size_t bytes() const { return terms_offset() + size_t(kWarps) * 16 * kTermsStride * 4; }
 };
 
+// A head's block scales 2^(12 + eq), read with one shared-memory load.
+template <int kBlocks>
+struct alignas(4 * kBlocks) HeadScales {
+  float v[kBlocks];
+};
+
 // e2m1 codes in the low nibbles of the 4 bytes -> e4m3 bytes of the values times 2^-6.
 __device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t nibbles) {
   return ((nibbles & 0x08080808u) << 4) | ((nibbles & 0x07070707u) << 2);
@@ -366,15 +372,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
               const uint2 bq = qf[(tile * kBlocks + b) * 32 + lane];
               mma_e4m3(acc[b], frag[b], bq.x, bq.y);
             }
-            // This lane's two heads: 2c and 2c + 1 of the tile.
-            float q_scale[2][kBlocks], weight[2];
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-              const int h = tile * 8 + 2 * c + k;
-#pragma unroll
-              for (int b = 0; b < kBlocks; ++b) q_scale[k][b] = qs[h * kBlocks + b];
-              weight[k] = w[h];
-            }
+            // This lane's two heads, 2c and 2c + 1 of the tile: their block scales and weights.
+            const HeadScales<kBlocks> q_scale[2] = {reinterpret_cast<const HeadScales<kBlocks>*>(qs)[tile * 8 + 2 * c],
+                                                    reinterpret_cast<const HeadScales<kBlocks>*>(qs)[tile * 8 + 2 * c + 1]};
+            const float2 weights = reinterpret_cast<const float2*>(w)[tile * 4 + c];
+            const float weight[2] = {weights.x, weights.y};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int r = e >> 1, k = e & 1;
@@ -382,13 +384,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
               if (fast[r]) {
                 dot = 0.0f;
 #pragma unroll
-                for (int b = 0; b < kBlocks; ++b) dot = __fmaf_rn(__fmul_rn(acc[b][e], key_scale[r][b]), q_scale[k][b], dot);
+                for (int b = 0; b < kBlocks; ++b) dot = __fmaf_rn(__fmul_rn(acc[b][e], key_scale[r][b]), q_scale[k].v[b], dot);
               } else {
                 double sum = 0.0;
 #pragma unroll
                 for (int b = 0; b < kBlocks; ++b)
                   sum = __fma_rn(static_cast<double>(__fmul_rn(acc[b][e], key_scale[r][b])),
-                                 static_cast<double>(q_scale[k][b]), sum);
+                                 static_cast<double>(q_scale[k].v[b]), sum);
                 dot = __double2float_rn(sum);
               }
               float term;
@@ -414,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
         }
         if (lane < kFragmentKeys && j < a.entries) {
           const bool listed = !a.candidates || contains_block(a.candidates + (t0 + i) * a.num_candidates,
-                                                              a.num_candidates, j / a.candidate_block_size);
+                                                              a.num_candidates, split_rows(j, a.candidate_block_size).block);
           const bool scored = raw.own_row && j < visible[i] && listed;
           a.scores[(t0 + i) * a.entries + j] =
               !scored ? -INFINITY : a.bf16_rounding && !a.partial ? bf16_rounded(score) : score;
