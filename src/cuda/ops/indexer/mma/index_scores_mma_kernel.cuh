@@ -217,6 +217,15 @@ __device__ __forceinline__ bool fast_row(const RawFragment<kBlocks, kFp8>& raw, 
 
 __device__ __forceinline__ float bf16_rounded(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
+__device__ __forceinline__ float relu(float x) { return x < 0.0f ? 0.0f : x; }  // keeps NaN, as std::max(x, 0.0f)
+
+// The reference's weighted terms of two dots in bf16_rounding: bf16(relu(bf16(dot)) · w), a pair
+// per conversion. relu keeps NaN (__hmax2_nan); it may turn a -0 into +0, which changes no sum.
+__device__ __forceinline__ float2 bf16_weighted_terms(float dot0, float dot1, float2 w) {
+  const float2 r = __bfloat1622float2(__hmax2_nan(__floats2bfloat162_rn(dot0, dot1), __float2bfloat162_rn(0.0f)));
+  return __bfloat1622float2(__floats2bfloat162_rn(__fmul_rn(r.x, w.x), __fmul_rn(r.y, w.y)));
+}
+
 // The e2m1 code of x / 2^eq, or 0xff when that is not an e2m1 value.
 __device__ __forceinline__ uint8_t e2m1_code(float x, int eq) {
   const uint32_t bits = float_bits(x), mantissa = bits & 0x7fffffu;
@@ -376,31 +385,30 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
             const HeadScales<kBlocks> q_scale[2] = {reinterpret_cast<const HeadScales<kBlocks>*>(qs)[tile * 8 + 2 * c],
                                                     reinterpret_cast<const HeadScales<kBlocks>*>(qs)[tile * 8 + 2 * c + 1]};
             const float2 weights = reinterpret_cast<const float2*>(w)[tile * 4 + c];
-            const float weight[2] = {weights.x, weights.y};
+            float dot[4];  // rows g, g, g + 8, g + 8; heads 2c, 2c + 1, 2c, 2c + 1
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int r = e >> 1, k = e & 1;
-              float dot;
               if (fast[r]) {
-                dot = 0.0f;
+                dot[e] = 0.0f;
 #pragma unroll
-                for (int b = 0; b < kBlocks; ++b) dot = __fmaf_rn(__fmul_rn(acc[b][e], key_scale[r][b]), q_scale[k].v[b], dot);
+                for (int b = 0; b < kBlocks; ++b)
+                  dot[e] = __fmaf_rn(__fmul_rn(acc[b][e], key_scale[r][b]), q_scale[k].v[b], dot[e]);
               } else {
                 double sum = 0.0;
 #pragma unroll
                 for (int b = 0; b < kBlocks; ++b)
                   sum = __fma_rn(static_cast<double>(__fmul_rn(acc[b][e], key_scale[r][b])),
                                  static_cast<double>(q_scale[k].v[b]), sum);
-                dot = __double2float_rn(sum);
+                dot[e] = __double2float_rn(sum);
               }
-              float term;
-              if (a.bf16_rounding) {
-                const float rounded = bf16_rounded(dot);
-                term = bf16_rounded(__fmul_rn(rounded < 0.0f ? 0.0f : rounded, weight[k]));  // relu keeps NaN
-              } else {
-                term = __fmul_rn(dot < 0.0f ? 0.0f : dot, weight[k]);
-              }
-              terms[(g + 8 * r) * kTermsStride + (tile - tile0) * 8 + 2 * c + k] = term;
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const float2 term = a.bf16_rounding ? bf16_weighted_terms(dot[2 * r], dot[2 * r + 1], weights)
+                                                  : make_float2(__fmul_rn(relu(dot[2 * r]), weights.x),
+                                                                __fmul_rn(relu(dot[2 * r + 1]), weights.y));
+              *reinterpret_cast<float2*>(terms + (g + 8 * r) * kTermsStride + (tile - tile0) * 8 + 2 * c) = term;
             }
           }
           __syncwarp();
