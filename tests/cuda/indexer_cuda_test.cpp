@@ -214,10 +214,10 @@ TEST_F(CudaTest, IndexScoresBf16RoundingEqualsReferenceBitForBit) {
 
 // mma_fp8 (FP4 queries on fp8 tensor cores): the reference's bf16 scores bit for bit over index
 // dims, head counts (5: a padded n tile; 64: two head-sum passes), tokens that see nothing
-// (positions 0-2 at ratio 4), entries past one 512-entry chunk and not a multiple of 16, candidates,
+// (positions 0-2 at ratio 4), entries past one 1024-entry chunk and not a multiple of 16, candidates,
 // partial sums, and block exponents up to 18 and 30 octaves apart (the dot's double path).
 TEST_F(CudaTest, IndexScoresMmaFp8Bf16RoundingEqualsReferenceBitForBit) {
-  const std::vector<std::pair<int32_t, int32_t>> decode = {{0, 0}, {0, 3}, {1, 2100}, {0, 1259}, {1, 2101}, {2, 2}};
+  const std::vector<std::pair<int32_t, int32_t>> decode = {{0, 0}, {0, 3}, {1, 4400}, {0, 1259}, {1, 4401}, {2, 2}};
   for (const int64_t dim : {64, 128})
     for (const int64_t heads : {5, 32, 64}) {
       const uint32_t seed = static_cast<uint32_t>(500 + dim + heads);
