@@ -198,21 +198,29 @@ __device__ __forceinline__ void fragment_registers(const RawFragment<kBlocks, kF
     }
 }
 
-// Whether the fp32 block sums of row r are exact for every head of the token (see "Exactness").
-template <int kBlocks, bool kFp8>
-__device__ __forceinline__ bool fast_row(const RawFragment<kBlocks, kFp8>& raw, int r, const int* stats) {
-  if constexpr (kFp8) {
-    return true;  // fp32 precision only
-  } else {
-    int lo = INT_MAX, hi = INT_MIN;
+// The range of a key row's MXFP4 block exponents ek (a NaN scale counts as 0: the dot is NaN
+// either way).
+struct ExponentRange {
+  int lo, hi;
+};
+
+template <int kBlocks>
+__device__ __forceinline__ ExponentRange key_exponents(uint32_t scales) {
+  ExponentRange range{INT_MAX, INT_MIN};
 #pragma unroll
-    for (int b = 0; b < kBlocks; ++b) {
-      const int byte = static_cast<int>((raw.scales[r] >> (8 * b)) & 0xffu);
-      const int e = byte == 0xff ? 0 : byte - 127;  // 0xff: a NaN dot either way
-      lo = min(lo, e), hi = max(hi, e);
-    }
-    return stats[2] + (hi - lo) <= kFastSpread && stats[0] + lo >= kFastMinExponent && stats[1] + hi <= kFastMaxExponent;
+  for (int b = 0; b < kBlocks; ++b) {
+    const int byte = static_cast<int>((scales >> (8 * b)) & 0xffu);
+    const int e = byte == 0xff ? 0 : byte - 127;
+    range.lo = min(range.lo, e), range.hi = max(range.hi, e);
   }
+  return range;
+}
+
+// Whether the fp32 block sums of a key row are exact for every head of the token (stats: its
+// query exponent bounds; see "Exactness").
+__device__ __forceinline__ bool fast_row(ExponentRange key, const int* stats) {
+  return stats[2] + (key.hi - key.lo) <= kFastSpread && stats[0] + key.lo >= kFastMinExponent &&
+         stats[1] + key.hi <= kFastMaxExponent;
 }
 
 __device__ __forceinline__ float bf16_rounded(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
@@ -365,10 +373,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
       uint32_t frag[kBlocks][4];
       float key_scale[2][kBlocks];
       fragment_registers(raw, frag, key_scale);
+      ExponentRange key_range[2] = {};  // index_fp8 (fp32 precision only) takes the fp32 path
+      if constexpr (!kFp8) key_range[0] = key_exponents<kBlocks>(raw.scales[0]), key_range[1] = key_exponents<kBlocks>(raw.scales[1]);
 
       for (int i = first; i < end; ++i) {
         const int* token_stats = stats + 4 * i;
-        const bool fast[2] = {fast_row(raw, 0, token_stats), fast_row(raw, 1, token_stats)};
+        const bool fast[2] = {kFp8 || fast_row(key_range[0], token_stats), kFp8 || fast_row(key_range[1], token_stats)};
         const uint2* qf = q_fragments + size_t(i) * tiles * kBlocks * 32;
         const float* qs = q_scales + size_t(i) * tiles * 8 * kBlocks;
         const float* w = w_shared + i * tiles * 8;
