@@ -20,7 +20,9 @@
 // dot's four (two for dim 64) running fp32 sums, fmaf(acc·2^ek, 2^(12+eq), sum), are exact when
 // max E_b − min E_b <= 9 (at most 24 significant bits: the sum of four is below 2^(max E_b + 13)),
 // min E_b >= -147 (no bits below 2^-149) and max E_b <= 114 (no overflow): the fast path, checked
-// per (token, key row) with bounds over the token's heads (fast_row). Otherwise the same terms
+// per (token, key row) with bounds over the token's heads (fast_row). When every row of a
+// fragment has one ek for all its blocks, the fast path sums acc·2^(12+eq) (the same condition on
+// the eq alone: exact) and multiplies by 2^ek once (exact under the bounds). Otherwise the same terms
 // are added in double, exact while max E_b − min E_b <= 38 (53 bits). Either way the dot is the
 // exact dot rounded once to fp32 — what the reference computes (reference/ops.cpp `dot`: eight
 // double sums of exact products, exact under the same condition, then one rounding to fp32). So
@@ -375,6 +377,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
       fragment_registers(raw, frag, key_scale);
       ExponentRange key_range[2] = {};  // index_fp8 (fp32 precision only) takes the fp32 path
       if constexpr (!kFp8) key_range[0] = key_exponents<kBlocks>(raw.scales[0]), key_range[1] = key_exponents<kBlocks>(raw.scales[1]);
+      // Every row of the fragment has one scale for all its blocks (index_fp8: always): see "Exactness".
+      const bool uniform_scales =
+          __all_sync(0xffffffffu, key_range[0].lo == key_range[0].hi && key_range[1].lo == key_range[1].hi);
 
       for (int i = first; i < end; ++i) {
         const int* token_stats = stats + 4 * i;
@@ -399,7 +404,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int r = e >> 1, k = e & 1;
-              if (fast[r]) {
+              if (fast[r] && uniform_scales) {  // the row's scale once: 2^ek · Σ acc·2^(12+eq)
+                dot[e] = 0.0f;
+#pragma unroll
+                for (int b = 0; b < kBlocks; ++b) dot[e] = __fmaf_rn(acc[b][e], q_scale[k].v[b], dot[e]);
+                dot[e] = __fmul_rn(dot[e], key_scale[r][0]);
+              } else if (fast[r]) {
                 dot[e] = 0.0f;
 #pragma unroll
                 for (int b = 0; b < kBlocks; ++b)
