@@ -215,7 +215,8 @@ TEST_F(CudaTest, IndexScoresBf16RoundingEqualsReferenceBitForBit) {
 // mma_fp8 (FP4 queries on fp8 tensor cores): the reference's bf16 scores bit for bit over index
 // dims, head counts (5: a padded n tile; 64: two head-sum passes), tokens that see nothing
 // (positions 0-2 at ratio 4), entries past one 1024-entry chunk and not a multiple of 16, candidates,
-// partial sums, and block exponents up to 18 and 30 octaves apart (the dot's double path).
+// partial sums, and block exponents up to 6, 18 and 30 octaves apart (up to 9: fp32 block sums; beyond:
+// the dot's double path).
 TEST_F(CudaTest, IndexScoresMmaFp8Bf16RoundingEqualsReferenceBitForBit) {
   const std::vector<std::pair<int32_t, int32_t>> decode = {{0, 0}, {0, 3}, {1, 4400}, {0, 1259}, {1, 4401}, {2, 2}};
   for (const int64_t dim : {64, 128})
@@ -230,7 +231,7 @@ TEST_F(CudaTest, IndexScoresMmaFp8Bf16RoundingEqualsReferenceBitForBit) {
                           .tokens = {{0, 1301}, {1, 20}}, .seed = seed + 2, .fp4_queries = true,
                           .implementation = "mma_fp8"});
     }
-  for (const int step : {3, 5})
+  for (const int step : {1, 3, 5})  // fp32 block sums (rows with several scales), double, double
     check_index_scores({.heads = 32, .dim = 128, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 700}, {1, 1500}},
                         .seed = static_cast<uint32_t>(600 + step), .fp4_queries = true, .block_exponent_step = step,
                         .implementation = "mma_fp8"});
