@@ -112,6 +112,8 @@ DeviceTensor random_picks(const std::vector<int64_t>& positions, int64_t k, uint
   return device_array(picks, DType::i32, {static_cast<int64_t>(positions.size()), k});
 }
 
+constexpr int64_t kPrefillChunk = 2048;  // indexer-prefill: tokens per sequence
+
 // FP4 queries as the indexer's QAT leaves them (SPEC §4.2): normal values fake-quantized per 32
 // channels, in bf16.
 DeviceTensor fp4_queries(int64_t tokens, int64_t heads, int64_t dim, uint32_t seed) {
@@ -157,8 +159,6 @@ void bench_index_scores(const BenchOptions& o, const ModelConfig& c, cuda::Strea
     print_result(o, c, w, us);
   }
 }
-
-constexpr int64_t kPrefillChunk = 2048;
 
 void bench_topk(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
   const int64_t B = o.batch, E = o.context, k = c.index_topk;
