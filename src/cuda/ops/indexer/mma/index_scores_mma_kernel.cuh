@@ -200,8 +200,8 @@ __device__ __forceinline__ void fragment_registers(const RawFragment<kBlocks, kF
     }
 }
 
-// The range of a key row's MXFP4 block exponents ek (a NaN scale counts as 0: the dot is NaN
-// either way).
+// The range of a key row's MXFP4 block exponents ek = byte − 127 (a NaN scale, 0xff, gives 128,
+// beyond the fast path's bounds: the double path carries the NaN).
 struct ExponentRange {
   int lo, hi;
 };
@@ -211,8 +211,7 @@ __device__ __forceinline__ ExponentRange key_exponents(uint32_t scales) {
   ExponentRange range{INT_MAX, INT_MIN};
 #pragma unroll
   for (int b = 0; b < kBlocks; ++b) {
-    const int byte = static_cast<int>((scales >> (8 * b)) & 0xffu);
-    const int e = byte == 0xff ? 0 : byte - 127;
+    const int e = static_cast<int>((scales >> (8 * b)) & 0xffu) - 127;
     range.lo = min(range.lo, e), range.hi = max(range.hi, e);
   }
   return range;
