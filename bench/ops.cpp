@@ -1,6 +1,8 @@
 // The ops `dsv4 bench --op` times on their own (`--batch` sequences with `--context` tokens each):
 //   indexer            index scores of one decode token per sequence against its `context` keys
-//                      (ratio 1, MXFP4 key cache)
+//                      (ratio 1, MXFP4 key cache, FP4 queries), fp32 and bf16_rounding
+//   indexer-prefill    index scores of a 2048-token chunk per sequence (the last 2048 positions of
+//                      `context`, ratio 1) against the sequence's `context` keys, as `indexer`
 //   topk               top-k (index_topk) of one score row of `context` entries per sequence
 //   topk-blocks        the candidate blocks' top-k (candidate_topk_blocks) of one row of `context`
 //                      block scores per sequence (a context of E entries has E / candidate_block_size)
@@ -114,12 +116,28 @@ DeviceTensor random_picks(const std::vector<int64_t>& positions, int64_t k, uint
   return device_array(picks, DType::i32, {static_cast<int64_t>(positions.size()), k});
 }
 
-void bench_indexer(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
+constexpr int64_t kPrefillChunk = 2048;  // indexer-prefill: tokens per sequence
+
+// FP4 queries as the indexer's QAT leaves them (SPEC §4.2): normal values fake-quantized per 32
+// channels, in bf16.
+DeviceTensor fp4_queries(int64_t tokens, int64_t heads, int64_t dim, uint32_t seed) {
+  std::vector<float> q(static_cast<size_t>(tokens * heads * dim));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (float& v : q) v = dist(rng);
+  for (size_t i = 0; i + 32 <= q.size(); i += 32) fake_quant_fp4_ue8m0(q.data() + i, q.data() + i, 32);
+  return cuda::inputs::device_tensor(q, DType::bf16, {tokens, heads, dim});
+}
+
+// Index scores of `per_sequence` tokens per sequence at the last positions of `context` (ratio 1)
+// against the sequence's `context` MXFP4 keys, in fp32 and in bf16_rounding.
+void bench_index_scores(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream, int64_t per_sequence) {
   const int64_t B = o.batch, E = o.context, nI = c.index_n_heads, dI = c.index_head_dim;
+  const int64_t L = std::min(per_sequence, E), T = B * L;
   Cache keys = random_cache(KvRowFormat::index_mxfp4, dI, B, E, 1);
-  Tokens tokens = make_tokens(B, 1, E - 1);  // ratio 1: the token sees all E entries
-  DeviceTensor q = random_device_tensor(DType::bf16, {B, nI, dI}, 2), weights = random_device_tensor(DType::f32, {B, nI}, 3);
-  DeviceTensor scores = poisoned_tensor(DType::f32, {B, E});
+  Tokens tokens = make_tokens(B, L, E - L);  // token at p sees p + 1 entries
+  DeviceTensor q = fp4_queries(T, nI, dI, 2), weights = random_device_tensor(DType::f32, {T, nI}, 3);
+  DeviceTensor scores = poisoned_tensor(DType::f32, {T, E});
   cuda::IndexScoresParams p;
   p.q = q.view;
   p.weights = weights.view;
@@ -128,16 +146,22 @@ void bench_indexer(const BenchOptions& o, const ModelConfig& c, cuda::Stream& st
   p.token_position = tokens.position.view;
   p.compress_ratio = 1;
   p.scores = scores.view;
-  const std::vector<double> us = time_runs(o, stream.get(), [&] { run_index_scores(p, stream.get()); });
+  p.fp4_queries = true;
   const double key_bytes = static_cast<double>(keys.view.geometry.row.row_bytes());
-  Workload w;
-  w.what = format_string("%" PRId64 " decode tokens x %" PRId64 " index_mxfp4 keys (%d B/row), fp32 scores", B, E,
-                         static_cast<int>(key_bytes));
-  w.bytes = static_cast<double>(B * E) * (key_bytes + 4) + static_cast<double>(B * nI) * (dI * 2 + 4);
-  w.bytes_note = "keys read once, scores written";
-  w.flops = 2.0 * static_cast<double>(B * E * nI * dI);
-  w.implementation = cuda::index_scores_implementation(p);
-  print_result(o, c, w, us);
+  const double visible = static_cast<double>(B) * static_cast<double>(L * E - L * (L - 1) / 2);  // Σ (p + 1)
+  for (const bool bf16_rounding : {false, true}) {
+    p.bf16_rounding = bf16_rounding;
+    const std::vector<double> us = time_runs(o, stream.get(), [&] { run_index_scores(p, stream.get()); });
+    Workload w;
+    w.what = format_string("%" PRId64 " x %" PRId64 " tokens x %" PRId64 " index_mxfp4 keys (%d B/row), FP4 q, %d heads, "
+                           "%s scores", B, L, E, static_cast<int>(key_bytes), static_cast<int>(nI),
+                           bf16_rounding ? "bf16-rounded" : "fp32");
+    w.bytes = static_cast<double>(B * E) * key_bytes + static_cast<double>(T * E) * 4 + static_cast<double>(T * nI) * (dI * 2 + 4);
+    w.bytes_note = "keys read once per sequence, scores written";
+    w.flops = 2.0 * visible * static_cast<double>(nI * dI);  // fp8 MMA work of the visible keys
+    w.implementation = cuda::index_scores_implementation(p);
+    print_result(o, c, w, us);
+  }
 }
 
 // Rows of random scores in [-1, 1), whole rows eligible; k: index_topk or candidate_topk_blocks.
@@ -354,7 +378,8 @@ void bench_cache_insert(const BenchOptions& o, const ModelConfig& c, cuda::Strea
 
 const std::vector<BenchOp>& bench_ops() {
   static const std::vector<BenchOp> ops = {
-      {"indexer", true, &bench_indexer},
+      {"indexer", true, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_index_scores(o, c, s, 1); }},
+      {"indexer-prefill", false, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_index_scores(o, c, s, kPrefillChunk); }},
       {"topk", true, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_topk(o, c, s, c.index_topk); }},
       {"topk-blocks", true, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) {
          bench_topk(o, c, s, c.candidate_topk_blocks);

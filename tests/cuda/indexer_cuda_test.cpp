@@ -5,7 +5,9 @@
 // same, ties included).
 //
 // Score tolerance (fp32): a different summation order over the channels and the heads. -inf
-// entries must match exactly.
+// entries must match exactly. The mma_fp8 implementation (FP4 queries, sm_90) runs the cases with
+// fp4_queries: bit for bit in bf16_rounding, its exact MXFP4 dots within the same fp32 tolerance,
+// its index_fp8 block sums within the fp8 MMA's accumulation bound.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -38,7 +40,16 @@ struct ScoresCase {
   int64_t candidate_block_size = 0;                 // > 0: random candidate lists
   int64_t candidate_blocks = 0;
   uint32_t seed = 1;
+  bool fp4_queries = false;                         // q FP4 fake-quantized (SPEC §4.2), fp4_queries set
+  int block_exponent_step = 0;                      // channel block b of q and keys scaled by 2^(step·b)
+  bool spoil_query = false;                         // token 0, head 0 gets a value that is not FP4
+  const char* implementation = nullptr;             // the expected pick on an sm_90 device
 };
+
+// x [n, dim] with channel block b (32 channels) scaled by 2^(step·b).
+void scale_blocks(std::vector<float>& x, int64_t dim, int step) {
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::ldexp(x[i], step * static_cast<int>((i % dim) / 32));
+}
 
 void check_index_scores(const ScoresCase& c) {
   std::mt19937 rng(c.seed);
@@ -55,12 +66,19 @@ void check_index_scores(const ScoresCase& c) {
   std::vector<std::vector<float>> decoded(sequences);
   for (int64_t s = 0; s < sequences; ++s)
     for (int64_t j = 0; j < entries; ++j) {
-      const auto row = testing::random_floats(dim, c.seed * 7919 + static_cast<uint32_t>(s * entries + j), -2.0f, 2.0f);
+      auto row = testing::random_floats(dim, c.seed * 7919 + static_cast<uint32_t>(s * entries + j), -2.0f, 2.0f);
+      scale_blocks(row, dim, c.block_exponent_step);
       keys.write(s, j, row.data());
       const auto back = keys.read(s, j);
       decoded[s].insert(decoded[s].end(), back.begin(), back.end());
     }
-  const auto q = testing::rounded_to_bf16(testing::random_floats(tokens * c.heads * dim, c.seed + 1));
+  auto q = testing::random_floats(tokens * c.heads * dim, c.seed + 1);
+  if (c.fp4_queries) {
+    scale_blocks(q, dim, c.block_exponent_step);
+    for (size_t i = 0; i < q.size(); i += 32) fake_quant_fp4_ue8m0(q.data() + i, q.data() + i, 32);
+    if (c.spoil_query) q[1] = q[0] == 0.0f ? 0.30078125f : q[0] * 1.0078125f;  // 8 significant bits: no e2m1
+  }
+  q = testing::rounded_to_bf16(q);
   // The engine's head weights are bf16 values of either sign in reference precision.
   const auto weights = c.bf16_rounding ? testing::rounded_to_bf16(testing::random_floats(tokens * c.heads, c.seed + 2, -0.1f, 0.1f))
                                        : testing::random_floats(tokens * c.heads, c.seed + 2, 0.0f, 0.1f);
@@ -80,11 +98,28 @@ void check_index_scores(const ScoresCase& c) {
   }
 
   std::vector<float> expected(static_cast<size_t>(tokens * entries));
+  // index_fp8 keys on the fp8 MMA: a block sum may lose bits below about 2^-13 of its running
+  // magnitude; bounded by 2^-8 Σ_h |w_h| Σ_d |q_hd k_d| per score.
+  const bool fp8_mma = c.fp4_queries && c.key_format == KvRowFormat::index_fp8;
+  std::vector<float> extra(fp8_mma ? expected.size() : 0);
   for (int64_t t = 0; t < tokens; ++t) {
     float* row = expected.data() + t * entries;
     reference::index_scores(q.data() + t * c.heads * dim, weights.data() + t * c.heads, c.heads, dim,
                             decoded[sequence[t]].data(), entries, (position[t] + 1) / c.ratio, c.bf16_rounding, row,
                             c.partial);
+    if (c.spoil_query)  // the head's dots are NaN, and so is every score
+      for (int64_t j = 0; j < entries && t == 0; ++j)
+        if (row[j] != -kInf) row[j] = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t j = 0; j < entries && fp8_mma; ++j) {
+      double mass = 0.0;
+      for (int64_t h = 0; h < c.heads; ++h) {
+        double products = 0.0;
+        for (int64_t d = 0; d < dim; ++d)
+          products += std::fabs(static_cast<double>(q[(t * c.heads + h) * dim + d]) * decoded[sequence[t]][j * dim + d]);
+        mass += std::fabs(weights[t * c.heads + h]) * products;
+      }
+      extra[t * entries + j] = static_cast<float>(std::ldexp(mass, -8));
+    }
     if (c.candidate_block_size > 0)
       for (int64_t j = 0; j < entries; ++j) {
         const int32_t* list = candidates.data() + t * c.candidate_blocks;
@@ -101,13 +136,15 @@ void check_index_scores(const ScoresCase& c) {
   testing::DevicePagedCache dkeys = testing::to_device_cache(keys);
   IndexScoresParams p{.q = dq.view, .weights = dw.view, .keys = dkeys.view, .token_sequence = dseq.view,
                       .token_position = dpos.view, .compress_ratio = c.ratio, .scores = dscores.view,
-                      .bf16_rounding = c.bf16_rounding, .partial = c.partial};
+                      .bf16_rounding = c.bf16_rounding, .partial = c.partial, .fp4_queries = c.fp4_queries};
   DeviceTensor dcandidates;
   if (c.candidate_block_size > 0) {
     dcandidates = testing::device_array(candidates, DType::i32, {tokens, c.candidate_blocks});
     p.candidates = dcandidates.view;
     p.candidate_block_size = c.candidate_block_size;
   }
+  if (c.implementation && device_info().compute_capability == 90)
+    EXPECT_STREQ(index_scores_implementation(p), c.implementation);
   Stream stream;
   run_index_scores(p, stream.get());
   stream.synchronize("index scores test");
@@ -116,16 +153,18 @@ void check_index_scores(const ScoresCase& c) {
     // The reference's rounding sequence, bit for bit (the inputs are NaN-free).
     int64_t differ = 0, first = -1;
     for (size_t i = 0; i < got.size(); ++i)
-      if (float_bits(got[i]) != float_bits(expected[i]) && differ++ == 0) first = static_cast<int64_t>(i);
+      if (float_bits(got[i]) != float_bits(expected[i]) && !(std::isnan(got[i]) && std::isnan(expected[i])) &&
+          differ++ == 0)
+        first = static_cast<int64_t>(i);
     EXPECT_EQ(differ, 0) << differ << " of " << got.size() << " bf16 scores differ (dim " << dim << ", heads "
-                         << c.heads << ", partial " << c.partial << "); first: token " << first / entries << " entry "
+                         << c.heads << ", partial " << c.partial << ", fp4 queries " << c.fp4_queries << "); first: token " << first / entries << " entry "
                          << first % entries << ": got " << (first < 0 ? 0.0f : got[first]) << ", expected "
                          << (first < 0 ? 0.0f : expected[first]);
     return;
   }
   // fp32 on both sides, other summation orders: measured on an H200 |Δ| <= 1.9e-6, |Δ| / |score|
   // <= 2.2e-7 (0.2 of this bound).
-  testing::expect_close(got, expected, 1e-5f, 1e-6f, "index scores");
+  testing::expect_close(got, expected, 1e-5f, 1e-6f, "index scores", extra);
 }
 
 TEST_F(CudaTest, IndexScoresMxfp4Ratio2) {
@@ -171,6 +210,80 @@ TEST_F(CudaTest, IndexScoresBf16RoundingEqualsReferenceBitForBit) {
   check_index_scores({.key_format = KvRowFormat::bf16, .heads = 200, .bf16_rounding = true, .ratio = 1,
                       .tokens = {{0, 260}, {0, 1}}, .seed = 301});
   check_index_scores({.heads = 40, .dim = 512, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 129}}, .seed = 302});
+}
+
+// mma_fp8 (FP4 queries on fp8 tensor cores): the reference's bf16 scores bit for bit over index
+// dims, head counts (5: a padded n tile; 64: two head-sum passes), tokens that see nothing
+// (positions 0-2 at ratio 4), entries past one 1024-entry chunk and not a multiple of 16, candidates,
+// partial sums, and block exponents up to 6, 18 and 30 octaves apart (up to 9: fp32 block sums; beyond:
+// the dot's double path).
+TEST_F(CudaTest, IndexScoresMmaFp8Bf16RoundingEqualsReferenceBitForBit) {
+  const std::vector<std::pair<int32_t, int32_t>> decode = {{0, 0}, {0, 3}, {1, 4400}, {0, 1259}, {1, 4401}, {2, 2}};
+  for (const int64_t dim : {64, 128})
+    for (const int64_t heads : {5, 32, 64}) {
+      const uint32_t seed = static_cast<uint32_t>(500 + dim + heads);
+      check_index_scores({.heads = heads, .dim = dim, .bf16_rounding = true, .ratio = 4, .tokens = decode, .seed = seed,
+                          .fp4_queries = true, .implementation = "mma_fp8"});
+      check_index_scores({.heads = heads, .dim = dim, .bf16_rounding = true, .ratio = 4, .tokens = decode,
+                          .candidate_block_size = 8, .candidate_blocks = 40, .seed = seed + 1, .fp4_queries = true,
+                          .implementation = "mma_fp8"});
+      check_index_scores({.heads = heads, .dim = dim, .bf16_rounding = true, .partial = true, .ratio = 2,
+                          .tokens = {{0, 1301}, {1, 20}}, .seed = seed + 2, .fp4_queries = true,
+                          .implementation = "mma_fp8"});
+    }
+  for (const int step : {1, 3, 5})  // fp32 block sums (rows with several scales), double, double
+    check_index_scores({.heads = 32, .dim = 128, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 700}, {1, 1500}},
+                        .seed = static_cast<uint32_t>(600 + step), .fp4_queries = true, .block_exponent_step = step,
+                        .implementation = "mma_fp8"});
+}
+
+// mma_fp8 in fp32 precision: exact MXFP4 dots (the reference's tolerance), index_fp8 keys within
+// the fp8 accumulation bound; index_fp8 with bf16_rounding goes to the SIMT kernel.
+TEST_F(CudaTest, IndexScoresMmaFp8Fp32) {
+  for (const int64_t dim : {64, 128}) {
+    const uint32_t seed = static_cast<uint32_t>(700 + dim);
+    check_index_scores({.heads = 32, .dim = dim, .ratio = 2, .tokens = {{0, 0}, {0, 1}, {1, 1040}, {2, 299}, {1, 41}},
+                        .seed = seed, .fp4_queries = true, .implementation = "mma_fp8"});
+    check_index_scores({.key_format = KvRowFormat::index_fp8, .heads = 5, .dim = dim, .ratio = 1,
+                        .tokens = {{0, 530}, {0, 531}, {1, 7}}, .candidate_block_size = 8, .candidate_blocks = 30,
+                        .seed = seed + 1, .fp4_queries = true, .implementation = "mma_fp8"});
+    check_index_scores({.key_format = KvRowFormat::index_fp8, .heads = 32, .dim = dim, .bf16_rounding = true,
+                        .ratio = 1, .tokens = {{0, 150}, {1, 151}}, .seed = seed + 2, .fp4_queries = true,
+                        .implementation = "simt"});
+  }
+}
+
+// Prefill chunks: a CTA takes one token per 64 of the step (up to 8; 151 tokens: 2, 200: 3, 520:
+// 8), and consecutive tokens of one sequence share its key loads: runs of one sequence that do not
+// align with the CTAs' tokens, and alternating sequences.
+TEST_F(CudaTest, IndexScoresMmaFp8PrefillChunks) {
+  ScoresCase runs{.heads = 32, .ratio = 1, .seed = 801, .fp4_queries = true, .implementation = "mma_fp8"};
+  for (int32_t p = 600; p < 675; ++p) runs.tokens.push_back({0, p});
+  for (int32_t p = 1000; p < 1076; ++p) runs.tokens.push_back({1, p});
+  check_index_scores(runs);
+  runs.bf16_rounding = true;
+  check_index_scores(runs);
+  runs.candidate_block_size = 8;
+  runs.candidate_blocks = 60;
+  runs.seed = 802;
+  check_index_scores(runs);
+  ScoresCase eight{.heads = 8, .dim = 64, .bf16_rounding = true, .ratio = 1, .seed = 803, .fp4_queries = true,
+                   .implementation = "mma_fp8"};
+  for (int32_t p = 300; p < 473; ++p) eight.tokens.push_back({0, p});
+  for (int32_t p = 900; p < 1100; ++p) eight.tokens.push_back({1, p});
+  for (int32_t p = 50; p < 197; ++p) eight.tokens.push_back({2, p});
+  check_index_scores(eight);
+  ScoresCase alternating{.heads = 16, .dim = 64, .bf16_rounding = true, .ratio = 2, .seed = 804, .fp4_queries = true,
+                         .implementation = "mma_fp8"};
+  for (int32_t t = 0; t < 200; ++t) alternating.tokens.push_back({t % 3, 900 + 17 * t});
+  check_index_scores(alternating);
+}
+
+// fp4_queries promises FP4 values: a head with a block that is not FP4 gets NaN dots (every score
+// of its token is NaN) rather than silently wrong ones.
+TEST_F(CudaTest, IndexScoresMmaFp8QueryThatIsNotFp4GivesNaN) {
+  check_index_scores({.heads = 32, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 300}, {1, 40}}, .seed = 901,
+                      .fp4_queries = true, .spoil_query = true, .implementation = "mma_fp8"});
 }
 
 // Rows of scores with many ties (few distinct values), NaN and -inf, as in bf16 reference scores.
@@ -394,8 +507,8 @@ TEST(IndexerCudaValidation, ReportsTheFirstBadArgument) {
             "dsv4: candidate_block_scores: argument 'block_scores' has shape [3, 12], expected [3, 13]");
 }
 
-// The dispatch seam (indexer_implementations.h): today the SIMT index scores run every call on
-// every device the library supports; the choice needs no device.
+// The dispatch seam (indexer_implementations.h): without fp4_queries the SIMT index scores run every
+// call on every device the library supports; the choice needs no device.
 TEST(IndexerCudaDispatch, ChoosesSimtOnEveryDevice) {
   for (const int compute_capability : {80, 86, 89, 90, 100, 120}) {
     const DeviceInfo device{compute_capability};
@@ -441,8 +554,49 @@ TEST(IndexerCudaDispatch, IndexDimsNameTheLimit) {
   p.q = fake_device_view(DType::bf16, {3, 1000, 48});
   validate_index_scores(p);
   EXPECT_EQ(testing::error_of([&] { choose_index_scores(p, DeviceInfo{90}); }),
-            "dsv4: index_scores: no implementation supports this call: simt: index_dim 48, supports multiples of 32 up "
-            "to 16384");
+            "dsv4: index_scores: no implementation supports this call: mma_fp8: needs fp4_queries (q read as e2m1 "
+            "codes); simt: index_dim 48, supports multiples of 32 up to 16384");
+}
+
+// mma_fp8 takes FP4 queries against index_mxfp4 keys (any precision) or index_fp8 keys (fp32) of
+// index_dim 64 or 128 and at most 128 heads, on sm_90 (its only machine code); else the SIMT kernel.
+TEST(IndexerCudaDispatch, ChoosesMmaFp8ForFp4QueriesOnSm90) {
+  using testing::fake_device_view;
+  const DeviceInfo h200{90, 232448};
+  IndexScoresParams p = fake_index_scores_params();
+  p.fp4_queries = true;
+  EXPECT_STREQ(choose_index_scores(p, h200).name, "mma_fp8");
+  p.bf16_rounding = true;
+  EXPECT_STREQ(choose_index_scores(p, h200).name, "mma_fp8");
+  for (const int compute_capability : {80, 86, 89, 100, 120})
+    EXPECT_STREQ(choose_index_scores(p, DeviceInfo{compute_capability, 232448}).name, "simt") << compute_capability;
+  EXPECT_EQ(kIndexScoresMmaFp8.supports(p, DeviceInfo{89, 101376}), "needs compute capability 9.0, the device has 8.9");
+
+  auto with_keys = [&](KvRowFormat format, int64_t dim) {
+    IndexScoresParams q = p;
+    const PageGeometry g = page_geometry(format, dim, 64);
+    q.keys = {.pages = fake_device_view(DType::u8, {2, g.page_stride}),
+              .block_table = fake_device_view(DType::i32, {1, 2}), .geometry = g};
+    q.q = fake_device_view(DType::bf16, {3, 32, dim});
+    validate_index_scores(q);
+    return q;
+  };
+  IndexScoresParams fp8 = with_keys(KvRowFormat::index_fp8, 64);
+  EXPECT_EQ(kIndexScoresMmaFp8.supports(fp8, h200),
+            "index_fp8 keys with bf16_rounding (e4m3 x e2m1 block sums are not exact in the fp8 MMA)");
+  EXPECT_STREQ(choose_index_scores(fp8, h200).name, "simt");
+  fp8.bf16_rounding = false;
+  EXPECT_STREQ(choose_index_scores(fp8, h200).name, "mma_fp8");
+  EXPECT_EQ(kIndexScoresMmaFp8.supports(with_keys(KvRowFormat::bf16, 128), h200),
+            "keys have format bf16, supports index_mxfp4 and index_fp8");
+  EXPECT_EQ(kIndexScoresMmaFp8.supports(with_keys(KvRowFormat::index_mxfp4, 96), h200),
+            "index_dim 96, supports 64 and 128");
+  IndexScoresParams many_heads = p;
+  many_heads.q = fake_device_view(DType::bf16, {3, 129, kIndexDim});
+  many_heads.weights = fake_device_view(DType::f32, {3, 129});
+  EXPECT_EQ(kIndexScoresMmaFp8.supports(many_heads, h200), "129 index heads, supports at most 128");
+  p.fp4_queries = false;
+  EXPECT_STREQ(choose_index_scores(p, h200).name, "simt");
 }
 
 TEST_F(CudaTest, IndexerChoosesSimtOnThisDevice) {

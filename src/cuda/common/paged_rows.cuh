@@ -26,9 +26,23 @@ __device__ __forceinline__ RowRef row_in_page(const DeviceRows& r, int64_t page,
   return {base + row * r.data_row_stride, base + r.scale_base + row * r.scale_row_stride};
 }
 
+// n / d and n % d for n >= 0, d >= 1; in 32 bits when both fit (a 64-bit division is a long
+// subroutine, and row lookups sit in the kernels' key loops).
+struct RowSplit {
+  int64_t block, row;
+};
+__device__ __forceinline__ RowSplit split_rows(int64_t n, int64_t d) {
+  if (((n | d) >> 31) == 0) {
+    const uint32_t q = static_cast<uint32_t>(n) / static_cast<uint32_t>(d);
+    return {q, static_cast<uint32_t>(n) - q * static_cast<uint32_t>(d)};
+  }
+  return {n / d, n % d};
+}
+
 __device__ __forceinline__ RowRef row_at_slot(const DeviceRows& r, int64_t slot) {
   if (slot < 0) return {};
-  return row_in_page(r, slot / r.rows_per_page, slot % r.rows_per_page);
+  const RowSplit s = split_rows(slot, r.rows_per_page);
+  return row_in_page(r, s.block, s.row);
 }
 
 // Row `row` (a position or an entry index) of sequence `sequence`, through the block table; a
@@ -37,9 +51,10 @@ __device__ __forceinline__ RowRef row_of_sequence(const DeviceRows& r, int64_t s
   if (r.block_table == nullptr) return row_at_slot(r, row);
   if (sequence < 0 || sequence >= r.num_sequences || row < 0) return {};
   const int64_t first = r.first_logical_page ? r.first_logical_page[sequence] : 0;
-  const int64_t block = row / r.rows_per_page - first;
+  const RowSplit s = split_rows(row, r.rows_per_page);
+  const int64_t block = s.block - first;
   if (block < 0 || block >= r.blocks_per_sequence) return {};
-  return row_in_page(r, r.block_table[sequence * r.blocks_per_sequence + block], row % r.rows_per_page);
+  return row_in_page(r, r.block_table[sequence * r.blocks_per_sequence + block], s.row);
 }
 
 // The exact dequantized value of channel c (code x scale) of a row in format F.

@@ -476,6 +476,7 @@ void LayerPipeline::index(int layer, const Lane& lane) {
     scores.scores = view(ws.scores, DType::f32, {n, entries});
     scores.bf16_rounding = r.round_bf16;
     scores.partial = in_.split_indexer;
+    scores.fp4_queries = r.index_rows == RowQuantizer::fp4_ue8m0_32;  // run_rope_heads' QAT above
     run_index_scores(scores, stream);
     // Split indexer: the partial sums over the rank's heads are summed over the ranks, then
     // rounded as the reference rounds the whole sum.

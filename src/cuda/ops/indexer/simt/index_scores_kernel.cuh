@@ -12,6 +12,7 @@
 
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.cuh"
+#include "cuda/ops/indexer/visible_entries.cuh"
 
 namespace dsv4::cuda {
 
@@ -46,18 +47,6 @@ inline int index_scores_staged_heads(int heads, int dim) {
 
 inline size_t index_scores_shared_bytes(int staged_heads, int dim) {
   return static_cast<size_t>(staged_heads) * (dim + 1) * sizeof(float);
-}
-
-// Whether `block` is in the ascending, -1-padded list (the padding sorts as +inf).
-__device__ __forceinline__ bool contains_block(const int32_t* list, int64_t n, int64_t block) {
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    const int64_t v = list[mid];
-    if (v >= 0 && v < block) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo < n && list[lo] == block;
 }
 
 // Channels c0 … c0 + kN − 1 of a key row.

@@ -1,0 +1,6 @@
+// fp8 tensor-core index scores (mma_fp8), index_fp8 keys, index_dim 128.
+#include "cuda/ops/indexer/mma/index_scores_mma_kernel.cuh"
+
+namespace dsv4::cuda::index_mma {
+template void launch_index_scores_mma<4, true>(const IndexScoresMmaLaunch&, cudaStream_t);
+}  // namespace dsv4::cuda::index_mma

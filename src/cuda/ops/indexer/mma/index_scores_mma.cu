@@ -1,0 +1,102 @@
+// The fp8 tensor-core implementation of run_index_scores ("mma_fp8"), index_scores_mma_kernel.cuh;
+// the kernels are instantiated in src/cuda/instantiations/index_scores_mma_fp8_*.cu.
+#include <algorithm>
+#include <string>
+
+#include "cuda/common/paged_rows.h"
+#include "cuda/ops/indexer/indexer_implementations.h"
+#include "cuda/ops/indexer/mma/index_scores_mma_kernel.cuh"
+#include "dsv4/kv_format.h"
+
+namespace dsv4::cuda {
+
+namespace index_mma {
+extern template void launch_index_scores_mma<2, false>(const IndexScoresMmaLaunch&, cudaStream_t);
+extern template void launch_index_scores_mma<4, false>(const IndexScoresMmaLaunch&, cudaStream_t);
+extern template void launch_index_scores_mma<2, true>(const IndexScoresMmaLaunch&, cudaStream_t);
+extern template void launch_index_scores_mma<4, true>(const IndexScoresMmaLaunch&, cudaStream_t);
+}  // namespace index_mma
+
+namespace {
+
+using index_mma::IndexScoresMmaLaunch;
+using index_mma::launch_index_scores_mma;
+
+constexpr int64_t kMaxGridY = 65535;
+// Tokens per CTA: consecutive tokens of one sequence (a prefill chunk) share the CTA's key loads,
+// but tokens of different sequences (a decode batch) run one after the other in it, so a CTA
+// takes one token per 64 of the step (a decode batch of 64: one), at most kMaxTokensPerCta and
+// as many as kSharedBudget bytes of staged queries allow (4 CTAs per SM).
+constexpr int64_t kTokensPerExtraCtaToken = 64;
+constexpr size_t kSharedBudget = 56 * 1024;
+
+size_t shared_bytes(int blocks, int tokens_per_cta, int heads) {
+  return blocks == 2 ? index_mma::SharedLayout<2>(tokens_per_cta, heads).bytes()
+                     : index_mma::SharedLayout<4>(tokens_per_cta, heads).bytes();
+}
+
+int tokens_per_cta(int64_t tokens, int heads, int blocks) {
+  int n = static_cast<int>(std::clamp<int64_t>(tokens / kTokensPerExtraCtaToken, 1, index_mma::kMaxTokensPerCta));
+  while (n > 1 && shared_bytes(blocks, n, heads) > kSharedBudget) --n;
+  return n;
+}
+
+std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
+  // Built as sm_90a code only (elsewhere the compute_80 PTX has no fp8 MMA).
+  if (std::string why_not = needs_compute_capability(90, device); !why_not.empty()) return why_not;
+  if (!p.fp4_queries) return "needs fp4_queries (q read as e2m1 codes)";
+  const KvRowFormat f = p.keys.geometry.format;
+  if (f != KvRowFormat::index_mxfp4 && f != KvRowFormat::index_fp8)
+    return std::string("keys have format ") + kv_row_format_name(f) + ", supports index_mxfp4 and index_fp8";
+  if (f == KvRowFormat::index_fp8 && p.bf16_rounding)
+    return "index_fp8 keys with bf16_rounding (e4m3 x e2m1 block sums are not exact in the fp8 MMA)";
+  const int64_t dim = p.q.shape[2], heads = p.q.shape[1], tokens = p.q.shape[0];
+  if (dim != 64 && dim != 128) return "index_dim " + std::to_string(dim) + ", supports 64 and 128";
+  if (heads > index_mma::kMaxHeads)
+    return std::to_string(heads) + " index heads, supports at most " + std::to_string(index_mma::kMaxHeads);
+  if (reinterpret_cast<uintptr_t>(p.q.data) % 16 != 0) return "q that is not 16-byte aligned";
+  // 4-byte loads of key words, one load of a row's scales (fp32 or dim / 32 ue8m0 bytes).
+  const PageGeometry& g = p.keys.geometry;
+  const int64_t scale_bytes = f == KvRowFormat::index_fp8 ? 4 : dim / 32;
+  if (reinterpret_cast<uintptr_t>(p.keys.pages.data) % 4 != 0 || g.page_stride % 4 != 0 || g.data_offset(1) % 4 != 0 ||
+      g.scale_offset(0) % scale_bytes != 0 || g.scale_offset(1) % scale_bytes != 0)
+    return "key rows that are not 4-byte aligned";
+  const int per_cta = tokens_per_cta(tokens, static_cast<int>(heads), static_cast<int>(dim / 32));
+  if ((tokens + per_cta - 1) / per_cta > kMaxGridY)
+    return std::to_string(tokens) + " tokens, supports at most " + std::to_string(kMaxGridY * per_cta);
+  return needs_shared_memory(static_cast<long long>(shared_bytes(static_cast<int>(dim / 32), per_cta, static_cast<int>(heads))),
+                             device);
+}
+
+void run(const IndexScoresParams& p, cudaStream_t stream) {
+  IndexScoresMmaLaunch a;
+  a.tokens = p.q.shape[0];
+  a.heads = static_cast<int>(p.q.shape[1]);
+  a.entries = p.scores.shape[1];
+  if (a.tokens == 0 || a.entries == 0) return;
+  a.q = p.q.ptr<const uint16_t>();
+  a.weights = p.weights.ptr<const float>();
+  a.keys = device_rows(p.keys);
+  if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
+  a.token_position = p.token_position.ptr<const int32_t>();
+  a.compress_ratio = p.compress_ratio;
+  if (is_present(p.candidates)) {
+    a.candidates = p.candidates.ptr<const int32_t>();
+    a.num_candidates = p.candidates.shape[1];
+    a.candidate_block_size = p.candidate_block_size;
+  }
+  a.scores = p.scores.ptr<float>();
+  a.tokens_per_cta = tokens_per_cta(a.tokens, a.heads, static_cast<int>(p.q.shape[2] / 32));
+  a.bf16_rounding = p.bf16_rounding;
+  a.partial = p.partial;
+  const bool fp8 = p.keys.geometry.format == KvRowFormat::index_fp8;
+  if (p.q.shape[2] == 128) fp8 ? launch_index_scores_mma<4, true>(a, stream) : launch_index_scores_mma<4, false>(a, stream);
+  else fp8 ? launch_index_scores_mma<2, true>(a, stream) : launch_index_scores_mma<2, false>(a, stream);
+  check_launch("index_scores");
+}
+
+}  // namespace
+
+const IndexScoresImplementation kIndexScoresMmaFp8 = {"mma_fp8", &supports, &run};
+
+}  // namespace dsv4::cuda
