@@ -130,7 +130,7 @@ void Stream::synchronize(const char* op) const {
 
 BlasLt::BlasLt() : workspace_(kWorkspaceBytes) {
   // Zeroed once, so that no bytes of an earlier allocation reach cuBLASLt.
-  DSV4_CUDA_CHECK(cudaMemset(workspace_.data(), 0, kWorkspaceBytes));
+  workspace_.fill_bytes(0);  // returns when the bytes are set (fill_bytes), before any stream uses it
   cublasLtHandle_t handle = nullptr;
   const cublasStatus_t status = cublasLtCreate(&handle);
   if (status != CUBLAS_STATUS_SUCCESS)
