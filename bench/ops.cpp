@@ -131,35 +131,82 @@ DeviceTensor fp4_queries(int64_t tokens, int64_t heads, int64_t dim, uint32_t se
 
 // Index scores of `per_sequence` tokens per sequence at the last positions of `context` (ratio 1)
 // against the sequence's `context` MXFP4 keys, in fp32 and in bf16_rounding.
+// Index scores of `per_sequence` tokens at the end of each of `batch` sequences of `context`
+// index_mxfp4 keys (token at p sees p + 1 entries), FP4 queries: what --op indexer, indexer-prefill
+// and index-topk time.
+struct IndexScoresSetup {
+  Cache keys;
+  Tokens tokens;
+  DeviceTensor q, weights, scores;
+  cuda::IndexScoresParams params;
+  int64_t B = 0, L = 0, E = 0, T = 0;
+  double key_bytes = 0, visible = 0;
+
+  IndexScoresSetup(const BenchOptions& o, const ModelConfig& c, int64_t per_sequence)
+      : keys(random_cache(KvRowFormat::index_mxfp4, c.index_head_dim, o.batch, o.context, 1)),
+        tokens(make_tokens(o.batch, std::min(per_sequence, o.context), o.context - std::min(per_sequence, o.context))),
+        B(o.batch), L(std::min(per_sequence, o.context)), E(o.context), T(o.batch * L) {
+    q = fp4_queries(T, c.index_n_heads, c.index_head_dim, 2);
+    weights = random_device_tensor(DType::f32, {T, c.index_n_heads}, 3);
+    scores = poisoned_tensor(DType::f32, {T, E});
+    params.q = q.view;
+    params.weights = weights.view;
+    params.keys = keys.view;
+    params.token_sequence = tokens.sequence.view;
+    params.token_position = tokens.position.view;
+    params.compress_ratio = 1;
+    params.scores = scores.view;
+    params.fp4_queries = true;
+    key_bytes = static_cast<double>(keys.view.geometry.row.row_bytes());
+    visible = static_cast<double>(B) * static_cast<double>(L * E - L * (L - 1) / 2);  // Σ (p + 1)
+  }
+  std::string what(const ModelConfig& c) const {
+    return format_string("%" PRId64 " x %" PRId64 " tokens x %" PRId64 " index_mxfp4 keys (%d B/row), FP4 q, %d heads, "
+                         "%s scores", B, L, E, static_cast<int>(key_bytes), static_cast<int>(c.index_n_heads),
+                         params.bf16_rounding ? "bf16-rounded" : "fp32");
+  }
+  double key_read_bytes() const { return static_cast<double>(B * E) * key_bytes; }
+  double flops(const ModelConfig& c) const { return 2.0 * visible * static_cast<double>(c.index_n_heads * c.index_head_dim); }
+};
+
 void bench_index_scores(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream, int64_t per_sequence) {
-  const int64_t B = o.batch, E = o.context, nI = c.index_n_heads, dI = c.index_head_dim;
-  const int64_t L = std::min(per_sequence, E), T = B * L;
-  Cache keys = random_cache(KvRowFormat::index_mxfp4, dI, B, E, 1);
-  Tokens tokens = make_tokens(B, L, E - L);  // token at p sees p + 1 entries
-  DeviceTensor q = fp4_queries(T, nI, dI, 2), weights = random_device_tensor(DType::f32, {T, nI}, 3);
-  DeviceTensor scores = poisoned_tensor(DType::f32, {T, E});
-  cuda::IndexScoresParams p;
-  p.q = q.view;
-  p.weights = weights.view;
-  p.keys = keys.view;
-  p.token_sequence = tokens.sequence.view;
-  p.token_position = tokens.position.view;
-  p.compress_ratio = 1;
-  p.scores = scores.view;
-  p.fp4_queries = true;
-  const double key_bytes = static_cast<double>(keys.view.geometry.row.row_bytes());
-  const double visible = static_cast<double>(B) * static_cast<double>(L * E - L * (L - 1) / 2);  // Σ (p + 1)
+  IndexScoresSetup s(o, c, per_sequence);
   for (const bool bf16_rounding : {false, true}) {
-    p.bf16_rounding = bf16_rounding;
-    const std::vector<double> us = time_runs(o, stream.get(), [&] { run_index_scores(p, stream.get()); });
+    s.params.bf16_rounding = bf16_rounding;
+    const std::vector<double> us = time_runs(o, stream.get(), [&] { run_index_scores(s.params, stream.get()); });
     Workload w;
-    w.what = format_string("%" PRId64 " x %" PRId64 " tokens x %" PRId64 " index_mxfp4 keys (%d B/row), FP4 q, %d heads, "
-                           "%s scores", B, L, E, static_cast<int>(key_bytes), static_cast<int>(nI),
-                           bf16_rounding ? "bf16-rounded" : "fp32");
-    w.bytes = static_cast<double>(B * E) * key_bytes + static_cast<double>(T * E) * 4 + static_cast<double>(T * nI) * (dI * 2 + 4);
+    w.what = s.what(c);
+    w.bytes = s.key_read_bytes() + static_cast<double>(s.T * s.E) * 4 +
+              static_cast<double>(s.T * c.index_n_heads) * (c.index_head_dim * 2 + 4);
     w.bytes_note = "keys read once per sequence, scores written";
-    w.flops = 2.0 * visible * static_cast<double>(nI * dI);  // fp8 MMA work of the visible keys
-    w.implementation = cuda::index_scores_implementation(p);
+    w.flops = s.flops(c);  // fp8 MMA work of the visible keys
+    w.implementation = cuda::index_scores_implementation(s.params);
+    print_result(o, c, w, us);
+  }
+}
+
+// The decode indexer as the engine runs it: index scores, then the index_topk picks of every
+// token's visible entries (two kernels; the scores make one round trip through HBM).
+void bench_index_topk(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream) {
+  IndexScoresSetup s(o, c, 1);
+  DeviceTensor picks = poisoned_tensor(DType::i32, {s.T, c.index_topk});
+  cuda::TopkParams topk;
+  topk.scores = s.scores.view;
+  topk.token_position = s.tokens.position.view;
+  topk.compress_ratio = 1;
+  topk.picks = picks.view;
+  for (const bool bf16_rounding : {false, true}) {
+    s.params.bf16_rounding = bf16_rounding;
+    const std::vector<double> us = time_runs(o, stream.get(), [&] {
+      run_index_scores(s.params, stream.get());
+      run_topk(topk, stream.get());
+    });
+    Workload w;
+    w.what = s.what(c) + format_string(", then top %d", static_cast<int>(c.index_topk));
+    w.bytes = s.key_read_bytes() + static_cast<double>(s.T * c.index_topk) * 4;
+    w.bytes_note = "keys read once per sequence, picks written (the scores' round trip not counted)";
+    w.flops = s.flops(c);
+    w.implementation = std::string(cuda::index_scores_implementation(s.params)) + " + " + cuda::topk_implementation(topk);
     print_result(o, c, w, us);
   }
 }
@@ -379,6 +426,7 @@ void bench_cache_insert(const BenchOptions& o, const ModelConfig& c, cuda::Strea
 const std::vector<BenchOp>& bench_ops() {
   static const std::vector<BenchOp> ops = {
       {"indexer", true, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_index_scores(o, c, s, 1); }},
+      {"index-topk", true, &bench_index_topk},
       {"indexer-prefill", false, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_index_scores(o, c, s, kPrefillChunk); }},
       {"topk", true, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) { bench_topk(o, c, s, c.index_topk); }},
       {"topk-blocks", true, [](const BenchOptions& o, const ModelConfig& c, cuda::Stream& s) {
