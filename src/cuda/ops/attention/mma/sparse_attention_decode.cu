@@ -47,8 +47,10 @@ std::string cache_supported(const char* name, const PagedCache& cache) {
   return "";
 }
 
+// sm_90a machine code only: elsewhere the driver would JIT the compute_80 PTX, which has no
+// setmaxnreg, so the MMA warps would spill (mma_bf16 runs those devices).
 std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
-  if (std::string why_not = needs_compute_capability_at_least(90, device); !why_not.empty()) return why_not;
+  if (std::string why_not = needs_compute_capability(90, device); !why_not.empty()) return why_not;
   if (std::string why_not = needs_shared_memory(static_cast<long long>(decode_mma::kSharedBytes), device); !why_not.empty())
     return why_not;
   if (std::string why_not = needs_value("head_dim", decode_mma::kHeadDim, p.q.shape[2]); !why_not.empty()) return why_not;
