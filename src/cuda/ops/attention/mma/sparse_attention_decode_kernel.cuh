@@ -32,6 +32,7 @@
 #include "cuda/ops/attention/mma/attention_tile_math.cuh"
 #include "cuda/ops/attention/mma/mma_fragments.cuh"
 #include "cuda/ops/attention/sparse_attention_launch.cuh"
+#include "dsv4/error.h"
 
 namespace dsv4::cuda {
 
@@ -77,10 +78,13 @@ __device__ __forceinline__ void barrier_arrive(int id, int threads) {
 
 // Hopper moves registers between the roles (setmaxnreg, sm_90a): the loaders need few, the MMA
 // warps hold 128 accumulators each. The 12 warps start with 168 (65536 / 384, what
-// __launch_bounds__ gives); 4 x (168 - 56) freed = 8 x (224 - 168) taken.
+// __launch_bounds__ gives); 4 x (168 - 56) freed = 8 x (224 - 168) taken. setmaxnreg.inc waits
+// until the block's own warps have freed enough, so the launch checks the 168.
+inline constexpr int kLaunchRegisters = 168;
 inline constexpr int kLoaderRegisters = 56;
 inline constexpr int kMmaRegisters = 224;
-static_assert(kLoaderRegisters * kLoaderThreads + kMmaRegisters * kMmaThreads <= 65536);
+static_assert(kLaunchRegisters * kThreads <= 65536);
+static_assert(kLoaderRegisters * kLoaderThreads + kMmaRegisters * kMmaThreads <= kLaunchRegisters * kThreads);
 
 __device__ __forceinline__ void give_loader_registers() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -358,6 +362,13 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
 // splits > 1 the caller runs the combine afterwards.
 template <class Out>
 void launch_sparse_attention_decode(const SparseAttentionLaunch& a, cudaStream_t stream) {
+  static const int registers = [] {
+    cudaFuncAttributes attributes{};
+    DSV4_CUDA_CHECK(cudaFuncGetAttributes(&attributes, sparse_attention_decode_kernel<Out>));
+    return attributes.numRegs;
+  }();
+  DSV4_CHECK(registers == decode_mma::kLaunchRegisters, "sparse_attention (decode_mma): the kernel has ", registers,
+             " registers per thread, its register hand-over (setmaxnreg) expects ", decode_mma::kLaunchRegisters);
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_decode_kernel<Out>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(decode_mma::kSharedBytes)));
   const dim3 grid(static_cast<unsigned>(a.tokens),
