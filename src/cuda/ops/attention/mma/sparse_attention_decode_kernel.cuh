@@ -256,17 +256,19 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
       cp_async_wait_all_but_one();
       barrier_sync(kLoaderBarrier, kLoaderThreads);  // every loader's bytes of tile i have landed
       if (i >= 2) barrier_sync(kEmptyBarrier + stage, kThreads);  // the MMA warps are done with tile i - 2
-      // Decode: a warp per row, a lane per 16 channels.
+      // Decode: a warp per row, a lane per 16 channels (two 16-byte chunks). Lanes 4-7 of each
+      // quarter warp store their upper chunk first, so that the 8 stores of a quarter warp fall on
+      // 8 different groups of banks.
       const int window_rows = rows.window_rows_in_tile(first_row + int64_t{i} * kTileRows, kTileRows);
       uint8_t* const tile = tiles + stage * kTileBytes;
       const uint8_t* const raw_stage = raw + stage * kRawStageBytes;
+      const int c0 = lane * 16, upper_first = (lane >> 2) & 1;
       for (int r = loader_warp; r < kTileRows; r += kLoaderWarps) {
-        const int c0 = lane * 16;
         uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
         if ((valid >> r) & 1)
           decode16(r < window_rows ? a.window.format : a.compressed.format, raw_stage + r * kRawRowBytes, c0, lo, hi);
-        *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0)) = lo;
-        *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0 + 8)) = hi;
+        *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0 + 8 * upper_first)) = upper_first ? hi : lo;
+        *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0 + 8 * (upper_first ^ 1))) = upper_first ? lo : hi;
       }
       if (loader_thread == 0) tile_valid[stage] = valid;
       barrier_arrive(kFullBarrier + stage, kThreads);
