@@ -12,8 +12,10 @@
 // each e_i may round to the neighbouring bf16: the bound adds 2^-8·Σ_i e_i·|row_i[c]| / denominator
 // (recomputed in double), and a case whose rows fit one tile checks that the output follows the
 // rounded e_i (measured on an H200, mma_bf16 and SIMT alike: max |Δ| 0.0077 = 0.33 of the bound;
-// mean |Δ| 5.6e-8 to the rounded-e_i recomputation against 3.2e-4 to the unrounded one). lse is
-// checked against a double recomputation (measured: |Δ| <= 9.5e-7, 0.015 of the bound).
+// mean |Δ| 5.6e-8 to the rounded-e_i recomputation against 3.2e-4 to the unrounded one). decode_mma
+// computes a tile as mma_bf16 does, over 32 rows instead of 64: the same bounds hold (not yet
+// measured). lse is checked against a double recomputation (measured: |Δ| <= 9.5e-7, 0.015 of the
+// bound).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -401,6 +403,40 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingHeadsFormatsAndTopK) {
   }
 }
 
+TEST_F(CudaTest, SparseAttentionBf16RoundingDecodeBatches) {
+  // Decode steps as decode_mma plans them: batch 1 and 3 (every token's rows split over many
+  // blocks, one tile each), batch 64 (two splits of ten tiles). V4.1-Flash rows (window 128 + 512
+  // picks, 64 heads) in the native formats, fp8_ds_mla and bf16; 128 heads and a padded shard of
+  // 16; tokens before the window is full (row counts that are not multiples of a tile), -1 picks
+  // and picks not yet visible.
+  struct Shape {
+    int64_t batch, heads;
+    KvRowFormat window_format, compressed_format;
+    DType out_dtype;
+  };
+  for (const Shape& shape : {Shape{1, 64, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
+                             Shape{3, 64, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::f32},
+                             Shape{64, 64, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
+                             Shape{1, 64, KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla, DType::bf16},
+                             Shape{3, 64, KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla, DType::bf16},
+                             Shape{3, 64, KvRowFormat::bf16, KvRowFormat::bf16, DType::f32},
+                             Shape{3, 128, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
+                             Shape{3, 16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16}}) {
+    SCOPED_TRACE("batch " + std::to_string(shape.batch) + ", " + std::to_string(shape.heads) + " heads, " +
+                 kv_row_format_name(shape.window_format) + " + " + kv_row_format_name(shape.compressed_format));
+    AttentionCase c{.window_format = shape.window_format, .compressed_format = shape.compressed_format,
+                    .heads = shape.heads, .window = 128, .ratio = 1, .num_picks = 512, .out_dtype = shape.out_dtype,
+                    .bf16_rounding = true, .seed = static_cast<uint32_t>(100 + shape.batch + shape.heads)};
+    for (int32_t s = 0; s < shape.batch; ++s) {
+      // Batch 1: a full window; else positions 0, 77, ... (every fifth before the window is full).
+      const int32_t position = shape.batch == 1 ? 600 : (s % 5 == 1 ? (s * 37) % 128 : 128 + (s * 97) % 500);
+      c.tokens.push_back({s, position});
+      c.first_window_page.push_back(0);
+    }
+    check_attention(c);
+  }
+}
+
 TEST_F(CudaTest, SparseAttentionWindowLastDraftBlocks) {
   // DSpark draft blocks (SPEC §13.1): block b of B = 5 rows at p0 + 1 ... p0 + 5 attends the window
   // rows p0 - W + 1 ... p0 (window_last = p0, not its position) and the 5 rows of its block, picked
@@ -590,7 +626,8 @@ TEST(SparseAttentionCudaDispatch, ChoosesMmaForReferencePrecision) {
   SparseAttentionParams p = fake_params();
   p.bf16_rounding = true;
   const DeviceInfo h200{90, 232448}, a100{80, 166912}, ada{89, 101376}, turing{75, 65536};
-  EXPECT_STREQ(choose_sparse_attention(p, h200).name, "mma_bf16");
+  EXPECT_STREQ(choose_sparse_attention(p, h200).name, "decode_mma");
+  EXPECT_EQ(kSparseAttentionMmaBf16.supports(p, h200), "");
   EXPECT_STREQ(choose_sparse_attention(p, a100).name, "simt");
   EXPECT_STREQ(choose_sparse_attention(p, ada).name, "simt");
   EXPECT_EQ(kSparseAttentionMmaBf16.supports(p, turing), "needs compute capability >= 8.0, the device has 7.5");
@@ -599,11 +636,33 @@ TEST(SparseAttentionCudaDispatch, ChoosesMmaForReferencePrecision) {
   SparseAttentionParams unrounded = fake_params();
   EXPECT_EQ(kSparseAttentionMmaBf16.supports(unrounded, h200),
             "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)");
+  EXPECT_EQ(kSparseAttentionDecodeMma.supports(p, a100), "needs compute capability 9.0, the device has 8.0");
+  EXPECT_EQ(kSparseAttentionDecodeMma.supports(p, DeviceInfo{100, 232448}),
+            "needs compute capability 9.0, the device has 10.0");
+  EXPECT_STREQ(choose_sparse_attention(p, DeviceInfo{100, 232448}).name, "mma_bf16");
+  EXPECT_EQ(kSparseAttentionDecodeMma.supports(unrounded, h200),
+            "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)");
   SparseAttentionParams per_tensor = p;
   per_tensor.window.geometry = page_geometry(KvRowFormat::fp8_per_tensor, kHeadDim, 32);
   EXPECT_EQ(kSparseAttentionMmaBf16.supports(per_tensor, h200),
             "cache 'window' has format fp8_per_tensor, whose values need not be exact in bf16");
+  EXPECT_EQ(kSparseAttentionDecodeMma.supports(per_tensor, h200),
+            "cache 'window' has format fp8_per_tensor, whose values need not be exact in bf16");
   EXPECT_STREQ(choose_sparse_attention(per_tensor, h200).name, "simt");
+  for (const KvRowFormat format : {KvRowFormat::bf16, KvRowFormat::v41_fp4, KvRowFormat::fp8_ds_mla}) {
+    SparseAttentionParams q = p;
+    q.window.geometry = page_geometry(format, kHeadDim, 32);
+    EXPECT_STREQ(choose_sparse_attention(q, h200).name, "decode_mma") << kv_row_format_name(format);
+  }
+}
+
+// On an H100 / H200 reference precision goes to decode_mma (what dsv4 bench --op attention-decode
+// then reports).
+TEST_F(CudaTest, SparseAttentionChoosesDecodeMmaOnHopper) {
+  if (device_info().compute_capability != 90) GTEST_SKIP() << "decode_mma needs compute capability 9.0";
+  SparseAttentionParams p = fake_params();
+  p.bf16_rounding = true;
+  EXPECT_STREQ(sparse_attention_implementation(p), "decode_mma");
 }
 
 // The engine sizes the row split's workspace ahead with sparse_attention_max_workspace_bytes: it

@@ -16,7 +16,8 @@ namespace {
 constexpr int64_t kHeadDim = 512;  // the head size of every V4 / V4.1 model
 
 // Implementations in order of preference (sparse_attention_implementations.h); the SIMT fallback last.
-constexpr const SparseAttentionImplementation* kImplementations[] = {&kSparseAttentionMmaBf16, &kSparseAttentionSimt};
+constexpr const SparseAttentionImplementation* kImplementations[] = {&kSparseAttentionDecodeMma, &kSparseAttentionMmaBf16,
+                                                                     &kSparseAttentionSimt};
 
 const std::vector<KvRowFormat> kAttentionFormats = {KvRowFormat::bf16, KvRowFormat::fp8_per_tensor,
                                                     KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,

@@ -26,6 +26,10 @@ struct SparseAttentionImplementation {
   void (*run)(const SparseAttentionParams& p, void* workspace, cudaStream_t stream);
 };
 
+// Tensor cores with the row gathers and decodes on their own warps (mma.sync bf16, sm_90 only: its
+// machine code, setmaxnreg), for bf16_rounding calls over caches exact in bf16 (mma/): what
+// the H100 / H200 run in reference precision, decode steps above all.
+extern const SparseAttentionImplementation kSparseAttentionDecodeMma;
 // Tensor cores (mma.sync bf16, sm_80+ with 227 KB of shared memory per block: A100 has less), for
 // bf16_rounding calls over caches whose rows are exact in bf16 (mma/).
 extern const SparseAttentionImplementation kSparseAttentionMmaBf16;

@@ -114,12 +114,20 @@ struct TokenRows {
 
   // Row i < end (the end of the block's rows) of token t; invalid beyond it.
   __device__ RowRef row(const SparseAttentionLaunch& a, int64_t t, int64_t i, int64_t end) const {
-    if (i < end && i < n_window) return row_of_sequence(a.window, sequence, window_first + i);
-    if (i < end) {
-      const int64_t entry = a.picks[t * a.num_picks + (i - n_window)];
-      if (entry >= 0 && entry < n_visible) return row_of_sequence(a.compressed, sequence, entry);
-    }
-    return {};
+    return row_of_number(a, i, row_number(a, t, i, end));
+  }
+  // The same in two steps, for a kernel that keeps the dependent loads apart (the pick, then the
+  // block table): row i's number in its cache (window position or entry), -1 when the row is
+  // invalid; then its bytes.
+  __device__ int64_t row_number(const SparseAttentionLaunch& a, int64_t t, int64_t i, int64_t end) const {
+    if (i >= end) return -1;
+    if (i < n_window) return window_first + i;
+    const int64_t entry = a.picks[t * a.num_picks + (i - n_window)];
+    return entry >= 0 && entry < n_visible ? entry : -1;
+  }
+  __device__ RowRef row_of_number(const SparseAttentionLaunch& a, int64_t i, int64_t number) const {
+    if (number < 0) return {};
+    return row_of_sequence(i < n_window ? a.window : a.compressed, sequence, number);
   }
 
   // How many of the tile's rows [base, base + tile_rows) are window rows.

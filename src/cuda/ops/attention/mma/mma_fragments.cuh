@@ -1,16 +1,15 @@
-// Warp-level bf16 tensor-core primitives of the mma_bf16 attention (sm_80+): the shared-memory
-// layout of 512-channel bf16 rows, ldmatrix loads of the m16n8k16 fragments from it, the MMA, and
-// cp.async. PTX fragment layouts (lane l, g = l / 4, c = l % 4; pairs are packed low index first):
+// Warp-level bf16 tensor-core primitives of the attention kernels (mma_bf16, decode_mma; sm_80+):
+// the shared-memory layout of 512-channel bf16 rows, ldmatrix loads of the m16n8k16 fragments from
+// it, the MMA, and cp.async. PTX fragment layouts (lane l, g = l / 4, c = l % 4; pairs are packed low index first):
 //   A 16x16 (row major)  a[0]: (g, 2c..2c+1)   a[1]: (g+8, 2c..)   a[2]: (g, 2c+8..)   a[3]: (g+8, 2c+8..)
 //   B 16x8  (k x n)      b[0]: (k 2c..2c+1, n g)                   b[1]: (k 2c+8.., n g)
 //   C 16x8  (f32)        c[0..1]: (g, 2c..2c+1)                    c[2..3]: (g+8, 2c..2c+1)
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-
-#include "dsv4/numeric.h"
 
 namespace dsv4::cuda::mma {
 
@@ -77,9 +76,12 @@ __device__ __forceinline__ void load_b_values(uint32_t (&b)[4], uint32_t tile, i
   ldmatrix_x4_trans(b, tile + tile_offset(row0 + r + (i & 1) * 8, col0 + (i >> 1) * 8));
 }
 
-// Two floats as a bf16 pair (rounded to nearest even), the first in the low half.
+// Two floats as a bf16 pair (rounded to nearest even, as float_to_bf16_bits rounds; a NaN may
+// come out with another payload), the first in the low half: one cvt.rn.bf16x2.f32, which the
+// exp-scores of every tile go through.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  return uint32_t{float_to_bf16_bits(lo)} | (uint32_t{float_to_bf16_bits(hi)} << 16);
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
 // The A fragment of the k step kk (columns 16·kk … 16·kk+15) of a 16-row matrix held as C

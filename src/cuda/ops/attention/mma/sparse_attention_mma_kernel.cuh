@@ -23,6 +23,7 @@
 
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.cuh"
+#include "cuda/ops/attention/mma/attention_tile_math.cuh"
 #include "cuda/ops/attention/mma/mma_fragments.cuh"
 #include "cuda/ops/attention/sparse_attention_launch.cuh"
 
@@ -97,7 +98,6 @@ __device__ __forceinline__ void pair_barrier(int head_group) {
 
 template <class Out>
 __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(SparseAttentionLaunch a) {
-  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
   extern __shared__ __align__(128) uint8_t shared[];
   uint8_t* const q_tile = shared;
   uint8_t* const kv_tiles = q_tile + kMmaQBytes;  // [stage][row][512] bf16
@@ -149,12 +149,11 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
             make_uint4(0, 0, 0, 0);
   };
 
-  // Softmax state of the lane's two heads (rows g and g + 8 of the warp's 16), in log2 units.
-  float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};
+  mma::SoftmaxState softmax;
   float acc[kMmaOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kMmaOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  const float scale_log2 = a.scale * kLog2e;
+  const float scale_log2 = a.scale * mma::kLog2e;
 
   if (first_row < end_row) load_tile(first_row, 0);
   mma::cp_async_wait_all();
@@ -194,49 +193,11 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[j][e] += theirs[(j * 4 + e) * kWarpSize + lane];
 
-      // Online softmax; the lane holds rows (heads) g and g + 8, columns 8j + 2c and 8j + 2c + 1.
+      // Online softmax (the lane holds heads g and g + 8), then the accumulators rescaled.
+      float correction[2];
       const uint64_t valid_rows = uint64_t{valid[stage * 2]} | (uint64_t{valid[stage * 2 + 1]} << 32);
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < kMmaScoreTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int column = 8 * j + 2 * (lane & 3) + (e & 1);
-          s[j][e] = (valid_rows >> column) & 1 ? s[j][e] * scale_log2 : -INFINITY;
-          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]);
-        }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 1));
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 2));
-      }
-      float new_max[2], correction[2], tile_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        new_max[r] = fmaxf(running_max[r], tile_max[r]);
-        // No valid row yet: nothing to rescale, every exp-score 0.
-        correction[r] = new_max[r] == -INFINITY ? 1.0f : exp2f(running_max[r] - new_max[r]);
-      }
-#pragma unroll
-      for (int j = 0; j < kMmaScoreTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2;
-          s[j][e] = new_max[r] == -INFINITY ? 0.0f : exp2f(s[j][e] - new_max[r]);
-          tile_sum[r] += s[j][e];
-        }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        tile_sum[r] += __shfl_xor_sync(kFullMask, tile_sum[r], 1);
-        tile_sum[r] += __shfl_xor_sync(kFullMask, tile_sum[r], 2);
-        running_sum[r] = running_sum[r] * correction[r] + tile_sum[r];
-        running_max[r] = new_max[r];
-      }
-#pragma unroll
-      for (int j = 0; j < kMmaOutTiles; ++j) {
-        acc[j][0] *= correction[0], acc[j][1] *= correction[0];
-        acc[j][2] *= correction[1], acc[j][3] *= correction[1];
-      }
+      mma::online_softmax(s, valid_rows, scale_log2, lane, softmax, correction);
+      mma::rescale(acc, correction);
       // P·V over the tile's rows, P rounded to bf16 (the sums above keep it unrounded).
 #pragma unroll
       for (int k = 0; k < kMmaTileRows / 16; ++k) {
@@ -256,32 +217,8 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
   }
   if (!computes) return;
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int head = head0 + head_group * kMmaHeadsPerWarp + lane / 4 + 8 * r;
-    if (head >= a.heads) continue;
-    const int64_t index = (int64_t{blockIdx.z} * a.tokens + t) * a.heads + head;
-    const int column0 = half * kMmaWarpChannels + 2 * (lane & 3);
-    const bool stats_lane = half == 0 && (lane & 3) == 0;
-    if (a.splits > 1) {
-      float* partial = a.partials.out + index * kMmaHeadDim + column0;
-#pragma unroll
-      for (int j = 0; j < kMmaOutTiles; ++j)
-        *reinterpret_cast<float2*>(partial + 8 * j) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
-      if (stats_lane) a.partials.stats[index] = make_float2(running_max[r] * kLn2, running_sum[r]);
-      continue;
-    }
-    const bool any = running_max[r] != -INFINITY;
-    const float inverse = any ? 1.0f / (running_sum[r] + (a.sink ? exp2f(a.sink[head] * kLog2e - running_max[r]) : 0.0f)) : 0.0f;
-    Out* out = static_cast<Out*>(a.out) + (t * a.heads + head) * kMmaHeadDim + column0;
-#pragma unroll
-    for (int j = 0; j < kMmaOutTiles; ++j) {
-      const float x = acc[j][2 * r] * inverse, y = acc[j][2 * r + 1] * inverse;
-      if constexpr (sizeof(Out) == 2) *reinterpret_cast<uint32_t*>(out + 8 * j) = mma::pack_bf16(x, y);
-      else *reinterpret_cast<float2*>(out + 8 * j) = make_float2(x, y);
-    }
-    if (stats_lane && a.lse) a.lse[t * a.heads + head] = any ? (running_max[r] + log2f(running_sum[r])) * kLn2 : -INFINITY;
-  }
+  mma::write_output<Out, kMmaOutTiles, kMmaHeadDim>(a, t, head0 + head_group * kMmaHeadsPerWarp,
+                                                    half * kMmaWarpChannels, half == 0, lane, acc, softmax);
 }
 
 // Out: uint16_t (bf16 bits) or float. With splits > 1 the caller runs the combine afterwards.

@@ -1,0 +1,115 @@
+// The per-tile math the tensor-core attention kernels share (mma_bf16, decode_mma): the online
+// softmax of a warp's 16 heads over a tile of scores held as mma.sync C fragments, and the final
+// write of the warp's output (or of its split's partial). Softmax state per lane: its two heads
+// (rows g and g + 8 of the warp's 16, g = lane / 4), in log2 units.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/device_math.cuh"
+#include "cuda/ops/attention/mma/mma_fragments.cuh"
+#include "cuda/ops/attention/sparse_attention_launch.cuh"
+
+namespace dsv4::cuda::mma {
+
+inline constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+struct SoftmaxState {
+  float running_max[2] = {-INFINITY, -INFINITY};
+  float running_sum[2] = {0.0f, 0.0f};
+};
+
+// Turns the raw scores s (16 heads x 8·kScoreTiles rows: the lane holds columns 8j + 2c and
+// 8j + 2c + 1, c = lane % 4) into exp-scores relative to the new running max (invalid rows -inf,
+// then 0; no valid row yet: every exp-score 0), adds their unrounded sum to the state and returns
+// in `correction` the factor the accumulators must be rescaled by.
+template <int kScoreTiles>
+__device__ __forceinline__ void online_softmax(float (&s)[kScoreTiles][4], uint64_t valid_rows, float scale_log2,
+                                               int lane, SoftmaxState& state, float (&correction)[2]) {
+  float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int column = 8 * j + 2 * (lane & 3) + (e & 1);
+      s[j][e] = (valid_rows >> column) & 1 ? s[j][e] * scale_log2 : -INFINITY;
+      tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]);
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 1));
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 2));
+  }
+  float new_max[2], tile_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    new_max[r] = fmaxf(state.running_max[r], tile_max[r]);
+    // No valid row yet: nothing to rescale, every exp-score 0.
+    correction[r] = new_max[r] == -INFINITY ? 1.0f : exp2f(state.running_max[r] - new_max[r]);
+  }
+#pragma unroll
+  for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e / 2;
+      s[j][e] = new_max[r] == -INFINITY ? 0.0f : exp2f(s[j][e] - new_max[r]);
+      tile_sum[r] += s[j][e];
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    tile_sum[r] += __shfl_xor_sync(kFullMask, tile_sum[r], 1);
+    tile_sum[r] += __shfl_xor_sync(kFullMask, tile_sum[r], 2);
+    state.running_sum[r] = state.running_sum[r] * correction[r] + tile_sum[r];
+    state.running_max[r] = new_max[r];
+  }
+}
+
+template <int kOutTiles>
+__device__ __forceinline__ void rescale(float (&acc)[kOutTiles][4], const float (&correction)[2]) {
+#pragma unroll
+  for (int j = 0; j < kOutTiles; ++j) {
+    acc[j][0] *= correction[0], acc[j][1] *= correction[0];
+    acc[j][2] *= correction[1], acc[j][3] *= correction[1];
+  }
+}
+
+// Writes the warp's 16 heads from head_base (those < a.heads) x kOutTiles·8 channels from
+// channel0: out = acc / (sum + exp(sink - max)) and lse (written by the lanes with stats_writer),
+// or with a.splits > 1 the unnormalized acc and (max, sum) of split blockIdx.z for the combine.
+template <class Out, int kOutTiles, int kHeadDim>
+__device__ __forceinline__ void write_output(const SparseAttentionLaunch& a, int64_t t, int head_base, int channel0,
+                                             bool stats_writer, int lane, const float (&acc)[kOutTiles][4],
+                                             const SoftmaxState& state) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int head = head_base + lane / 4 + 8 * r;
+    if (head >= a.heads) continue;
+    const int64_t index = (int64_t{blockIdx.z} * a.tokens + t) * a.heads + head;
+    const int column0 = channel0 + 2 * (lane & 3);
+    const bool stats_lane = stats_writer && (lane & 3) == 0;
+    const float running_max = state.running_max[r], running_sum = state.running_sum[r];
+    if (a.splits > 1) {
+      float* partial = a.partials.out + index * kHeadDim + column0;
+#pragma unroll
+      for (int j = 0; j < kOutTiles; ++j)
+        *reinterpret_cast<float2*>(partial + 8 * j) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+      if (stats_lane) a.partials.stats[index] = make_float2(running_max * kLn2, running_sum);
+      continue;
+    }
+    const bool any = running_max != -INFINITY;
+    const float inverse =
+        any ? 1.0f / (running_sum + (a.sink ? exp2f(a.sink[head] * kLog2e - running_max) : 0.0f)) : 0.0f;
+    Out* out = static_cast<Out*>(a.out) + (t * a.heads + head) * kHeadDim + column0;
+#pragma unroll
+    for (int j = 0; j < kOutTiles; ++j) {
+      const float x = acc[j][2 * r] * inverse, y = acc[j][2 * r + 1] * inverse;
+      if constexpr (sizeof(Out) == 2) *reinterpret_cast<uint32_t*>(out + 8 * j) = pack_bf16(x, y);
+      else *reinterpret_cast<float2*>(out + 8 * j) = make_float2(x, y);
+    }
+    if (stats_lane && a.lse) a.lse[t * a.heads + head] = any ? (running_max + log2f(running_sum)) * kLn2 : -INFINITY;
+  }
+}
+
+}  // namespace dsv4::cuda::mma

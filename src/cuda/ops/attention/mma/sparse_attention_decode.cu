@@ -1,0 +1,87 @@
+// The warp-specialized tensor-core implementation of run_sparse_attention ("decode_mma", kernel in
+// sparse_attention_decode_kernel.cuh): one block of 12 warps per (token, 64 heads) and SM (224 KB
+// of shared memory), rows split over blocks with split_kv so that a small step still fills one
+// wave of an H100 / H200. The kernels are instantiated in
+// src/cuda/instantiations/sparse_attention_decode_mma_*.cu.
+#include <algorithm>
+#include <string>
+
+#include "cuda/ops/attention/mma/sparse_attention_decode_kernel.cuh"
+#include "cuda/ops/attention/sparse_attention_implementations.h"
+#include "dsv4/kv_format.h"
+
+namespace dsv4::cuda {
+
+extern template void launch_sparse_attention_decode<uint16_t>(const SparseAttentionLaunch&, cudaStream_t);
+extern template void launch_sparse_attention_decode<float>(const SparseAttentionLaunch&, cudaStream_t);
+
+namespace {
+
+// One block per SM (the accumulators of 64 heads x 512 channels take half the register file):
+// a step of fewer blocks than an H100 / H200 has SMs splits each token's rows so that the blocks
+// make about one wave, never more (a second, partial wave would cost a whole block's time).
+constexpr int64_t kOneWaveBlocks = 132;
+
+SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_allowed) {
+  const int64_t blocks = std::max<int64_t>(1, tokens * ((heads + decode_mma::kHeadsPerBlock - 1) / decode_mma::kHeadsPerBlock));
+  const int64_t tiles = std::max<int64_t>(1, (max_rows + decode_mma::kTileRows - 1) / decode_mma::kTileRows);
+  const int64_t splits = split_allowed ? std::clamp<int64_t>(kOneWaveBlocks / blocks, 1, std::min<int64_t>(tiles, 65535)) : 1;
+  return {static_cast<int>(splits), (tiles + splits - 1) / splits};
+}
+
+SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
+  return plan(p.q.shape[0], p.q.shape[1], max_attended_rows(p), split_allowed);
+}
+
+// The rows go to the tensor cores as bf16: formats whose decoded values are exact in bf16 (bf16;
+// e4m3 codes times ue8m0 scales; e2m1 codes times e4m3 scales). The loaders copy rows 8 bytes at
+// a time: row data and scales must be 8-byte aligned.
+std::string cache_supported(const char* name, const PagedCache& cache) {
+  const KvRowFormat f = cache.geometry.format;
+  if (f != KvRowFormat::bf16 && f != KvRowFormat::v41_fp8 && f != KvRowFormat::v41_fp4 && f != KvRowFormat::fp8_ds_mla)
+    return std::string("cache '") + name + "' has format " + kv_row_format_name(f) + ", whose values need not be exact in bf16";
+  const PageGeometry& g = cache.geometry;
+  if (reinterpret_cast<uintptr_t>(cache.pages.data) % 8 != 0 || g.page_stride % 8 != 0 ||
+      g.data_offset(1) % 8 != 0 || g.scale_offset(0) % 8 != 0 || (g.scale_offset(1) - g.scale_offset(0)) % 8 != 0)
+    return std::string("cache '") + name + "' has rows that are not 8-byte aligned";
+  return "";
+}
+
+// sm_90a machine code only: elsewhere the driver would JIT the compute_80 PTX, which has no
+// setmaxnreg, so the MMA warps would spill (mma_bf16 runs those devices).
+std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
+  if (std::string why_not = needs_compute_capability(90, device); !why_not.empty()) return why_not;
+  if (std::string why_not = needs_shared_memory(static_cast<long long>(decode_mma::kSharedBytes), device); !why_not.empty())
+    return why_not;
+  if (std::string why_not = needs_value("head_dim", decode_mma::kHeadDim, p.q.shape[2]); !why_not.empty()) return why_not;
+  if (!p.bf16_rounding) return "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)";
+  if (std::string why_not = cache_supported("window", p.window); !why_not.empty()) return why_not;
+  if (is_present(p.compressed.pages)) return cache_supported("compressed", p.compressed);
+  return "";  // any head count, bf16 | f32 out
+}
+
+size_t workspace_bytes(const SparseAttentionParams& p) {
+  return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], decode_mma::kHeadDim, plan(p, true).splits);
+}
+
+size_t max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) {
+  return split_kv_max_workspace_bytes(max_tokens, heads, decode_mma::kHeadDim,
+                                      [&](int64_t tokens) { return plan(tokens, heads, max_rows, true).splits; });
+}
+
+void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
+  if (p.q.shape[0] == 0 || p.q.shape[1] == 0) return;
+  const SparseAttentionLaunch a =
+      make_sparse_attention_launch(p, plan(p, workspace != nullptr), workspace, decode_mma::kHeadDim);
+  if (p.out.dtype == DType::bf16) launch_sparse_attention_decode<uint16_t>(a, stream);
+  else launch_sparse_attention_decode<float>(a, stream);
+  check_launch("sparse_attention (decode_mma)");
+  if (a.splits > 1) combine_sparse_attention_splits(a, p.out.dtype, decode_mma::kHeadDim, stream);
+}
+
+}  // namespace
+
+const SparseAttentionImplementation kSparseAttentionDecodeMma = {"decode_mma", &supports, &workspace_bytes,
+                                                                 &max_workspace_bytes, &run};
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,382 @@
+// The warp-specialized tensor-core sparse MQA attention kernel ("decode_mma", see
+// include/dsv4/cuda/attention.h): mma.sync m16n8k16 bf16 -> f32 like mma_bf16, for reference
+// precision (bf16_rounding: the exp-scores P are bf16 on the tensor cores), with the gather and
+// decode of the rows taken off the tensor-core warps so that they overlap the MMAs.
+//
+// One block per (token, 64 heads, split of rows), 12 warps in two roles:
+//   * 4 loader warps gather the raw bytes of each tile of 32 rows (window rows, then picks, as
+//     TokenRows orders them) with 8-byte cp.async into a ring of two raw stages (any format: the
+//     row's data bytes, then its scale bytes), one tile ahead of the decode (the picks three tiles
+//     ahead, the block-table lookups two, so that no load waits for another); then decode a landed
+//     tile exactly to bf16 (e4m3 codes times ue8m0 scales, e2m1 codes times e4m3 scales, bf16
+//     copied) into one of two bf16 stages, zeros for invalid rows.
+//   * 8 MMA warps = 4 groups of 16 heads x 2 halves of the 512 channels, as in mma_bf16: scores of
+//     their 16 heads over their 256 channels, the two halves summed through shared memory (both
+//     get the same bits), the online softmax in fp32 in both, P·V for their 256 channels with P
+//     rounded to bf16, the row sums unrounded.
+// The roles hand the bf16 stages over with named barriers (bar.arrive by the producer, bar.sync by
+// the consumer): kFull (a decoded stage is ready) and kEmpty (the MMA warps are done with it).
+// Nothing depends on the other tokens of the step; split blocks write their unnormalized P·V and
+// (max, sum) for run_split_kv_combine, which merges them in a fixed order.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cache/row_codec.h"
+#include "cuda/common/device_math.cuh"
+#include "cuda/common/paged_rows.cuh"
+#include "cuda/ops/attention/mma/attention_tile_math.cuh"
+#include "cuda/ops/attention/mma/mma_fragments.cuh"
+#include "cuda/ops/attention/sparse_attention_launch.cuh"
+#include "dsv4/error.h"
+
+namespace dsv4::cuda {
+
+namespace decode_mma {
+
+inline constexpr int kMmaWarps = 8;
+inline constexpr int kLoaderWarps = 4;  // one warpgroup
+inline constexpr int kMmaThreads = kMmaWarps * kWarpSize;
+inline constexpr int kLoaderThreads = kLoaderWarps * kWarpSize;
+inline constexpr int kThreads = kMmaThreads + kLoaderThreads;
+inline constexpr int kHeadsPerBlock = 64;
+inline constexpr int kHeadsPerWarp = 16;
+inline constexpr int kTileRows = 32;  // one ballot of valid rows
+inline constexpr int kHeadDim = mma::kRowChannels;
+inline constexpr int kWarpChannels = kHeadDim / 2;
+inline constexpr int kScoreTiles = kTileRows / 8;      // n tiles of a 16 x 32 score block
+inline constexpr int kOutTiles = kWarpChannels / 8;    // n tiles of a warp's 16 x 256 output
+inline constexpr int kRawRowBytes = mma::kRowBytes;    // the largest row (bf16) fits a raw slot
+inline constexpr int kExchangeFloats = kScoreTiles * 4 * kWarpSize;  // a warp's score partial
+
+constexpr size_t kQBytes = size_t{kHeadsPerBlock} * mma::kRowBytes;
+constexpr size_t kTileBytes = size_t{kTileRows} * mma::kRowBytes;
+constexpr size_t kRawStageBytes = size_t{kTileRows} * kRawRowBytes;
+// Q, two bf16 stages, two raw stages, the score exchange (double-buffered: a warp may write the
+// next tile's partial while its partner still reads this one's), the bf16 stages' valid masks.
+constexpr size_t kSharedBytes = kQBytes + 2 * kTileBytes + 2 * kRawStageBytes +
+                                2 * size_t{kMmaWarps} * kExchangeFloats * sizeof(float) + 2 * sizeof(uint32_t);
+
+// Named barriers (0 is __syncthreads', unused): the pairs of MMA warps of a head group, the
+// stages' full and empty barriers, the loader warps, the MMA warps.
+inline constexpr int kPairBarrier = 1;  // + head group (4)
+inline constexpr int kFullBarrier = 5;  // + stage (2)
+inline constexpr int kEmptyBarrier = 7;  // + stage (2)
+inline constexpr int kLoaderBarrier = 9;
+inline constexpr int kMmaBarrier = 10;
+
+__device__ __forceinline__ void barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Hopper moves registers between the roles (setmaxnreg, sm_90a): the loaders need few, the MMA
+// warps hold 128 accumulators each. The 12 warps start with 168 (65536 / 384, what
+// __launch_bounds__ gives); 4 x (168 - 56) freed = 8 x (224 - 168) taken. setmaxnreg.inc waits
+// until the block's own warps have freed enough, so the launch checks the 168.
+inline constexpr int kLaunchRegisters = 168;
+inline constexpr int kLoaderRegisters = 56;
+inline constexpr int kMmaRegisters = 224;
+static_assert(kLaunchRegisters * kThreads <= 65536);
+static_assert(kLoaderRegisters * kLoaderThreads + kMmaRegisters * kMmaThreads <= kLaunchRegisters * kThreads);
+
+__device__ __forceinline__ void give_loader_registers() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kLoaderRegisters));
+#endif
+}
+__device__ __forceinline__ void take_mma_registers() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kMmaRegisters));
+#endif
+}
+
+__device__ __forceinline__ void cp_async8(uint32_t shared, const void* global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(shared), "l"(global) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most one of the thread's cp.async groups is in flight.
+__device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+// Eight e4m3 codes (little-endian) times `scale` (a power of two or an e4m3 value) as bf16, the
+// codec's values exactly: e4m3 is exact in f16 (cvt.rn.f16x2.e4m3x2, sm_89+), the product of two
+// 4-bit significands exact in f32 and in bf16.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_codes, float scale) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes), __NV_E4M3);
+  return mma::pack_bf16(__half2float(__half(__half_raw{h.x})) * scale, __half2float(__half(__half_raw{h.y})) * scale);
+}
+__device__ __forceinline__ uint4 e4m3x8_to_bf16(uint2 codes, float scale) {
+  return make_uint4(e4m3x2_to_bf16x2(codes.x & 0xffffu, scale), e4m3x2_to_bf16x2(codes.x >> 16, scale),
+                    e4m3x2_to_bf16x2(codes.y & 0xffffu, scale), e4m3x2_to_bf16x2(codes.y >> 16, scale));
+}
+
+// The eight e2m1 magnitudes (codes 0 … 7) times one e4m3 scale as bf16 (exact: at most 2 + 4
+// significant bits), split into byte tables for __byte_perm: low bytes of codes 0-3, of 4-7, high
+// bytes of 0-3, of 4-7. Computed once per 16 channels (they share the scale).
+struct E2m1Table {
+  uint32_t low[2], high[2];
+  __device__ __forceinline__ explicit E2m1Table(float scale) {
+    const uint32_t w0 = mma::pack_bf16(0.0f * scale, 0.5f * scale), w1 = mma::pack_bf16(1.0f * scale, 1.5f * scale);
+    const uint32_t w2 = mma::pack_bf16(2.0f * scale, 3.0f * scale), w3 = mma::pack_bf16(4.0f * scale, 6.0f * scale);
+    low[0] = __byte_perm(w0, w1, 0x6420), low[1] = __byte_perm(w2, w3, 0x6420);
+    high[0] = __byte_perm(w0, w1, 0x7531), high[1] = __byte_perm(w2, w3, 0x7531);
+  }
+  // Four codes (the nibbles of the low 16 bits, the first lowest) as two bf16 pairs: the
+  // magnitude's bytes looked up, the code's sign bit flipping the product's ((-v)·s = -(v·s)).
+  __device__ __forceinline__ uint2 lookup4(uint32_t codes) const {
+    const uint32_t index = codes & 0x7777u;
+    const uint32_t lo = __byte_perm(low[0], low[1], index), hi = __byte_perm(high[0], high[1], index);
+    const uint32_t pair01 = __byte_perm(lo, hi, 0x5140) ^ (((codes << 12) & 0x8000u) | ((codes << 24) & 0x80000000u));
+    const uint32_t pair23 = __byte_perm(lo, hi, 0x7362) ^ (((codes << 4) & 0x8000u) | ((codes << 16) & 0x80000000u));
+    return make_uint2(pair01, pair23);
+  }
+};
+
+// Eight e2m1 codes (packed, the even channel in the low nibble) times the table's scale as bf16.
+__device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t codes, const E2m1Table& table) {
+  const uint2 first = table.lookup4(codes), second = table.lookup4(codes >> 16);
+  return make_uint4(first.x, first.y, second.x, second.y);
+}
+
+// Channels c0 … c0 + 15 (c0 a multiple of 16) of a raw row of format F in shared memory (its data
+// bytes, then its scale bytes) as bf16: lo = c0 … c0 + 7, hi = c0 + 8 … c0 + 15. The values are
+// the row codec's (code x scale), which are exact in bf16 for every format decode_mma takes.
+template <KvRowFormat F>
+__device__ __forceinline__ void decode16(const uint8_t* raw, int c0, uint4& lo, uint4& hi) {
+  const uint8_t* data = raw + row_codec::channel_offset<F>(c0);
+  const uint8_t* scales = raw + row_codec::data_bytes(F, kHeadDim);
+  switch (row_codec::channel_code<F>(c0)) {
+    case row_codec::ChannelCode::bf16:
+      lo = *reinterpret_cast<const uint4*>(data), hi = *reinterpret_cast<const uint4*>(data + 16);
+      return;
+    case row_codec::ChannelCode::e4m3: {
+      const float scale = row_codec::channel_scale<F>(scales, c0, 1.0f);
+      const uint4 codes = *reinterpret_cast<const uint4*>(data);
+      lo = e4m3x8_to_bf16(make_uint2(codes.x, codes.y), scale), hi = e4m3x8_to_bf16(make_uint2(codes.z, codes.w), scale);
+      return;
+    }
+    case row_codec::ChannelCode::e2m1: {
+      const E2m1Table table(row_codec::channel_scale<F>(scales, c0, 1.0f));
+      const uint2 codes = *reinterpret_cast<const uint2*>(data);
+      lo = e2m1x8_to_bf16(codes.x, table), hi = e2m1x8_to_bf16(codes.y, table);
+      return;
+    }
+  }
+}
+
+__device__ __forceinline__ void decode16(KvRowFormat format, const uint8_t* raw, int c0, uint4& lo, uint4& hi) {
+  switch (format) {
+    case KvRowFormat::v41_fp8: decode16<KvRowFormat::v41_fp8>(raw, c0, lo, hi); return;
+    case KvRowFormat::v41_fp4: decode16<KvRowFormat::v41_fp4>(raw, c0, lo, hi); return;
+    case KvRowFormat::fp8_ds_mla: decode16<KvRowFormat::fp8_ds_mla>(raw, c0, lo, hi); return;
+    default: decode16<KvRowFormat::bf16>(raw, c0, lo, hi); return;  // supports() admits no other
+  }
+}
+
+// 8-byte chunks of a row's data and of its scales (every format decode_mma takes has both multiples of 8).
+struct RawLayout {
+  int data_chunks = 0, chunks = 0;
+  __device__ explicit RawLayout(KvRowFormat f)
+      : data_chunks(static_cast<int>(row_codec::data_bytes(f, kHeadDim) / 8)),
+        chunks(data_chunks + static_cast<int>(row_codec::scale_bytes(f, kHeadDim) / 8)) {}
+};
+
+}  // namespace decode_mma
+
+template <class Out>
+__global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_decode_kernel(SparseAttentionLaunch a) {
+  using namespace decode_mma;
+  extern __shared__ __align__(128) uint8_t shared[];
+  uint8_t* const q_tile = shared;
+  uint8_t* const tiles = q_tile + kQBytes;         // [stage][row][512] bf16, swizzled
+  uint8_t* const raw = tiles + 2 * kTileBytes;     // [stage][row][kRawRowBytes]
+  float* const exchange = reinterpret_cast<float*>(raw + 2 * kRawStageBytes);  // [parity][warp][32][lane]
+  uint32_t* const tile_valid = reinterpret_cast<uint32_t*>(exchange + 2 * kMmaWarps * kExchangeFloats);  // [stage]
+
+  const int64_t t = blockIdx.x;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int head0 = static_cast<int>(blockIdx.y) * kHeadsPerBlock;
+  const TokenRows rows(a, t);
+  const int64_t first_row = int64_t{blockIdx.z} * a.tiles_per_split * kTileRows;
+  const int64_t end_row = min(rows.n_rows, first_row + a.tiles_per_split * kTileRows);
+  const int n_tiles = end_row > first_row ? static_cast<int>((end_row - first_row + kTileRows - 1) / kTileRows) : 0;
+
+  if (warp >= kMmaWarps) {
+    give_loader_registers();
+    const int loader_thread = threadIdx.x - kMmaThreads, loader_warp = loader_thread / kWarpSize;
+    const RawLayout window_layout(a.window.format), compressed_layout(a.compressed.format);
+    // Lane l of every loader warp follows row l of the tiles ahead, each step's global loads used
+    // only an iteration later: the row number of tile i + 3 (the pick), the bytes of tile i + 2 (the
+    // block table), the copies of tile i + 1 (cp.async), the decode of tile i.
+    auto row_number = [&](int i) {
+      return rows.row_number(a, t, first_row + int64_t{i} * kTileRows + lane, end_row);
+    };
+    auto row_of_number = [&](int i, int64_t number) {
+      return rows.row_of_number(a, first_row + int64_t{i} * kTileRows + lane, number);
+    };
+    // Requests the rows of tile i (refs: lane = row) into raw stage i % 2, one cp.async group;
+    // every loader warp copies every fourth row. Returns the tile's valid rows.
+    auto request = [&](int i, const RowRef& ref) {
+      const uint32_t valid = __ballot_sync(kFullMask, ref.valid());
+      const int window_rows = rows.window_rows_in_tile(first_row + int64_t{i} * kTileRows, kTileRows);
+      const uint32_t stage_address = mma::shared_address(raw + (i % 2) * kRawStageBytes);
+      for (int r = loader_warp; r < kTileRows; r += kLoaderWarps) {
+        if (!((valid >> r) & 1)) continue;
+        const uint8_t* data = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), r));
+        const uint8_t* scales = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), r));
+        const int data_chunks = r < window_rows ? window_layout.data_chunks : compressed_layout.data_chunks;
+        const int chunks = r < window_rows ? window_layout.chunks : compressed_layout.chunks;
+        for (int c = lane; c < chunks; c += kWarpSize)
+          cp_async8(stage_address + r * kRawRowBytes + 8 * c, c < data_chunks ? data + 8 * c : scales + 8 * (c - data_chunks));
+      }
+      cp_async_commit();
+      return valid;
+    };
+    uint32_t valid = 0;
+    RowRef next_ref;          // tile i + 1
+    int64_t after_next = -1;  // the row number of tile i + 2
+    if (n_tiles > 0) {
+      valid = request(0, row_of_number(0, row_number(0)));
+      next_ref = row_of_number(1, row_number(1));
+      after_next = row_number(2);
+    }
+    for (int i = 0; i < n_tiles; ++i) {
+      const int stage = i % 2;
+      uint32_t next_valid = 0;
+      if (i + 1 < n_tiles) next_valid = request(i + 1, next_ref);
+      else cp_async_commit();  // an empty group: the wait below then always means tile i
+      next_ref = row_of_number(i + 2, after_next);
+      after_next = row_number(i + 3);
+      cp_async_wait_all_but_one();
+      barrier_sync(kLoaderBarrier, kLoaderThreads);  // every loader's bytes of tile i have landed
+      if (i >= 2) barrier_sync(kEmptyBarrier + stage, kThreads);  // the MMA warps are done with tile i - 2
+      // Decode: a warp per row, a lane per 16 channels (two 16-byte chunks). Lanes 4-7 of each
+      // quarter warp store their upper chunk first, so that the 8 stores of a quarter warp fall on
+      // 8 different groups of banks.
+      const int window_rows = rows.window_rows_in_tile(first_row + int64_t{i} * kTileRows, kTileRows);
+      uint8_t* const tile = tiles + stage * kTileBytes;
+      const uint8_t* const raw_stage = raw + stage * kRawStageBytes;
+      const int c0 = lane * 16, upper_first = (lane >> 2) & 1;
+      for (int r = loader_warp; r < kTileRows; r += kLoaderWarps) {
+        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+        if ((valid >> r) & 1)
+          decode16(r < window_rows ? a.window.format : a.compressed.format, raw_stage + r * kRawRowBytes, c0, lo, hi);
+        *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0 + 8 * upper_first)) = upper_first ? hi : lo;
+        *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0 + 8 * (upper_first ^ 1))) = upper_first ? lo : hi;
+      }
+      if (loader_thread == 0) tile_valid[stage] = valid;
+      barrier_arrive(kFullBarrier + stage, kThreads);
+      barrier_sync(kLoaderBarrier, kLoaderThreads);  // raw stage `stage` is free for tile i + 2
+      valid = next_valid;
+    }
+    return;
+  }
+
+  // MMA warps.
+  take_mma_registers();
+  const int head_group = warp % 4, half = warp / 4;
+  const bool computes = head0 + head_group * kHeadsPerWarp < a.heads;  // the same for both warps of a group
+  const uint32_t q_address = mma::shared_address(q_tile);
+  for (int item = threadIdx.x; item < kHeadsPerBlock * (kHeadDim / 8); item += kMmaThreads) {
+    const int h = item / (kHeadDim / 8), chunk = item % (kHeadDim / 8);
+    uint8_t* dst = q_tile + mma::tile_offset(h, chunk * 8);
+    if (head0 + h < a.heads) mma::cp_async16(mma::shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + chunk * 8));
+    else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  }
+  mma::cp_async_wait_all();
+  barrier_sync(kMmaBarrier, kMmaThreads);
+
+  mma::SoftmaxState softmax;
+  float acc[kOutTiles][4];
+#pragma unroll
+  for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  const float scale_log2 = a.scale * mma::kLog2e;
+
+  for (int i = 0; i < n_tiles; ++i) {
+    const int stage = i % 2;
+    barrier_sync(kFullBarrier + stage, kThreads);
+    if (computes) {
+      const uint32_t tile = mma::shared_address(tiles + stage * kTileBytes);
+      // Scores of the warp's 16 heads x 32 rows over its 256 channels.
+      float s[kScoreTiles][4];
+#pragma unroll
+      for (int j = 0; j < kScoreTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll 4
+      for (int k = 0; k < kWarpChannels / 16; ++k) {
+        const int col = half * kWarpChannels + k * 16;
+        uint32_t qa[4];
+        mma::load_a(qa, q_address, head_group * kHeadsPerWarp, col, lane);
+#pragma unroll
+        for (int n = 0; n < kScoreTiles / 2; ++n) {
+          uint32_t kb[4];
+          mma::load_b_keys(kb, tile, n * 16, col, lane);
+          mma::mma_bf16(s[2 * n], qa, kb[0], kb[1]);
+          mma::mma_bf16(s[2 * n + 1], qa, kb[2], kb[3]);
+        }
+      }
+      // Lower + upper half of the channels (addition commutes: both warps get the same bits).
+      float* mine = exchange + ((i % 2) * kMmaWarps + warp) * kExchangeFloats;
+      const float* theirs = exchange + ((i % 2) * kMmaWarps + (warp ^ 4)) * kExchangeFloats;
+#pragma unroll
+      for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * kWarpSize + lane] = s[j][e];
+      barrier_sync(kPairBarrier + head_group, 2 * kWarpSize);
+#pragma unroll
+      for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] += theirs[(j * 4 + e) * kWarpSize + lane];
+
+      // Online softmax (the lane holds heads g and g + 8), then the accumulators rescaled.
+      float correction[2];
+      const uint32_t valid_rows = tile_valid[stage];
+      mma::online_softmax(s, valid_rows, scale_log2, lane, softmax, correction);
+      mma::rescale(acc, correction);
+      // P·V over the tile's rows, P rounded to bf16 (the sums above keep it unrounded).
+#pragma unroll
+      for (int k = 0; k < kTileRows / 16; ++k) {
+        uint32_t pa[4];
+        mma::a_from_c(pa, s[2 * k], s[2 * k + 1]);
+#pragma unroll
+        for (int n = 0; n < kOutTiles / 2; ++n) {
+          uint32_t vb[4];
+          mma::load_b_values(vb, tile, k * 16, half * kWarpChannels + n * 16, lane);
+          mma::mma_bf16(acc[2 * n], pa, vb[0], vb[1]);
+          mma::mma_bf16(acc[2 * n + 1], pa, vb[2], vb[3]);
+        }
+      }
+    }
+    if (i + 2 < n_tiles) barrier_arrive(kEmptyBarrier + stage, kThreads);  // the loaders wait for it at tile i + 2
+  }
+  if (!computes) return;
+
+  mma::write_output<Out, kOutTiles, kHeadDim>(a, t, head0 + head_group * kHeadsPerWarp, half * kWarpChannels,
+                                              half == 0, lane, acc, softmax);
+}
+
+// Out: uint16_t (bf16 bits) or float; tiles_per_split in tiles of decode_mma::kTileRows rows. With
+// splits > 1 the caller runs the combine afterwards.
+template <class Out>
+void launch_sparse_attention_decode(const SparseAttentionLaunch& a, cudaStream_t stream) {
+  static const int registers = [] {
+    cudaFuncAttributes attributes{};
+    DSV4_CUDA_CHECK(cudaFuncGetAttributes(&attributes, sparse_attention_decode_kernel<Out>));
+    return attributes.numRegs;
+  }();
+  DSV4_CHECK(registers == decode_mma::kLaunchRegisters, "sparse_attention (decode_mma): the kernel has ", registers,
+             " registers per thread, its register hand-over (setmaxnreg) expects ", decode_mma::kLaunchRegisters);
+  DSV4_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_decode_kernel<Out>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(decode_mma::kSharedBytes)));
+  const dim3 grid(static_cast<unsigned>(a.tokens),
+                  static_cast<unsigned>((a.heads + decode_mma::kHeadsPerBlock - 1) / decode_mma::kHeadsPerBlock),
+                  static_cast<unsigned>(a.splits));
+  sparse_attention_decode_kernel<Out><<<grid, decode_mma::kThreads, decode_mma::kSharedBytes, stream>>>(a);
+}
+
+}  // namespace dsv4::cuda
