@@ -145,6 +145,11 @@ TEST_F(LinearCudaTest, F32WeightOddSizes) {
   std::vector<float> expected(static_cast<size_t>(rows * out));
   reference::linear(x.data(), rows, in, w.data(), out, expected.data(), {});
   testing::expect_close(got, expected, kF32Atol, kF32Rtol, "f32 GEMM y");
+  // A bf16 y of an f32 product (Precision::fp32's q projections): the f32 result, rounded once
+  // (cuBLASLt has no f32 -> bf16 product; the rounding may differ by one bf16 step at a tie).
+  DeviceTensor dy16 = testing::poisoned_tensor(DType::bf16, {rows, out});
+  const auto got16 = run({.x = dx.view, .weight = dw.view, .y = dy16.view});
+  testing::expect_close(got16, testing::rounded_to_bf16(expected), kF32Atol, 1.0f / 128, "f32 GEMM bf16 y");
 }
 
 TEST_F(LinearCudaTest, GroupedOutputProjection) {

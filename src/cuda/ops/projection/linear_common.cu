@@ -51,6 +51,14 @@ void launch_prepare_activation(const LinearParams& p, DType dtype, void* out, cu
   check_launch("linear");
 }
 
+void launch_convert(const void* in, DType in_dtype, void* out, DType out_dtype, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  constexpr int kThreads = 256;
+  prepare_activation_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(in, in_dtype, out, out_dtype, n, 1,
+                                                                                       false);
+  check_launch("linear");
+}
+
 void launch_dequantize(const TensorView& weight, const TensorView& scale, int block_out, int block_in, void* out,
                        DType out_dtype, cudaStream_t stream, const char* op) {
   const int r = weight.rank;

@@ -55,6 +55,9 @@ size_t activation_copy_bytes(const LinearParams& p, DType dtype);
 // x -> `out` [rows, groups, in] in `dtype`, fake-quantized in activation_block tiles when > 0.
 void launch_prepare_activation(const LinearParams& p, DType dtype, void* out, cudaStream_t stream);
 
+// n values in_dtype -> out_dtype (bf16 rounds to nearest even).
+void launch_convert(const void* in, DType in_dtype, void* out, DType out_dtype, int64_t n, cudaStream_t stream);
+
 // e4m3 weight [groups?, out, in] with its block scales (LinearParams::weight_scale's layouts) ->
 // `out` in bf16 (the product rounded) or f32.
 void launch_dequantize(const TensorView& weight, const TensorView& scale, int block_out, int block_in, void* out,

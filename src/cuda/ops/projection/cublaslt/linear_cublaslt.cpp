@@ -61,8 +61,8 @@ LayoutPtr make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t l
 // product yᵀ = op(w)·xᵀ per group: A = w (transposed), B = x, D = y with the group interleaving in
 // the leading dimensions. CUBLAS_COMPUTE_32F is true fp32 for f32 inputs (no TF32: that would be
 // CUBLAS_COMPUTE_32F_FAST_TF32).
-void gemm(const LinearParams& p, const LinearShape& s, const void* x, const void* w, DType input_dtype,
-          cudaStream_t stream) {
+void gemm(const LinearParams& p, const LinearShape& s, const void* x, const void* w, DType input_dtype, void* y,
+          DType y_dtype, cudaStream_t stream) {
   cublasLtMatmulDesc_t desc_raw = nullptr;
   check_blas(cublasLtMatmulDescCreate(&desc_raw, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   std::unique_ptr<cublasLtMatmulDescOpaque_t, MatmulDescDeleter> desc(desc_raw);
@@ -71,7 +71,7 @@ void gemm(const LinearParams& p, const LinearShape& s, const void* x, const void
              "setting TRANSA");
   check_blas(cublasLtMatmulDescSetAttribute(desc_raw, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)), "setting TRANSB");
 
-  const cudaDataType_t in_type = cuda_data_type(input_dtype), out_type = cuda_data_type(p.y.dtype);
+  const cudaDataType_t in_type = cuda_data_type(input_dtype), out_type = cuda_data_type(y_dtype);
   LayoutPtr a = make_layout(in_type, s.in, s.out, s.in, s.groups, s.out * s.in);
   LayoutPtr b = make_layout(in_type, s.in, s.rows, s.groups * s.in, s.groups, s.in);
   LayoutPtr d = make_layout(out_type, s.out, s.rows, s.groups * s.out, s.groups, s.out);
@@ -80,7 +80,7 @@ void gemm(const LinearParams& p, const LinearShape& s, const void* x, const void
   // (cublasLt.h: in place with counters "to guarantee the sequentiality", or in a separate step),
   // and projection_cuda_test repeats the decode-shaped GEMMs to hold it to that. Excluding split-K
   // cost 1.7-2x in a decode layer step (bench/RESULTS.md). Asked once per shape.
-  const BlasLtMatmulKey key{kLinearLayout, s.rows, s.groups, s.in, s.out, input_dtype, p.y.dtype};
+  const BlasLtMatmulKey key{kLinearLayout, s.rows, s.groups, s.in, s.out, input_dtype, y_dtype};
   const BlasLtAlgorithm chosen = p.blas->algorithm(key, [&] {
     cublasLtMatmulPreference_t pref_raw = nullptr;
     check_blas(cublasLtMatmulPreferenceCreate(&pref_raw), "cublasLtMatmulPreferenceCreate");
@@ -96,7 +96,7 @@ void gemm(const LinearParams& p, const LinearShape& s, const void* x, const void
                "cublasLtMatmulAlgoGetHeuristic");
     if (found == 0)
       fail("linear: cuBLASLt has no algorithm for rows ", s.rows, ", groups ", s.groups, ", in ", s.in, ", out ",
-           s.out, " (", dtype_name(input_dtype), " -> ", dtype_name(p.y.dtype), ")");
+           s.out, " (", dtype_name(input_dtype), " -> ", dtype_name(y_dtype), ")");
     BlasLtAlgorithm algorithm;
     std::memcpy(algorithm.data, &heuristic.algo, sizeof(algorithm.data));
     return algorithm;
@@ -104,15 +104,23 @@ void gemm(const LinearParams& p, const LinearShape& s, const void* x, const void
   cublasLtMatmulAlgo_t algo;
   std::memcpy(&algo, chosen.data, sizeof(algo));
   const float alpha = 1.0f, beta = 0.0f;
-  check_blas(cublasLtMatmul(p.blas->get(), desc_raw, &alpha, w, a.get(), x, b.get(), &beta, p.y.data, d.get(), p.y.data,
-                            d.get(), &algo, p.blas->workspace(), BlasLt::kWorkspaceBytes, stream),
+  check_blas(cublasLtMatmul(p.blas->get(), desc_raw, &alpha, w, a.get(), x, b.get(), &beta, y, d.get(), y, d.get(), &algo,
+                            p.blas->workspace(), BlasLt::kWorkspaceBytes, stream),
              "cublasLtMatmul");
 }
 
 std::string supports(const LinearParams&, const DeviceInfo&) { return ""; }
 
+// cuBLASLt has no f32 x f32 -> bf16 product: an f32 product with a bf16 y (Precision::fp32's
+// q projections, whose consumers read bf16) is written in f32 to the workspace and rounded.
+size_t staged_output_bytes(const LinearParams& p) {
+  return linear_product_dtype(p) == DType::f32 && p.y.dtype != DType::f32
+             ? align_workspace(static_cast<size_t>(p.y.numel()) * sizeof(float))
+             : 0;
+}
+
 size_t workspace_bytes(const LinearParams& p) {
-  return activation_copy_bytes(p, linear_product_dtype(p)) + dequantized_weight_bytes(p);
+  return activation_copy_bytes(p, linear_product_dtype(p)) + dequantized_weight_bytes(p) + staged_output_bytes(p);
 }
 
 void run(const LinearParams& p, void* workspace, cudaStream_t stream) {
@@ -130,7 +138,13 @@ void run(const LinearParams& p, void* workspace, cudaStream_t stream) {
     launch_dequantize(p.weight, p.weight_scale, p.block_out, p.block_in, cursor, input_dtype, stream, "linear");
     w = cursor;
   }
-  gemm(p, s, x, w, input_dtype, stream);
+  if (staged_output_bytes(p) == 0) {
+    gemm(p, s, x, w, input_dtype, p.y.data, p.y.dtype, stream);
+    return;
+  }
+  cursor += dequantized_weight_bytes(p);
+  gemm(p, s, x, w, input_dtype, cursor, DType::f32, stream);
+  launch_convert(cursor, DType::f32, p.y.data, p.y.dtype, p.y.numel(), stream);
 }
 
 }  // namespace
