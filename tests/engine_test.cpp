@@ -607,6 +607,24 @@ TEST_F(EngineErrors, ConsumersNeedTheirSourcesInTheSameStep) {
   EXPECT_DSV4_ERROR(run(8, 1), "layer 8 did not run in an earlier step");
 }
 
+// The cpu backend has no step graphs (key 0): run_step_graph runs the step's work directly, with
+// the same checks.
+TEST_F(EngineErrors, RunStepGraphOnTheCpuRunsTheWorkDirectly) {
+  bool called = false;
+  EXPECT_DSV4_ERROR(engine_->run_step_graph([&] { called = true; }), "run_step_graph: no step is in progress");
+  EXPECT_FALSE(called);
+  engine_->begin_step({{a_, 2}});
+  EXPECT_EQ(engine_->step_graph_key(), 0u);
+  EXPECT_FALSE(engine_->run_step_graph([&] {
+    called = true;
+    for (int l = 0; l < 8; ++l) run(l, 2);
+  }));
+  EXPECT_TRUE(called);
+  EXPECT_DSV4_ERROR(engine_->run_step_graph([] {}), "run_step_graph: layers of this step already ran outside the graph");
+  engine_->end_step();
+  EXPECT_EQ(engine_->sequence_length(a_), 2);
+}
+
 TEST_F(EngineErrors, ActivationViewsAreChecked) {
   engine_->begin_step({{a_, 2}, {b_, 3}});
   EXPECT_DSV4_ERROR(engine_->run_layer(0, view(in_, 4), view(out_, 5)),

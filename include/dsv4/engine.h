@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -154,6 +155,13 @@ class Engine {
   // step's token count, each kv source's entries rounded up to 1/8 of their power of two, and image
   // spans' window bounds. 0 on the cpu backend.
   virtual uint64_t step_graph_key() const = 0;
+  // Inside a step, before any of its layers ran: runs `enqueue` — the step's run_layer calls (and
+  // run_draft_context), with whatever the caller queues between them on cuda_stream() — as the
+  // CUDA graph of step_graph_key(). The first step of a key captures `enqueue` into a graph and
+  // launches it; later steps of the key only launch that graph (`enqueue` is not called) and
+  // count the layers it ran as run. The caller's buffers must be the same for every step of a key.
+  // Returns whether a graph was replayed. The cpu backend calls `enqueue` (returns false).
+  virtual bool run_step_graph(const std::function<void()>& enqueue) = 0;
 };
 
 }  // namespace dsv4

@@ -42,6 +42,9 @@ class CpuEngine final : public StepEngine {
   void run_draft_context_step(const TensorView& main_hidden) override;
   void run_draft_block_layer(int layer, const std::vector<SequenceId>& sequences, const std::vector<int64_t>& lengths,
                              const TensorView& hidden_in, const TensorView& attn_out) override;
+  // Never called: the cpu backend's step graph key is 0.
+  void capture_step_graph(uint64_t, const std::function<void()>&) override { fail("engine: cpu: no step graphs"); }
+  void launch_step_graph(uint64_t) override { fail("engine: cpu: no step graphs"); }
 
   std::vector<reference::LayerParameters> layers_;  // absent MTP layers: the recipe only
   std::unique_ptr<reference::CacheStore> caches_;

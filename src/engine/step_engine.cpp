@@ -180,6 +180,35 @@ void StepEngine::end_step() {
   in_step_ = false;
 }
 
+bool StepEngine::run_step_graph(const std::function<void()>& enqueue) {
+  DSV4_CHECK(in_step_, "engine: run_step_graph: no step is in progress; call begin_step first");
+  DSV4_CHECK(std::none_of(ran_.begin(), ran_.end(), [](uint8_t r) { return r != 0; }),
+             "engine: run_step_graph: layers of this step already ran outside the graph");
+  const uint64_t key = step_graph_key();
+  if (key == 0) {
+    enqueue();
+    return false;
+  }
+  const auto captured = graph_ran_.find(key);
+  if (captured == graph_ran_.end()) {
+    capture_step_graph(key, enqueue);  // run_layer's checks and bookkeeping run as it captures
+    graph_ran_[key] = ran_;
+    return false;
+  }
+  // The graph runs the layers its capture ran; those checks that depend on the sequences (an MTP
+  // layer a sequence skipped earlier) are made again.
+  for (int l = config_.num_layers; l < topology_.size(); ++l) {
+    if (!captured->second[static_cast<size_t>(l)]) continue;
+    for (const StepChunk& ch : step_.chunks)
+      DSV4_CHECK(!sequences_.skipped_layers("run_step_graph", ch.sequence)[static_cast<size_t>(l)],
+                 "engine: run_step_graph: the step graph runs MTP layer ", l, ", which sequence ", ch.sequence,
+                 " skipped in an earlier step");
+  }
+  launch_step_graph(key);
+  ran_ = captured->second;
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------------
 // DSpark draft layers
 

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -32,6 +34,7 @@ class StepEngine : public Engine {
   void run_layer(int layer, const TensorView& hidden_in, const TensorView& attn_out) final;
   HostTensor layer_picks(int layer) const final;
   void end_step() final;
+  bool run_step_graph(const std::function<void()>& enqueue) final;
   void run_draft_context(const TensorView& main_hidden) final;
   void run_draft_block(int layer, const std::vector<SequenceId>& sequences, const TensorView& hidden_in,
                        const TensorView& attn_out) final;
@@ -71,6 +74,10 @@ class StepEngine : public Engine {
   virtual void run_draft_block_layer(int layer, const std::vector<SequenceId>& sequences,
                                      const std::vector<int64_t>& lengths, const TensorView& hidden_in,
                                      const TensorView& attn_out) = 0;
+  // Step graphs (backends with a nonzero step_graph_key()): capture what `enqueue` queues into
+  // the graph of `key` and launch it; launch the graph of `key`, captured earlier.
+  virtual void capture_step_graph(uint64_t key, const std::function<void()>& enqueue) = 0;
+  virtual void launch_step_graph(uint64_t key) = 0;
 
   // ----- for the backends
   const ModelWeights& weights() const { return *weights_; }
@@ -104,6 +111,7 @@ class StepEngine : public Engine {
   bool in_step_ = false;
   StepLayout step_;
   std::vector<uint8_t> ran_;      // per layer: ran in this step
+  std::map<uint64_t, std::vector<uint8_t>> graph_ran_;  // per step graph key: the layers its graph runs
 };
 
 }  // namespace dsv4

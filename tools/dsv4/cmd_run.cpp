@@ -35,7 +35,7 @@
 #include "dsv4/command.h"
 #include "dsv4/config.h"
 #ifdef DSV4_WITH_CUDA
-#include "dsv4/cuda/step_graphs.h"
+#include "dsv4/cuda/runtime.h"
 #endif
 #include "dsv4/engine.h"
 #include "dsv4/error.h"
@@ -506,12 +506,9 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
   std::vector<SequenceState> states(w.prompt_lengths.size());
   DeviceRows hidden_rows(engine, w.step_tokens, hidden), out_rows(engine, w.step_tokens, hidden);
   TokenInputs token_inputs(engine, w.step_tokens);
-#ifdef DSV4_WITH_CUDA
-  // Step graphs for the cuda backend, but not with --trace (it reads every layer on the host) nor
-  // with a drafter (its context runs between the layers).
-  std::optional<cuda::StepGraphs> graphs;
-  if (backend == Backend::cuda && !trace && !drafter) graphs.emplace();
-#endif
+  // Step graphs (Engine::run_step_graph) for the cuda backend, but not with --trace (it reads
+  // every layer on the host) nor with a drafter (its context runs between the layers).
+  const bool step_graphs = backend == Backend::cuda && !trace && !drafter;
   std::vector<float> last_outputs;  // the last layer's outputs of a step, on the host for the checksum
   WorkloadStats stats;
   Progress progress("run", w.total_tokens());
@@ -537,8 +534,10 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
     token_inputs.fill(seed, step_token_keys(step), hidden_rows);
     const auto probed = probed_span(step, probe.sequence);
 #ifdef DSV4_WITH_CUDA
-    // Steps whose probe span fits run as step graphs: captured once per step key, then replayed.
-    const bool graphed = graphs && (!probed || probed->first.tokens <= Probe::kGraphedRows);
+    // Decode steps whose probe span fits run as step graphs: captured once per step key, then
+    // replayed (steps with prefill chunks rarely repeat a key).
+    const bool graphed =
+        step_graphs && prefill_tokens == 0 && (!probed || probed->first.tokens <= Probe::kGraphedRows);
     if (graphed)
       probe.set_span(probed ? probed->second : 0, probed ? probed->first.first_position : 0,
                      probed ? probed->first.tokens : 0, engine.cuda_stream());
@@ -547,7 +546,7 @@ WorkloadStats serve(Engine& engine, Backend backend, const Workload& w, uint64_t
     engine.begin_step(entries);
 #ifdef DSV4_WITH_CUDA
     if (graphed) {
-      const bool replayed = graphs->run(engine, [&] {
+      const bool replayed = engine.run_step_graph([&] {
         for (int l = 0; l < layers; ++l) {
           engine.run_layer(l, hidden_rows.view(step.rows), out_rows.view(step.rows));
           probe.record_graphed_rows(l, hidden_rows, out_rows);

@@ -31,6 +31,7 @@
 #include "cuda/engine/device_caches.h"
 #include "cuda/engine/layer_pipeline.h"
 #include "cuda/engine/layer_weights.h"
+#include "cuda/engine/step_graphs.h"
 #include "cuda/engine/step_metadata.h"
 #include "cuda/engine/workspace.h"
 #include "dsv4/cuda/runtime.h"
@@ -68,6 +69,10 @@ class CudaEngine final : public StepEngine {
   void run_draft_context_step(const TensorView& main_hidden) override;
   void run_draft_block_layer(int layer, const std::vector<SequenceId>& sequences, const std::vector<int64_t>& lengths,
                              const TensorView& hidden_in, const TensorView& attn_out) override;
+  void capture_step_graph(uint64_t key, const std::function<void()>& enqueue) override {
+    graphs_.capture(key, stream_, enqueue);
+  }
+  void launch_step_graph(uint64_t key) override { graphs_.launch(key, stream_); }
 
   int device_ = 0;
   std::optional<Stream> own_stream_;  // when the caller gave none
@@ -84,6 +89,7 @@ class CudaEngine final : public StepEngine {
   std::unique_ptr<DraftBlockMetadata> draft_block_;  // with DSpark draft layers
   Workspace workspace_;
   std::unique_ptr<LayerPipeline> pipeline_;
+  StepGraphs graphs_;  // Engine::run_step_graph; its graphs read the buffers above
 };
 
 }  // namespace dsv4::cuda
