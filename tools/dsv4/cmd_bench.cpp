@@ -267,12 +267,17 @@ double decode_cache_bytes(const ModelConfig& c, const LayerPlan& p, const KvForm
   return bytes;
 }
 
-// Bytes of a weight as the engine keeps it: projections bf16 (fp8 dequantized at upload), the
-// rest f32.
-double device_weight_bytes(const ExpectedWeight& e) {
+// Bytes of a weight as the engine keeps it: projections of an fp8 checkpoint as e4m3 codes plus
+// their block scales, other projections bf16, the rest (norms, biases, sinks) f32.
+double device_weight_bytes(const ModelConfig& c, const ExpectedWeight& e) {
   double n = 1;
   for (int64_t d : e.shape) n *= static_cast<double>(d);
-  return n * (e.shape.size() == 2 ? 2.0 : 4.0);
+  if (e.shape.size() != 2) return n * 4.0;
+  if (!e.fp8_allowed || !c.weight_quantization) return n * 2.0;
+  const WeightQuantization& q = *c.weight_quantization;
+  const double blocks = std::ceil(static_cast<double>(e.shape[0]) / q.block_out) *
+                        std::ceil(static_cast<double>(e.shape[1]) / q.block_in);
+  return n + blocks * (q.ue8m0_scales ? 1.0 : 4.0);
 }
 
 // One decode step of the whole model (every backbone layer, the synthetic residual update between
@@ -367,7 +372,7 @@ void bench_step(const BenchCommandOptions& o, const ModelConfig& c, cuda::Stream
   double weight_bytes = 0, token_cache_bytes = 0, params = 0;
   for (int l = 0; l < layers; ++l) {
     for (const ExpectedWeight& e : expected_layer_weights(c, topology[l])) {
-      weight_bytes += device_weight_bytes(e);
+      weight_bytes += device_weight_bytes(c, e);
       if (e.shape.size() == 2) params += static_cast<double>(e.shape[0] * e.shape[1]);
     }
     token_cache_bytes += decode_cache_bytes(c, topology[l], formats, L);
@@ -377,7 +382,7 @@ void bench_step(const BenchCommandOptions& o, const ModelConfig& c, cuda::Stream
     for (const ExpectedWeight& e : expected_layer_weights(c, topology[l]))
       if (e.role == WeightRole::main_proj || e.role == WeightRole::main_norm || e.role == WeightRole::wkv ||
           e.role == WeightRole::kv_norm) {
-        weight_bytes += device_weight_bytes(e);
+        weight_bytes += device_weight_bytes(c, e);
         if (e.shape.size() == 2) params += static_cast<double>(e.shape[0] * e.shape[1]);
       }
   const double cache_bytes = static_cast<double>(B) * token_cache_bytes;
