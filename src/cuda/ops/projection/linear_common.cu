@@ -21,6 +21,29 @@ __global__ void prepare_activation_kernel(const void* x, DType x_dtype, void* ou
   }
 }
 
+// act_quant of tiles of a multiple of 32 channels: one warp per tile, lane l holding channels l,
+// l + 32, ... (coalesced; a thread per tile reads its channels one after another, which at decode
+// sizes is a chain of dependent-latency loads). The tile's amax is a max: any order gives its bits.
+__global__ void quantize_activation_warp_kernel(const void* x, DType x_dtype, void* out, DType out_dtype,
+                                                int64_t num_tiles, int tile) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x / 32} + threadIdx.x / 32; t < num_tiles; t += warps) {
+    const int64_t base = t * tile;
+    float amax = 0.0f;
+    for (int i = lane; i < tile; i += 32) {
+      const float a = fabsf(load_float(x, x_dtype, base + i));
+      if (a > amax) amax = a;  // NaN is ignored, as abs_max does
+    }
+    amax = warp_max(amax);
+    const float scale = ue8m0_to_float(fp8_ue8m0_scale_byte(amax));
+    for (int i = lane; i < tile; i += 32) {
+      const float v = load_float(x, x_dtype, base + i);
+      store_float(out, out_dtype, base + i, e4m3_to_float(float_to_e4m3(divide_rn(v, scale))) * scale);
+    }
+  }
+}
+
 // One block per weight row (of all groups), threads across the columns: coalesced, and the
 // block-scale row is found once per row. bf16 out rounds the f32 product.
 __global__ void dequantize_weight_kernel(const uint8_t* weight, const void* scale, bool ue8m0_scale,
@@ -46,8 +69,13 @@ void launch_prepare_activation(const LinearParams& p, DType dtype, void* out, cu
   const int64_t num_tiles = p.x.numel() / tile;
   if (num_tiles == 0) return;
   constexpr int kThreads = 128;
-  prepare_activation_kernel<<<elementwise_blocks(num_tiles, kThreads), kThreads, 0, stream>>>(
-      p.x.data, p.x.dtype, out, dtype, num_tiles, tile, p.activation_block > 0);
+  if (p.activation_block > 0 && tile % 32 == 0) {
+    quantize_activation_warp_kernel<<<elementwise_blocks(num_tiles, kThreads / 32), kThreads, 0, stream>>>(
+        p.x.data, p.x.dtype, out, dtype, num_tiles, tile);
+  } else {
+    prepare_activation_kernel<<<elementwise_blocks(num_tiles, kThreads), kThreads, 0, stream>>>(
+        p.x.data, p.x.dtype, out, dtype, num_tiles, tile, p.activation_block > 0);
+  }
   check_launch("linear");
 }
 
