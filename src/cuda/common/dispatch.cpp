@@ -19,9 +19,11 @@ const DeviceInfo& device_info() {
     int major = 0, minor = 0;
     DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    infos[static_cast<size_t>(device)].compute_capability = major * 10 + minor;
-    DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&infos[static_cast<size_t>(device)].max_shared_bytes_per_block,
-                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    DeviceInfo& info = infos[static_cast<size_t>(device)];
+    info.compute_capability = major * 10 + minor;
+    DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&info.max_shared_bytes_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&info.max_shared_bytes_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device));
   });
   return infos[static_cast<size_t>(device)];
 }

@@ -20,7 +20,7 @@ __global__ void mma_fragment_probe_kernel(const uint16_t* a, const uint16_t* k, 
           *reinterpret_cast<const uint4*>(inputs[m] + r * 16 + chunk * 8);
     }
   __syncwarp();
-  const uint32_t base = mma::shared_address(shared);
+  const uint32_t base = shared_address(shared);
   uint32_t qa[4], kb[4], pa[4], vb[4];
   mma::load_a(qa, base, 0, kProbeColumn, lane);
   mma::load_b_keys(kb, base + kProbeTileBytes, 0, kProbeColumn, lane);

@@ -1,6 +1,6 @@
 // Warp-level bf16 tensor-core primitives of the attention kernels (mma_bf16, decode_mma; sm_80+):
 // the shared-memory layout of 512-channel bf16 rows, ldmatrix loads of the m16n8k16 fragments from
-// it, the MMA, and cp.async. PTX fragment layouts (lane l, g = l / 4, c = l % 4; pairs are packed low index first):
+// it and the MMA (the copies themselves: common/async_copy.cuh). PTX fragment layouts (lane l, g = l / 4, c = l % 4; pairs are packed low index first):
 //   A 16x16 (row major)  a[0]: (g, 2c..2c+1)   a[1]: (g+8, 2c..)   a[2]: (g, 2c+8..)   a[3]: (g+8, 2c+8..)
 //   B 16x8  (k x n)      b[0]: (k 2c..2c+1, n g)                   b[1]: (k 2c+8.., n g)
 //   C 16x8  (f32)        c[0..1]: (g, 2c..2c+1)                    c[2..3]: (g+8, 2c..2c+1)
@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "cuda/common/async_copy.cuh"
 
 namespace dsv4::cuda::mma {
 
@@ -22,24 +24,6 @@ inline constexpr int kRowBytes = kRowChannels * 2;
 // groups of 4 banks.
 __device__ __forceinline__ uint32_t tile_offset(int row, int col) {
   return static_cast<uint32_t>(row * kRowBytes + ((((col >> 3) ^ (row & 7))) << 4));
-}
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address)
-               : "memory");
 }
 
 // d += a·b, bf16 inputs, f32 accumulation.
@@ -92,12 +76,5 @@ __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&lo)[4],
   a[2] = pack_bf16(hi[0], hi[1]);
   a[3] = pack_bf16(hi[2], hi[3]);
 }
-
-// 16 bytes global -> shared, asynchronous (completed by cp_async_wait_all).
-__device__ __forceinline__ void cp_async16(uint32_t shared, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared), "l"(global) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 }  // namespace dsv4::cuda::mma

@@ -97,12 +97,6 @@ __device__ __forceinline__ void take_mma_registers() {
 #endif
 }
 
-__device__ __forceinline__ void cp_async8(uint32_t shared, const void* global) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(shared), "l"(global) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most one of the thread's cp.async groups is in flight.
-__device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 // Eight e4m3 codes (little-endian) times `scale` (a power of two or an e4m3 value) as bf16, the
 // codec's values exactly: e4m3 is exact in f16 (cvt.rn.f16x2.e4m3x2, sm_89+), the product of two
@@ -225,7 +219,7 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
     auto request = [&](int i, const RowRef& ref) {
       const uint32_t valid = __ballot_sync(kFullMask, ref.valid());
       const int window_rows = rows.window_rows_in_tile(first_row + int64_t{i} * kTileRows, kTileRows);
-      const uint32_t stage_address = mma::shared_address(raw + (i % 2) * kRawStageBytes);
+      const uint32_t stage_address = shared_address(raw + (i % 2) * kRawStageBytes);
       for (int r = loader_warp; r < kTileRows; r += kLoaderWarps) {
         if (!((valid >> r) & 1)) continue;
         const uint8_t* data = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), r));
@@ -233,7 +227,7 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
         const int data_chunks = r < window_rows ? window_layout.data_chunks : compressed_layout.data_chunks;
         const int chunks = r < window_rows ? window_layout.chunks : compressed_layout.chunks;
         for (int c = lane; c < chunks; c += kWarpSize)
-          cp_async8(stage_address + r * kRawRowBytes + 8 * c, c < data_chunks ? data + 8 * c : scales + 8 * (c - data_chunks));
+          cp_async<8>(stage_address + r * kRawRowBytes + 8 * c, c < data_chunks ? data + 8 * c : scales + 8 * (c - data_chunks));
       }
       cp_async_commit();
       return valid;
@@ -253,7 +247,7 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
       else cp_async_commit();  // an empty group: the wait below then always means tile i
       next_ref = row_of_number(i + 2, after_next);
       after_next = row_number(i + 3);
-      cp_async_wait_all_but_one();
+      cp_async_wait<1>();
       barrier_sync(kLoaderBarrier, kLoaderThreads);  // every loader's bytes of tile i have landed
       if (i >= 2) barrier_sync(kEmptyBarrier + stage, kThreads);  // the MMA warps are done with tile i - 2
       // Decode: a warp per row, a lane per 16 channels (two 16-byte chunks). Lanes 4-7 of each
@@ -282,14 +276,14 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
   take_mma_registers();
   const int head_group = warp % 4, half = warp / 4;
   const bool computes = head0 + head_group * kHeadsPerWarp < a.heads;  // the same for both warps of a group
-  const uint32_t q_address = mma::shared_address(q_tile);
+  const uint32_t q_address = shared_address(q_tile);
   for (int item = threadIdx.x; item < kHeadsPerBlock * (kHeadDim / 8); item += kMmaThreads) {
     const int h = item / (kHeadDim / 8), chunk = item % (kHeadDim / 8);
     uint8_t* dst = q_tile + mma::tile_offset(h, chunk * 8);
-    if (head0 + h < a.heads) mma::cp_async16(mma::shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + chunk * 8));
+    if (head0 + h < a.heads) cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + chunk * 8));
     else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
-  mma::cp_async_wait_all();
+  cp_async_wait_all();
   barrier_sync(kMmaBarrier, kMmaThreads);
 
   mma::SoftmaxState softmax;
@@ -302,7 +296,7 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
     const int stage = i % 2;
     barrier_sync(kFullBarrier + stage, kThreads);
     if (computes) {
-      const uint32_t tile = mma::shared_address(tiles + stage * kTileBytes);
+      const uint32_t tile = shared_address(tiles + stage * kTileBytes);
       // Scores of the warp's 16 heads x 32 rows over its 256 channels.
       float s[kScoreTiles][4];
 #pragma unroll

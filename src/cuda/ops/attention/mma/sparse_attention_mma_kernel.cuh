@@ -61,7 +61,7 @@ __device__ __forceinline__ void gather_rows(const DeviceRows& cache, const RowRe
       const int r = item / kChunks, chunk = item % kChunks;
       const RowRef ref = refs[r];
       uint8_t* dst = tile + mma::tile_offset(r, chunk * 8);
-      if (ref.valid()) mma::cp_async16(mma::shared_address(dst), ref.data + chunk * 16);
+      if (ref.valid()) cp_async<16>(shared_address(dst), ref.data + chunk * 16);
       else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
   } else {
@@ -113,11 +113,11 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
   const TokenRows rows(a, t);
 
   // Q of the block's heads (zeros beyond a.heads), completed with the first tile.
-  const uint32_t q_address = mma::shared_address(q_tile);
+  const uint32_t q_address = shared_address(q_tile);
   for (int item = threadIdx.x; item < kMmaHeadsPerBlock * (kMmaHeadDim / 8); item += kMmaThreads) {
     const int h = item / (kMmaHeadDim / 8), chunk = item % (kMmaHeadDim / 8);
     uint8_t* dst = q_tile + mma::tile_offset(h, chunk * 8);
-    if (head0 + h < a.heads) mma::cp_async16(mma::shared_address(dst), a.q + ((t * a.heads + head0 + h) * kMmaHeadDim + chunk * 8));
+    if (head0 + h < a.heads) cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kMmaHeadDim + chunk * 8));
     else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
 
@@ -156,13 +156,13 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
   const float scale_log2 = a.scale * mma::kLog2e;
 
   if (first_row < end_row) load_tile(first_row, 0);
-  mma::cp_async_wait_all();
+  cp_async_wait_all();
   __syncthreads();
   int stage = 0;
   for (int64_t base = first_row; base < end_row; base += kMmaTileRows, stage ^= 1) {
     if (base + kMmaTileRows < end_row) load_tile(base + kMmaTileRows, stage ^ 1);
     if (computes) {
-      const uint32_t tile = mma::shared_address(kv_tiles + stage * kMmaTileBytes);
+      const uint32_t tile = shared_address(kv_tiles + stage * kMmaTileBytes);
       // Scores of the warp's 16 heads x 64 rows over its 256 channels.
       float s[kMmaScoreTiles][4];
 #pragma unroll
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
         }
       }
     }
-    mma::cp_async_wait_all();
+    cp_async_wait_all();
     __syncthreads();  // the next tile is in, this one consumed
   }
   if (!computes) return;

@@ -26,19 +26,34 @@ constexpr int64_t kMaxGridY = 65535;
 // Tokens per CTA: consecutive tokens of one sequence (a prefill chunk) share the CTA's key loads,
 // but tokens of different sequences (a decode batch) run one after the other in it, so a CTA
 // takes one token per 64 of the step (a decode batch of 64: one), at most kMaxTokensPerCta and
-// as many as kSharedBudget bytes of staged queries allow (4 CTAs per SM).
+// as many as kSharedBudget bytes allow (two CTAs per SM).
 constexpr int64_t kTokensPerExtraCtaToken = 64;
-constexpr size_t kSharedBudget = 56 * 1024;
+constexpr size_t kSharedBudget = 112 * 1024;
+// Keys per CTA: enough CTAs for kWaves waves, each CTA at least kMinKeysPerCta keys (8 stages per
+// warp) so that the query staging and the pipeline's start are amortized.
+constexpr int64_t kWaves = 2;
+constexpr int64_t kMinKeysPerCta = 1024;
 
-size_t shared_bytes(int blocks, int tokens_per_cta, int heads) {
-  return blocks == 2 ? index_mma::SharedLayout<2>(tokens_per_cta, heads).bytes()
-                     : index_mma::SharedLayout<4>(tokens_per_cta, heads).bytes();
+size_t shared_bytes(int blocks, bool fp8, int tokens_per_cta, int heads) {
+  using index_mma::SharedLayout;
+  if (blocks == 2) return fp8 ? SharedLayout<2, true>(tokens_per_cta, heads).bytes() : SharedLayout<2, false>(tokens_per_cta, heads).bytes();
+  return fp8 ? SharedLayout<4, true>(tokens_per_cta, heads).bytes() : SharedLayout<4, false>(tokens_per_cta, heads).bytes();
 }
 
-int tokens_per_cta(int64_t tokens, int heads, int blocks) {
+int tokens_per_cta(int64_t tokens, int heads, int blocks, bool fp8) {
   int n = static_cast<int>(std::clamp<int64_t>(tokens / kTokensPerExtraCtaToken, 1, index_mma::kMaxTokensPerCta));
-  while (n > 1 && shared_bytes(blocks, n, heads) > kSharedBudget) --n;
+  while (n > 1 && shared_bytes(blocks, fp8, n, heads) > kSharedBudget) --n;
   return n;
+}
+
+int64_t keys_per_cta(int64_t entries, int64_t token_groups, size_t shared, const DeviceInfo& device) {
+  const int64_t resident = std::clamp<int64_t>(device.max_shared_bytes_per_sm / static_cast<int64_t>(shared + 1024), 1,
+                                               index_mma::kMinBlocksPerSm);
+  const int64_t target = kWaves * std::max(device.multiprocessors, 1) * resident;
+  const int64_t splits = std::clamp<int64_t>((target + token_groups - 1) / token_groups, 1,
+                                             std::max<int64_t>(1, entries / kMinKeysPerCta));
+  const int64_t keys = (entries + splits - 1) / splits;
+  return (keys + index_mma::kKeyGranule - 1) / index_mma::kKeyGranule * index_mma::kKeyGranule;
 }
 
 std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
@@ -55,16 +70,18 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
   if (heads > index_mma::kMaxHeads)
     return std::to_string(heads) + " index heads, supports at most " + std::to_string(index_mma::kMaxHeads);
   if (reinterpret_cast<uintptr_t>(p.q.data) % 16 != 0) return "q that is not 16-byte aligned";
-  // 4-byte loads of key words, one load of a row's scales (fp32 or dim / 32 ue8m0 bytes).
+  // 16-byte asynchronous copies of key rows, 4-byte ones of the scale words holding a row's scales
+  // (fp32 or dim / 32 ue8m0 bytes).
   const PageGeometry& g = p.keys.geometry;
   const int64_t scale_bytes = f == KvRowFormat::index_fp8 ? 4 : dim / 32;
-  if (reinterpret_cast<uintptr_t>(p.keys.pages.data) % 4 != 0 || g.page_stride % 4 != 0 || g.data_offset(1) % 4 != 0 ||
-      g.scale_offset(0) % scale_bytes != 0 || g.scale_offset(1) % scale_bytes != 0)
-    return "key rows that are not 4-byte aligned";
-  const int per_cta = tokens_per_cta(tokens, static_cast<int>(heads), static_cast<int>(dim / 32));
+  if (reinterpret_cast<uintptr_t>(p.keys.pages.data) % 16 != 0 || g.page_stride % 16 != 0 || g.data_offset(0) % 16 != 0 ||
+      g.data_offset(1) % 16 != 0 || g.scale_offset(0) % scale_bytes != 0 || g.scale_offset(1) % scale_bytes != 0)
+    return "key rows that are not 16-byte aligned";
+  const bool fp8 = f == KvRowFormat::index_fp8;
+  const int per_cta = tokens_per_cta(tokens, static_cast<int>(heads), static_cast<int>(dim / 32), fp8);
   if ((tokens + per_cta - 1) / per_cta > kMaxGridY)
     return std::to_string(tokens) + " tokens, supports at most " + std::to_string(kMaxGridY * per_cta);
-  return needs_shared_memory(static_cast<long long>(shared_bytes(static_cast<int>(dim / 32), per_cta, static_cast<int>(heads))),
+  return needs_shared_memory(static_cast<long long>(shared_bytes(static_cast<int>(dim / 32), fp8, per_cta, static_cast<int>(heads))),
                              device);
 }
 
@@ -86,10 +103,13 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
     a.candidate_block_size = p.candidate_block_size;
   }
   a.scores = p.scores.ptr<float>();
-  a.tokens_per_cta = tokens_per_cta(a.tokens, a.heads, static_cast<int>(p.q.shape[2] / 32));
+  const bool fp8 = p.keys.geometry.format == KvRowFormat::index_fp8;
+  const int blocks = static_cast<int>(p.q.shape[2] / 32);
+  a.tokens_per_cta = tokens_per_cta(a.tokens, a.heads, blocks, fp8);
+  a.keys_per_cta = keys_per_cta(a.entries, (a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta,
+                                shared_bytes(blocks, fp8, a.tokens_per_cta, a.heads), device_info());
   a.bf16_rounding = p.bf16_rounding;
   a.partial = p.partial;
-  const bool fp8 = p.keys.geometry.format == KvRowFormat::index_fp8;
   if (p.q.shape[2] == 128) fp8 ? launch_index_scores_mma<4, true>(a, stream) : launch_index_scores_mma<4, false>(a, stream);
   else fp8 ? launch_index_scores_mma<2, true>(a, stream) : launch_index_scores_mma<2, false>(a, stream);
   check_launch("index_scores");

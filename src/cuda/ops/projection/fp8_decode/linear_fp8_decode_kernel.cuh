@@ -57,17 +57,6 @@ struct Fp8DecodeLaunch {
 
 namespace fp8_decode {
 
-// 16 bytes global -> shared, zero-filled when !valid (then `global` is not read).
-__device__ __forceinline__ void cp_async16_zfill(uint32_t shared, const void* global, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(global), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 __device__ __forceinline__ uint4 load_shared16(uint32_t address) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -125,7 +114,7 @@ __global__ void __launch_bounds__(kFp8DecodeThreads) linear_fp8_decode_kernel(co
   constexpr int kTokenChunks = kTokens * kFp8DecodeBlockK * 2 / 16;  // 128 per token tile: 1 per thread
   static_assert(kWeightChunks % kFp8DecodeThreads == 0 && kTokenChunks % kFp8DecodeThreads == 0);
   extern __shared__ __align__(16) unsigned char shared[];
-  const uint32_t base = mma::shared_address(shared);
+  const uint32_t base = shared_address(shared);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int m0 = blockIdx.x * kFp8DecodeBlockRows, g = blockIdx.y, split = blockIdx.z;
@@ -142,7 +131,7 @@ __global__ void __launch_bounds__(kFp8DecodeThreads) linear_fp8_decode_kernel(co
       const int c = tid + i * kFp8DecodeThreads, row = c / 8, chunk = c % 8;
       const int o = m0 + row, k = k0 + chunk * 16;
       const bool valid = o < a.out && k < k_end;
-      cp_async16_zfill(stage + weight_offset(row, chunk), valid ? weight + static_cast<int64_t>(o) * a.in + k : a.weight,
+      cp_async<16>(stage + weight_offset(row, chunk), valid ? weight + static_cast<int64_t>(o) * a.in + k : a.weight,
                        valid);
     }
 #pragma unroll
@@ -150,7 +139,7 @@ __global__ void __launch_bounds__(kFp8DecodeThreads) linear_fp8_decode_kernel(co
       const int c = tid + i * kFp8DecodeThreads, token = c / 16, chunk = c % 16;
       const int k = k0 + chunk * 8;
       const bool valid = token < a.rows && k < k_end;
-      cp_async16_zfill(stage + kWeightTileBytes + token_offset(token, chunk),
+      cp_async<16>(stage + kWeightTileBytes + token_offset(token, chunk),
                        valid ? a.x + (static_cast<int64_t>(token) * a.groups + g) * a.in + k : a.x, valid);
     }
   };

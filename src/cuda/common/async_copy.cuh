@@ -1,0 +1,57 @@
+// Asynchronous global -> shared copies (cp.async, sm_80+) and ldmatrix, the data movement the
+// tensor-core kernels share.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dsv4::cuda {
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// kBytes (4, 8 or 16) global -> shared, asynchronous; zero-filled without reading `global` when
+// !valid (`global` must still be a valid address then). 16-byte copies bypass L1 (.cg), smaller
+// ones cannot (.ca).
+template <int kBytes>
+__device__ __forceinline__ void cp_async(uint32_t shared, const void* global, bool valid = true) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16);
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(global), "r"(valid ? 16 : 0)
+                 : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(shared), "l"(global), "n"(kBytes),
+                 "r"(valid ? kBytes : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most kPending of the thread's committed groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Commits the thread's outstanding copies and waits for all of them.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Four 8x8 b16 matrices: lanes 8m … 8m + 7 give the row addresses of matrix m, which lands in
+// r[m] (lane l holds row l / 4, bytes 4·(l % 4) … + 3 of each).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+
+}  // namespace dsv4::cuda
