@@ -586,6 +586,11 @@ TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
             "dsv4: sparse_attention: cache 'window' has page stride 17408 with 512+16 bytes per row, expected 16896 "
             "with 512+16 (build the geometry with page_geometry())");
   bad = p;
+  bad.window.geometry = page_geometry(KvRowFormat::f32, kHeadDim, 32);
+  bad.window.pages = fake_device_view(DType::u8, {4, bad.window.geometry.page_stride});
+  bad.window.pages.data = static_cast<std::byte*>(bad.window.pages.data) + 2;
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: cache 'window' has f32 pages that are not 4-byte aligned");
+  bad = p;
   bad.lse = fake_device_view(DType::f32, {3, 9});
   EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'lse' has shape [3, 9], expected [3, 8]");
   bad = p;
