@@ -351,7 +351,8 @@ TEST(Engine, ResultsDoNotDependOnTheThreadCount) {
 
 // The V4.1 cache formats store exactly the reference's fake-quantized rows (FP8 window rows, FP4
 // compressed rows, MXFP4 index keys), so paged "v4.1-native" caches change nothing in reference
-// precision; in fp32 precision they quantize what float storage keeps exact.
+// precision; in fp32 precision they quantize what float storage keeps exact, and the f32 set does
+// not.
 TEST(Engine, NativeV41FormatsReproduceTheReferenceQuantization) {
   const Model m = tiny_model("tiny-v4.1", true);
   const auto run = [&](Precision precision, const std::string& kv_format) {
@@ -365,6 +366,9 @@ TEST(Engine, NativeV41FormatsReproduceTheReferenceQuantization) {
   };
   EXPECT_EQ(run(Precision::reference, "v4.1-native"), run(Precision::reference, ""));
   EXPECT_NE(run(Precision::fp32, "v4.1-native"), run(Precision::fp32, ""));
+  // The f32 set stores the rows themselves: fp32 precision's paged caches (its default formats)
+  // change nothing either.
+  EXPECT_EQ(run(Precision::fp32, "f32"), run(Precision::fp32, ""));
 }
 
 // Picks are sorted, visible ((p + 1) // ratio) and as many as there are eligible entries up to k;

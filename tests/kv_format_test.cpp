@@ -77,6 +77,8 @@ TEST(KvFormat, RowSizesAndPageStrides) {
       {KvRowFormat::v41_fp4, 512, 3, PagePlacement::interleaved, 288, 864},
       {KvRowFormat::bf16, 512, 64, PagePlacement::segregated, 1024, 65536},
       {KvRowFormat::fp8_per_tensor, 128, 5, PagePlacement::segregated, 128, 640},
+      {KvRowFormat::f32, 512, 64, PagePlacement::segregated, 2048, 131072},
+      {KvRowFormat::f32, 77, 3, PagePlacement::interleaved, 308, 924},
   };
   for (const Case& c : cases) {
     const PageGeometry g = page_geometry(c.f, c.dims, c.rows, c.placement);
@@ -95,10 +97,11 @@ TEST(KvFormat, RowPlacementOffsets) {
 }
 
 TEST(KvFormat, NamesSetsAndDefaults) {
-  EXPECT_EQ(kEveryKvRowFormat.size(), 7u);
+  EXPECT_EQ(kEveryKvRowFormat.size(), 8u);
   for (KvRowFormat f : kEveryKvRowFormat) EXPECT_EQ(parse_kv_row_format(kv_row_format_name(f)), f);
   EXPECT_STREQ(kv_row_format_name(KvRowFormat::v41_fp4), "v41_fp4");
-  EXPECT_EQ(kv_format_set_names(), (std::vector<std::string>{"v4.1-native", "fp8_ds_mla", "bf16", "fp8"}));
+  EXPECT_STREQ(kv_row_format_name(KvRowFormat::f32), "f32");
+  EXPECT_EQ(kv_format_set_names(), (std::vector<std::string>{"v4.1-native", "fp8_ds_mla", "bf16", "fp8", "f32"}));
   const KvFormatSet native = kv_format_set("v4.1-native");
   EXPECT_EQ(native.window, KvRowFormat::v41_fp8);
   EXPECT_EQ(native.compressed, KvRowFormat::v41_fp4);
@@ -111,6 +114,11 @@ TEST(KvFormat, NamesSetsAndDefaults) {
   const KvFormatSet fp8 = kv_format_set("fp8");
   EXPECT_EQ(fp8.window, KvRowFormat::fp8_per_tensor);
   EXPECT_EQ(fp8.index_keys, KvRowFormat::index_fp8);
+  const KvFormatSet f32 = kv_format_set("f32");
+  EXPECT_EQ(f32.window, KvRowFormat::f32);
+  EXPECT_EQ(f32.compressed, KvRowFormat::f32);
+  EXPECT_EQ(f32.index_keys, KvRowFormat::f32);
+  EXPECT_EQ(default_rows_per_page(KvRowFormat::f32), 64);
   EXPECT_EQ(default_rows_per_page(KvRowFormat::v41_fp8), 32);
   EXPECT_EQ(default_rows_per_page(KvRowFormat::v41_fp4), 64);
   EXPECT_EQ(default_rows_per_page(KvRowFormat::fp8_ds_mla), 64);
@@ -284,6 +292,15 @@ TEST(KvFormatKnownAnswer, PlainRows) {
                          {{0, 224.0f}, {1, 224.0f}, {2, -0.25f}, {3, 0.25f}}};
   per_tensor.tensor_scale = 0.5f;
   check_known_answer(per_tensor);
+  // f32: the bits themselves, little-endian, whatever the value: 1 + 2^-8 (which bf16 rounds), the
+  // smallest subnormal, -0, -inf and a quiet NaN with a payload. Slot 4 of 3-row pages: page 1, row 1.
+  const float payload_nan = float_from_bits(0x7fc00123u);
+  const std::map<int, float> f32_values = {{0, 1.00390625f}, {1, 0x1p-149f}, {2, -0.0f},
+                                           {3, -std::numeric_limits<float>::infinity()}, {4, payload_nan}};
+  check_known_answer({"f32", KvRowFormat::f32, 5, 3, 2, 4, PagePlacement::segregated, f32_values,
+                      {0x00, 0x80, 0x80, 0x3f, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x80, 0x00, 0x00, 0x80, 0xff,
+                       0x23, 0x01, 0xc0, 0x7f},
+                      60 + 20, {}, 0, f32_values});
 }
 
 TEST(KvFormat, EncodeTouchesOnlyTheRowsBytes) {
@@ -530,6 +547,8 @@ TEST(KvFormatFakeQuant, Fp8DsMlaIsActQuantOnNopeAndBf16OnRope) {
 double error_bound(KvRowFormat f, double x, double amax, double tensor_scale) {
   const double a = std::fabs(x);
   switch (f) {
+    case KvRowFormat::f32:
+      return 0.0;  // the value itself
     case KvRowFormat::bf16:
       return a * 0x1p-8;  // half an ulp with 7 mantissa bits
     case KvRowFormat::fp8_per_tensor:
@@ -562,7 +581,7 @@ TEST(KvFormatRoundTrip, ErrorBounds) {
   for (const Case& c : {Case{KvRowFormat::v41_fp8, 512, 32}, Case{KvRowFormat::fp8_ds_mla, 512, 64},
                         Case{KvRowFormat::v41_fp4, 512, 16}, Case{KvRowFormat::index_mxfp4, 128, 32},
                         Case{KvRowFormat::index_fp8, 128, 128}, Case{KvRowFormat::bf16, 96, 96},
-                        Case{KvRowFormat::fp8_per_tensor, 96, 96}}) {
+                        Case{KvRowFormat::fp8_per_tensor, 96, 96}, Case{KvRowFormat::f32, 96, 96}}) {
     SCOPED_TRACE(kv_row_format_name(c.f));
     // Magnitudes up to ~2^8 keep the e4m3 scales of v41_fp4 (<= 448) and x / tensor_scale (<= 448)
     // unsaturated.
@@ -594,7 +613,7 @@ TEST(KvFormatErrors, BadDimsRowsAndNames) {
   expect_error_containing([] { row_layout(static_cast<KvRowFormat>(99), 512); }, "unknown row format value 99");
   expect_error_containing([] { page_geometry(KvRowFormat::v41_fp4, 512, 0); }, "page_geometry: rows_per_page is 0, expected 1 ... 1048576");
   expect_error_containing([] { parse_kv_row_format("fp9"); }, "unknown row format 'fp9', expected one of bf16, fp8_per_tensor, v41_fp8");
-  expect_error_containing([] { kv_format_set("v4.2"); }, "unknown KV format set 'v4.2', expected one of v4.1-native, fp8_ds_mla, bf16, fp8");
+  expect_error_containing([] { kv_format_set("v4.2"); }, "unknown KV format set 'v4.2', expected one of v4.1-native, fp8_ds_mla, bf16, fp8, f32");
 }
 
 TEST(KvFormatErrors, BadEncodeAndDecodeCalls) {

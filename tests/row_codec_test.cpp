@@ -31,7 +31,8 @@ const Case kCases[] = {{KvRowFormat::bf16, 512},        {KvRowFormat::bf16, 77},
                        {KvRowFormat::fp8_per_tensor, 512}, {KvRowFormat::fp8_per_tensor, 77},
                        {KvRowFormat::v41_fp8, 512},     {KvRowFormat::v41_fp4, 512},
                        {KvRowFormat::fp8_ds_mla, 512},  {KvRowFormat::index_mxfp4, 128},
-                       {KvRowFormat::index_fp8, 128}};
+                       {KvRowFormat::index_fp8, 128},   {KvRowFormat::f32, 512},
+                       {KvRowFormat::f32, 77}};
 
 // Rows whose values span many binades (subnormal scales, saturation, exact zeros, all-zero tiles).
 std::vector<float> random_row(std::mt19937_64& rng, int dims) {
@@ -70,6 +71,7 @@ std::vector<float> documented_value(KvRowFormat f, const std::vector<float>& x, 
       break;
     case KvRowFormat::index_mxfp4: tiles(0, dims, 32, fake_quant_fp4_ue8m0); break;
     case KvRowFormat::index_fp8: tiles(0, dims, dims, fp8); break;
+    case KvRowFormat::f32: y = x; break;
   }
   return y;
 }

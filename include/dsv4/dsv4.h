@@ -192,7 +192,7 @@ dsv4_status dsv4_engine_config(const dsv4_engine* engine, dsv4_config** out);
  * zeros (decode). */
 
 /* Page geometry of a KV row format ("bf16", "fp8_per_tensor", "v41_fp8", "v41_fp4", "fp8_ds_mla",
- * "index_mxfp4", "index_fp8") with `dims` channels, `rows_per_page` rows a page (0: the
+ * "index_mxfp4", "index_fp8", "f32") with `dims` channels, `rows_per_page` rows a page (0: the
  * format's default), placement "segregated" or "interleaved" (NULL: segregated). */
 typedef struct dsv4_page_geometry {
   int64_t dims;

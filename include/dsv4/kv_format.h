@@ -20,11 +20,12 @@ enum class KvRowFormat : uint8_t {
   fp8_ds_mla,      // V4.0: 448 e4m3 NoPE + 64 bf16 RoPE + 7 ue8m0 + 1 pad = 584 B
   index_mxfp4,     // index keys: 64 B e2m1 + 4 ue8m0 (32-channel tiles) = 68 B
   index_fp8,       // index keys: 128 e4m3 + one fp32 power-of-two scale = 132 B
+  f32,             // raw fp32 values (any dims): exact, the caches of Precision::fp32
 };
 // Every row format, for the operations that read or write rows of any of them.
 inline const std::vector<KvRowFormat> kEveryKvRowFormat = {
     KvRowFormat::bf16,       KvRowFormat::fp8_per_tensor, KvRowFormat::v41_fp8,  KvRowFormat::v41_fp4,
-    KvRowFormat::fp8_ds_mla, KvRowFormat::index_mxfp4,    KvRowFormat::index_fp8};
+    KvRowFormat::fp8_ds_mla, KvRowFormat::index_mxfp4,    KvRowFormat::index_fp8, KvRowFormat::f32};
 const char* kv_row_format_name(KvRowFormat f);
 // Inverse of kv_row_format_name; throws naming the accepted names.
 KvRowFormat parse_kv_row_format(const std::string& name);
@@ -92,7 +93,8 @@ void decode_rows(const PageGeometry& g, std::span<const std::byte> pages, const 
 
 // Named sets of formats for the three caches, as the CLI's --kv-format takes them:
 // "v4.1-native" (v41_fp8 / v41_fp4 / index_mxfp4), "fp8_ds_mla" (fp8_ds_mla / fp8_ds_mla /
-// index_fp8), "bf16" (bf16 / bf16 / bf16), "fp8" (fp8_per_tensor / fp8_per_tensor / index_fp8).
+// index_fp8), "bf16" (bf16 / bf16 / bf16), "fp8" (fp8_per_tensor / fp8_per_tensor / index_fp8),
+// "f32" (f32 / f32 / f32).
 struct KvFormatSet {
   std::string name;
   KvRowFormat window;

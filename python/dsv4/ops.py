@@ -12,7 +12,7 @@ import numpy as np
 from . import _dsv4
 from ._tensors import as_index, capsule, contiguous, empty_like, on_cuda, stream_of
 
-FORMATS = ("bf16", "fp8_per_tensor", "v41_fp8", "v41_fp4", "fp8_ds_mla", "index_mxfp4", "index_fp8")
+FORMATS = ("bf16", "fp8_per_tensor", "v41_fp8", "v41_fp4", "fp8_ds_mla", "index_mxfp4", "index_fp8", "f32")
 
 
 def kv_page_geometry(format, dims=512, rows_per_page=0, placement="segregated"):

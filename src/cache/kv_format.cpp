@@ -25,6 +25,7 @@ constexpr FormatInfo kFormats[] = {
     {KvRowFormat::fp8_ds_mla, "fp8_ds_mla"},
     {KvRowFormat::index_mxfp4, "index_mxfp4"},
     {KvRowFormat::index_fp8, "index_fp8"},
+    {KvRowFormat::f32, "f32"},
 };
 
 const KvFormatSet kFormatSets[] = {
@@ -32,6 +33,7 @@ const KvFormatSet kFormatSets[] = {
     {"fp8_ds_mla", KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla, KvRowFormat::index_fp8},
     {"bf16", KvRowFormat::bf16, KvRowFormat::bf16, KvRowFormat::bf16},
     {"fp8", KvRowFormat::fp8_per_tensor, KvRowFormat::fp8_per_tensor, KvRowFormat::index_fp8},
+    {"f32", KvRowFormat::f32, KvRowFormat::f32, KvRowFormat::f32},
 };
 
 template <class Table, class Name>
@@ -135,7 +137,8 @@ RowLayout row_layout(KvRowFormat f, int64_t dims) {
   // pages are paired with fp8_ds_mla pages.
   switch (f) {
     case KvRowFormat::bf16:
-    case KvRowFormat::fp8_per_tensor: layout.alignment = 1; break;
+    case KvRowFormat::fp8_per_tensor:
+    case KvRowFormat::f32: layout.alignment = 1; break;
     case KvRowFormat::v41_fp8:
     case KvRowFormat::index_mxfp4: layout.alignment = 512; break;
     case KvRowFormat::v41_fp4: layout.alignment = 256; break;

@@ -32,7 +32,8 @@ inline constexpr int kDsMlaNopeDims = 448;       // fp8_ds_mla: e4m3 NoPE channe
 inline constexpr int kDsMlaTile = 64;
 inline constexpr int kDsMlaTiles = kDsMlaNopeDims / kDsMlaTile;  // 7 scale bytes, then 1 padding byte
 inline constexpr int kIndexFp8ScaleBytes = 4;    // index_fp8: one fp32 scale per row
-// bf16 / fp8_per_tensor rows have no scales; encode_tile writes them this many channels at a time.
+// bf16 / fp8_per_tensor / f32 rows have no scales; encode_tile writes them this many channels at a
+// time.
 inline constexpr int kPlainTile = 32;
 
 // Bytes of values and of scales (with fp8_ds_mla's padding byte) of a row of `dims` channels;
@@ -40,6 +41,7 @@ inline constexpr int kPlainTile = 32;
 DSV4_HD constexpr int64_t data_bytes(KvRowFormat format, int64_t dims) {
   switch (format) {
     case KvRowFormat::bf16: return 2 * dims;
+    case KvRowFormat::f32: return 4 * dims;
     case KvRowFormat::fp8_per_tensor:
     case KvRowFormat::v41_fp8:
     case KvRowFormat::index_fp8: return dims;
@@ -52,7 +54,8 @@ DSV4_HD constexpr int64_t data_bytes(KvRowFormat format, int64_t dims) {
 DSV4_HD constexpr int64_t scale_bytes(KvRowFormat format, int64_t dims) {
   switch (format) {
     case KvRowFormat::bf16:
-    case KvRowFormat::fp8_per_tensor: return 0;
+    case KvRowFormat::fp8_per_tensor:
+    case KvRowFormat::f32: return 0;
     case KvRowFormat::v41_fp8: return dims / kV41Fp8Tile;
     case KvRowFormat::v41_fp4: return dims / kV41Fp4Tile;
     case KvRowFormat::fp8_ds_mla: return kDsMlaTiles + 1;
@@ -82,11 +85,12 @@ DSV4_HD DSV4_CODEC_INLINE void store_f32_le(uint8_t* p, float f) {
 // Decode.
 
 // How channel c of a row of format F is stored.
-enum class ChannelCode : uint8_t { bf16, e4m3, e2m1 };
+enum class ChannelCode : uint8_t { bf16, e4m3, e2m1, f32 };
 
 template <KvRowFormat F>
 DSV4_HD DSV4_CODEC_INLINE constexpr ChannelCode channel_code(int c) {
   if constexpr (F == KvRowFormat::bf16) return ChannelCode::bf16;
+  else if constexpr (F == KvRowFormat::f32) return ChannelCode::f32;
   else if constexpr (F == KvRowFormat::v41_fp4 || F == KvRowFormat::index_mxfp4) return ChannelCode::e2m1;
   else if constexpr (F == KvRowFormat::fp8_ds_mla) return c < kDsMlaNopeDims ? ChannelCode::e4m3 : ChannelCode::bf16;
   else return ChannelCode::e4m3;
@@ -97,6 +101,7 @@ DSV4_HD DSV4_CODEC_INLINE constexpr ChannelCode channel_code(int c) {
 template <KvRowFormat F>
 DSV4_HD DSV4_CODEC_INLINE constexpr int channel_offset(int c) {
   if constexpr (F == KvRowFormat::bf16) return 2 * c;
+  else if constexpr (F == KvRowFormat::f32) return 4 * c;
   else if constexpr (F == KvRowFormat::v41_fp4 || F == KvRowFormat::index_mxfp4) return c / 2;
   else if constexpr (F == KvRowFormat::fp8_ds_mla) return c < kDsMlaNopeDims ? c : kDsMlaNopeDims + 2 * (c - kDsMlaNopeDims);
   else return c;
@@ -115,19 +120,20 @@ DSV4_HD DSV4_CODEC_INLINE float channel_scale(const uint8_t* scales, int c, floa
   else return 1.0f;
 }
 
-// Channel c's code times `scale`, the scale of its tile (see channel_scale); bf16 channels have no
-// scale and ignore it.
+// Channel c's code times `scale`, the scale of its tile (see channel_scale); bf16 and f32 channels
+// have no scale and ignore it.
 template <KvRowFormat F>
 DSV4_HD DSV4_CODEC_INLINE float scaled_channel(const uint8_t* data, int c, float scale) {
   switch (channel_code<F>(c)) {
     case ChannelCode::bf16: return bf16_bits_to_float(load_u16_le(data + channel_offset<F>(c)));
+    case ChannelCode::f32: return load_f32_le(data + channel_offset<F>(c));
     case ChannelCode::e4m3: return e4m3_to_float(data[channel_offset<F>(c)]) * scale;
     case ChannelCode::e2m1: return e2m1_to_float(unpack_e2m1(data, c)) * scale;
   }
   return 0.0f;
 }
 
-// The scale of the tile of channel c, or 1 for a bf16 channel.
+// The scale of the tile of channel c, or 1 for a bf16 channel (f32 rows: channel_scale's 1).
 template <KvRowFormat F>
 DSV4_HD DSV4_CODEC_INLINE float scale_of_channel(const uint8_t* scales, int c, float tensor_scale) {
   return channel_code<F>(c) == ChannelCode::bf16 ? 1.0f : channel_scale<F>(scales, c, tensor_scale);
@@ -174,6 +180,7 @@ DSV4_HD DSV4_CODEC_INLINE void visit_format(KvRowFormat format, Visitor&& f) {
     case KvRowFormat::fp8_ds_mla: f(std::integral_constant<KvRowFormat, KvRowFormat::fp8_ds_mla>{}); return;
     case KvRowFormat::index_mxfp4: f(std::integral_constant<KvRowFormat, KvRowFormat::index_mxfp4>{}); return;
     case KvRowFormat::index_fp8: f(std::integral_constant<KvRowFormat, KvRowFormat::index_fp8>{}); return;
+    case KvRowFormat::f32: f(std::integral_constant<KvRowFormat, KvRowFormat::f32>{}); return;
   }
 }
 
@@ -215,7 +222,8 @@ DSV4_HD constexpr int encode_tile_count(KvRowFormat format, int dims) {
     case KvRowFormat::index_mxfp4: return dims / kMxfp4Tile;
     case KvRowFormat::index_fp8: return 1;
     case KvRowFormat::bf16:
-    case KvRowFormat::fp8_per_tensor: return (dims + kPlainTile - 1) / kPlainTile;
+    case KvRowFormat::fp8_per_tensor:
+    case KvRowFormat::f32: return (dims + kPlainTile - 1) / kPlainTile;
   }
   return 0;
 }
@@ -234,6 +242,9 @@ DSV4_HD inline void encode_tile(KvRowFormat format, int dims, const float* x, in
       return;
     case KvRowFormat::fp8_per_tensor:
       for (int c = t * kPlainTile; c < plain_tile_end(dims, t); ++c) data[c] = float_to_e4m3(divide_rn(x[c], tensor_scale));
+      return;
+    case KvRowFormat::f32:
+      for (int c = t * kPlainTile; c < plain_tile_end(dims, t); ++c) store_f32_le(data + 4 * c, x[c]);
       return;
     case KvRowFormat::v41_fp8:
       scales[t] = encode_fp8_tile(x + t * kV41Fp8Tile, kV41Fp8Tile, data + t * kV41Fp8Tile, floor);

@@ -107,7 +107,7 @@ int64_t index_heads_counted(const ModelConfig& shard, IndexerSharding sharding, 
 }
 
 KvFormatSet default_kv_formats(const ModelConfig& config, Precision precision) {
-  if (precision == Precision::fp32) return kv_format_set("bf16");
+  if (precision == Precision::fp32) return kv_format_set("f32");
   if (config.family == ModelFamily::v4_1) return kv_format_set("v4.1-native");
   return {"v4.0-reference", KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla, KvRowFormat::bf16};
 }

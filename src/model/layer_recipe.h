@@ -91,9 +91,9 @@ LayerRecipe layer_recipe(const ModelConfig& config, const LayerPlan& plan, Preci
 // model's, when the shard holds a split indexer of a group of `ranks` ranks; 0 otherwise.
 int64_t index_heads_counted(const ModelConfig& shard, IndexerSharding sharding, int ranks);
 
-// The cache formats whose decoded rows are exactly the values `precision` stores, where one exists:
-// V4.1 reference "v4.1-native", V4.0 reference fp8_ds_mla rows with bf16 index keys; fp32 has no
-// exact paged format and gets "bf16" (which rounds). EngineOptions::kv_format "" means this.
+// The cache formats whose decoded rows are exactly the values `precision` stores: V4.1 reference
+// "v4.1-native", V4.0 reference fp8_ds_mla rows with bf16 index keys, fp32 "f32" (the fp32 rows
+// themselves, as float_rows storage keeps them). EngineOptions::kv_format "" means this.
 KvFormatSet default_kv_formats(const ModelConfig& config, Precision precision);
 
 }  // namespace dsv4

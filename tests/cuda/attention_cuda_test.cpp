@@ -56,6 +56,7 @@ struct AttentionCase {
   std::vector<int32_t> picks;        // [tokens, num_picks], optional: else random
   std::vector<int32_t> first_window_page;  // per sequence; rows on earlier pages are gone
   DType out_dtype = DType::f32;
+  DType q_dtype = DType::bf16;  // f32: Precision::fp32's queries, not rounded
   bool bf16_rounding = false;
   // Every token attends at most 32 rows (one tile of every implementation) and nothing splits: e_i
   // is relative to the final max as in the reference, so the output must be much closer to the
@@ -158,7 +159,8 @@ void check_attention(const AttentionCase& c) {
     fill_rows(*compressed, entries, rng);
   }
 
-  const auto q = testing::rounded_to_bf16(testing::random_floats(tokens * c.heads * kHeadDim, c.seed + 3, -3.0f, 3.0f));
+  std::vector<float> q = testing::random_floats(tokens * c.heads * kHeadDim, c.seed + 3, -3.0f, 3.0f);
+  if (c.q_dtype == DType::bf16) q = testing::rounded_to_bf16(q);
   const auto sink = testing::random_floats(c.heads, c.seed + 4, -1.0f, 3.0f);
   std::vector<int32_t> sequence(tokens), position(tokens), picks(static_cast<size_t>(tokens * c.num_picks));
   for (int64_t t = 0; t < tokens; ++t) {
@@ -202,7 +204,7 @@ void check_attention(const AttentionCase& c) {
   }
   if (c.out_dtype == DType::bf16) expected = testing::rounded_to_bf16(expected);
 
-  DeviceTensor dq = testing::device_tensor(q, DType::bf16, {tokens, c.heads, kHeadDim});
+  DeviceTensor dq = testing::device_tensor(q, c.q_dtype, {tokens, c.heads, kHeadDim});
   DeviceTensor dsequence = testing::device_array(sequence, DType::i32, {tokens});
   DeviceTensor dposition = testing::device_array(position, DType::i32, {tokens});
   DeviceTensor dsink = testing::device_tensor(sink, DType::f32, {c.heads});
@@ -335,6 +337,17 @@ TEST_F(CudaTest, SparseAttentionBf16InterleavedPages) {
                   .placement = PagePlacement::interleaved, .heads = 8, .window = 40, .ratio = 2, .num_picks = 33,
                   .first_window_page = {0}, .seed = 30};
   for (int32_t p = 50; p < 61; ++p) c.tokens.push_back({0, p});
+  check_attention(c);
+}
+
+TEST_F(CudaTest, SparseAttentionFp32QueriesAndRows) {
+  // What the engine runs in Precision::fp32: f32 queries over f32 window and compressed rows (the
+  // SIMT kernel; the tensor-core ones take bf16 q), prefill and decode tokens of two sequences.
+  AttentionCase c{.window_format = KvRowFormat::f32, .compressed_format = KvRowFormat::f32, .heads = 20,
+                  .window = 16, .ratio = 4, .num_picks = 9, .first_window_page = {0, 0}, .q_dtype = DType::f32,
+                  .seed = 35};
+  for (int32_t p = 0; p < 40; ++p) c.tokens.push_back({0, p});
+  for (int32_t p : {70, 95, 130}) c.tokens.push_back({1, p});
   check_attention(c);
 }
 
@@ -565,13 +578,18 @@ TEST(SparseAttentionCudaValidation, ReportsTheFirstBadArgument) {
   bad.window.pages = fake_device_view(DType::u8, {4, bad.window.geometry.page_stride});
   EXPECT_EQ(message(bad),
             "dsv4: sparse_attention: cache 'window' has format index_mxfp4, expected one of bf16, fp8_per_tensor, "
-            "v41_fp8, v41_fp4, fp8_ds_mla");
+            "v41_fp8, v41_fp4, fp8_ds_mla, f32");
   bad = p;
   bad.window.geometry.page_stride += 512;
   bad.window.pages = fake_device_view(DType::u8, {4, bad.window.geometry.page_stride});
   EXPECT_EQ(message(bad),
             "dsv4: sparse_attention: cache 'window' has page stride 17408 with 512+16 bytes per row, expected 16896 "
             "with 512+16 (build the geometry with page_geometry())");
+  bad = p;
+  bad.window.geometry = page_geometry(KvRowFormat::f32, kHeadDim, 32);
+  bad.window.pages = fake_device_view(DType::u8, {4, bad.window.geometry.page_stride});
+  bad.window.pages.data = static_cast<std::byte*>(bad.window.pages.data) + 2;
+  EXPECT_EQ(message(bad), "dsv4: sparse_attention: cache 'window' has f32 pages that are not 4-byte aligned");
   bad = p;
   bad.lse = fake_device_view(DType::f32, {3, 9});
   EXPECT_EQ(message(bad), "dsv4: sparse_attention: argument 'lse' has shape [3, 9], expected [3, 8]");
@@ -649,6 +667,19 @@ TEST(SparseAttentionCudaDispatch, ChoosesMmaForReferencePrecision) {
   EXPECT_EQ(kSparseAttentionDecodeMma.supports(per_tensor, h200),
             "cache 'window' has format fp8_per_tensor, whose values need not be exact in bf16");
   EXPECT_STREQ(choose_sparse_attention(per_tensor, h200).name, "simt");
+  // Precision::fp32's f32 rows and f32 queries stay on SIMT, even with bf16_rounding.
+  SparseAttentionParams f32_rows = p;
+  f32_rows.window.geometry = page_geometry(KvRowFormat::f32, kHeadDim, 64);
+  EXPECT_EQ(kSparseAttentionDecodeMma.supports(f32_rows, h200),
+            "cache 'window' has format f32, whose values need not be exact in bf16");
+  EXPECT_EQ(kSparseAttentionMmaBf16.supports(f32_rows, h200),
+            "cache 'window' has format f32, whose values need not be exact in bf16");
+  EXPECT_STREQ(choose_sparse_attention(f32_rows, h200).name, "simt");
+  SparseAttentionParams f32_q = p;
+  f32_q.q.dtype = DType::f32;
+  EXPECT_EQ(kSparseAttentionDecodeMma.supports(f32_q, h200), "needs bf16 q (the tensor cores read q as bf16)");
+  EXPECT_EQ(kSparseAttentionMmaBf16.supports(f32_q, h200), "needs bf16 q (the tensor cores read q as bf16)");
+  EXPECT_STREQ(choose_sparse_attention(f32_q, h200).name, "simt");
   for (const KvRowFormat format : {KvRowFormat::bf16, KvRowFormat::v41_fp4, KvRowFormat::fp8_ds_mla}) {
     SparseAttentionParams q = p;
     q.window.geometry = page_geometry(format, kHeadDim, 32);

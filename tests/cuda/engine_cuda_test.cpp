@@ -354,6 +354,7 @@ INSTANTIATE_TEST_SUITE_P(Presets, EngineCudaWorkload,
                                            WorkloadCase{"tiny-v4", "v4.1-native", Precision::reference},
                                            WorkloadCase{"tiny-v4", "fp8_ds_mla", Precision::reference},
                                            WorkloadCase{"tiny-v4", "", Precision::fp32},
+                                           WorkloadCase{"tiny-v4.1", "f32", Precision::fp32},  // both paged
                                            // Index heads of 64 and 96 channels (96: the any-dim kernel), odd head counts.
                                            WorkloadCase{"tiny-v4.1", "v4.1-native", Precision::reference, 64, 7},
                                            WorkloadCase{"tiny-v4.1", "fp8_ds_mla", Precision::reference, 96, 3},

@@ -108,7 +108,7 @@ TEST_P(FlatAttention, PicksAreSlotsWithPickCountAndNoSink) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, FlatAttention,
                          ::testing::Values(KvRowFormat::bf16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
-                                           KvRowFormat::fp8_ds_mla),
+                                           KvRowFormat::fp8_ds_mla, KvRowFormat::f32),
                          [](const auto& info) { return std::string(kv_row_format_name(info.param)); });
 
 class CacheCodec : public CudaTest, public ::testing::WithParamInterface<std::tuple<KvRowFormat, PagePlacement>> {};
@@ -161,9 +161,7 @@ TEST_P(CacheCodec, DeviceDecodeAndInsertEqualTheHostCodec) {
 
 INSTANTIATE_TEST_SUITE_P(
     Formats, CacheCodec,
-    ::testing::Combine(::testing::Values(KvRowFormat::bf16, KvRowFormat::fp8_per_tensor, KvRowFormat::v41_fp8,
-                                         KvRowFormat::v41_fp4, KvRowFormat::fp8_ds_mla, KvRowFormat::index_mxfp4,
-                                         KvRowFormat::index_fp8),
+    ::testing::Combine(::testing::ValuesIn(kEveryKvRowFormat),
                        ::testing::Values(PagePlacement::segregated, PagePlacement::interleaved)),
     [](const auto& info) {
       return std::string(kv_row_format_name(std::get<0>(info.param))) +

@@ -1,17 +1,19 @@
 // The golden sets (tests/data/golden) replayed on the CUDA engine, every call through every layer
 // with the recorded inputs, compared per call and layer with the recorded outputs:
 //  * v41a (DeepSeek's official V4.1 code, reference precision, default formats = v4.1-native);
-//  * v40a (transformers V4.0 in float64, Precision::fp32: fp32 GEMMs on the GPU; the attention's
-//    and indexer's queries are bf16, as their kernels take them);
+//  * v40a (transformers V4.0 in float64, Precision::fp32: fp32 throughout on the GPU, GEMMs, the
+//    attention's and indexer's queries and the caches' rows (the f32 row format) included);
 //  * v40o_a (DeepSeek's official V4.0 code, reference precision with its indexer QAT: Hadamard +
 //    FP4 index queries and keys; every float tensor stored as bf16);
 //  * v41ds_a (DeepSeek's official V4.1 DSpark draft layers) through a drafter, per call and stage
 //    (CudaTest.GoldenV41DsparkDraftLayers below).
-// Relative L2 <= 2e-2 (the README's acceptance bound) over the rows the golden selection leaves
-// unambiguous and whose picks the GPU reproduces: the GPU indexer scores in fp32 where the v41a
-// reference sums bf16, so a near-tie at the cut may select another entry and change the row's
-// output. Such rows are counted; the GPU picks must still be a top-k of the recorded scores up to
-// 2^-5 of the row's largest score (v41a records them), and most rows must agree exactly.
+// Relative L2 over the rows the golden selection leaves unambiguous and whose picks the GPU
+// reproduces: <= 2e-2 (the README's acceptance bound) for the reference-precision sets, <= 1e-4 for
+// v40a (the CPU's bound for it, cli_replay_test). In reference precision the GPU indexer scores in
+// fp32 where the v41a reference sums bf16, so a near-tie at the cut may select another entry and
+// change the row's output. Such rows are counted; the GPU picks must still be a top-k of the
+// recorded scores up to 2^-5 of the row's largest score (v41a records them), and most rows must
+// agree exactly; v40a's and v40o_a's picks must agree on every unambiguous row.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -33,12 +35,16 @@ using cuda::testing::CudaTest;
 using golden::GoldenSet;
 
 // Measured on an H200 (docs/cuda.md, 2026-11-29): worst relative L2 per call and layer 0.0045
-// (v41a) and 0.0060 (v40a, fp32); picks equal on 400 of 400 (v41a) and 143 of 150 (v40a, 0.953)
-// unambiguous rows. Bounds: about 3x the measured error (GPU index scores are fp32 where the
-// reference's are bf16, so outputs move with any FP8 / FP4 code that rounds the other way) and
-// twice the measured pick disagreement.
-constexpr double kAcceptance = 2e-2;       // measured 0.0060
-constexpr double kMinPickAgreement = 0.9;  // of the unambiguous rows of index-source layers; measured 0.953
+// (v41a); picks equal on 400 of 400 unambiguous rows. Bounds: about 4x the measured error (GPU
+// index scores are fp32 where the reference's are bf16, so outputs move with any FP8 / FP4 code
+// that rounds the other way) and a tenth of the rows for the picks.
+constexpr double kAcceptance = 2e-2;       // measured 0.0045
+constexpr double kMinPickAgreement = 0.9;  // of the unambiguous rows of index-source layers; measured 1.0
+// v40a in Precision::fp32 against a float64 run: only fp32 roundings differ (the CPU engine
+// measures 2.4e-7, golden_v40_test), so the bound is the one the CPU replay of v40a is held to
+// (cli_replay_test), and every unambiguous row (the set flags 3 of 150 whose float64 scores tie
+// within 1e-6 at the cut) picks what transformers picked.
+constexpr double kFp32Acceptance = 1e-4;
 
 // The valid picks of a row as a sorted set.
 std::vector<int32_t> pick_set(const float* values, int64_t n) {
@@ -77,8 +83,9 @@ struct GoldenCase {
   std::string picks_field;  // "topk_pos" (v41, v40o_a) or "topk" (v40a)
   // Of the unambiguous rows of index-source layers. v40o_a: every one (issue 15's requirement;
   // its scores have no near-ties but the 9 flagged rows, the official code on an H200 picks the
-  // same on 183 of 183).
+  // same on 183 of 183); v40a: every one (fp32 scores against float64 ones, ties flagged).
   double min_pick_agreement = kMinPickAgreement;
+  double acceptance = kAcceptance;  // relative L2 per call and layer
 };
 
 class GoldenCuda : public CudaTest, public ::testing::WithParamInterface<GoldenCase> {};
@@ -162,7 +169,7 @@ TEST_P(GoldenCuda, OutputsMatchPerCallAndLayer) {
       }
       if (a.empty()) continue;
       const double err = golden::relative_l2(a.data(), b.data(), static_cast<int64_t>(a.size()));
-      EXPECT_LE(err, kAcceptance) << "call " << c << " layer " << l;
+      EXPECT_LE(err, gc.acceptance) << "call " << c << " layer " << l;
       if (!(err <= worst)) worst = err, worst_call = c, worst_layer = l;
     }
   }
@@ -180,7 +187,7 @@ TEST_P(GoldenCuda, OutputsMatchPerCallAndLayer) {
 
 INSTANTIATE_TEST_SUITE_P(Sets, GoldenCuda,
                          ::testing::Values(GoldenCase{"v41a", Precision::reference, "topk_pos"},
-                                           GoldenCase{"v40a", Precision::fp32, "topk"},
+                                           GoldenCase{"v40a", Precision::fp32, "topk", 1.0, kFp32Acceptance},
                                            GoldenCase{"v40o_a", Precision::reference, "topk_pos", 1.0}),
                          [](const ::testing::TestParamInfo<GoldenCase>& info) { return info.param.name; });
 

@@ -43,6 +43,7 @@ struct ScoresCase {
   bool fp4_queries = false;                         // q FP4 fake-quantized (SPEC §4.2), fp4_queries set
   int block_exponent_step = 0;                      // channel block b of q and keys scaled by 2^(step·b)
   bool spoil_query = false;                         // token 0, head 0 gets a value that is not FP4
+  DType q_dtype = DType::bf16;                      // f32: Precision::fp32's queries, not rounded
   const char* implementation = nullptr;             // the expected pick on an sm_90 device
 };
 
@@ -78,7 +79,7 @@ void check_index_scores(const ScoresCase& c) {
     for (size_t i = 0; i < q.size(); i += 32) fake_quant_fp4_ue8m0(q.data() + i, q.data() + i, 32);
     if (c.spoil_query) q[1] = q[0] == 0.0f ? 0.30078125f : q[0] * 1.0078125f;  // 8 significant bits: no e2m1
   }
-  q = testing::rounded_to_bf16(q);
+  if (c.q_dtype == DType::bf16) q = testing::rounded_to_bf16(q);
   // The engine's head weights are bf16 values of either sign in reference precision.
   const auto weights = c.bf16_rounding ? testing::rounded_to_bf16(testing::random_floats(tokens * c.heads, c.seed + 2, -0.1f, 0.1f))
                                        : testing::random_floats(tokens * c.heads, c.seed + 2, 0.0f, 0.1f);
@@ -128,7 +129,7 @@ void check_index_scores(const ScoresCase& c) {
       }
   }
 
-  DeviceTensor dq = testing::device_tensor(q, DType::bf16, {tokens, c.heads, dim});
+  DeviceTensor dq = testing::device_tensor(q, c.q_dtype, {tokens, c.heads, dim});
   DeviceTensor dw = testing::device_tensor(weights, DType::f32, {tokens, c.heads});
   DeviceTensor dseq = testing::device_array(sequence, DType::i32, {tokens});
   DeviceTensor dpos = testing::device_array(position, DType::i32, {tokens});
@@ -181,6 +182,17 @@ TEST_F(CudaTest, IndexScoresFp8Ratio1PrefillWithCandidates) {
 
 TEST_F(CudaTest, IndexScoresBf16KeysManyEntryBlocks) {
   check_index_scores({.key_format = KvRowFormat::bf16, .heads = 64, .ratio = 1, .tokens = {{0, 700}, {0, 3}}, .seed = 5});
+}
+
+// Precision::fp32: f32 queries against f32 keys (the SIMT kernel), with candidates, at the
+// register-row dims and through the any-dim kernel.
+TEST_F(CudaTest, IndexScoresFp32QueriesAndKeys) {
+  check_index_scores({.key_format = KvRowFormat::f32, .heads = 32, .ratio = 4,
+                      .tokens = {{0, 0}, {0, 3}, {1, 250}, {1, 251}}, .seed = 25, .q_dtype = DType::f32});
+  check_index_scores({.key_format = KvRowFormat::f32, .heads = 7, .dim = 64, .ratio = 1, .tokens = {{0, 90}, {0, 91}},
+                      .candidate_block_size = 8, .candidate_blocks = 5, .seed = 26, .q_dtype = DType::f32});
+  check_index_scores({.key_format = KvRowFormat::f32, .heads = 3, .dim = 96, .ratio = 2, .tokens = {{0, 77}},
+                      .seed = 27, .q_dtype = DType::f32});
 }
 
 // Other index_dims (64 and 128 keep the key row in registers, 96 and 512 take the any-dim kernel)
@@ -589,6 +601,13 @@ TEST(IndexerCudaDispatch, ChoosesMmaFp8ForFp4QueriesOnSm90) {
   EXPECT_STREQ(choose_index_scores(fp8, h200).name, "mma_fp8");
   EXPECT_EQ(kIndexScoresMmaFp8.supports(with_keys(KvRowFormat::bf16, 128), h200),
             "keys have format bf16, supports index_mxfp4 and index_fp8");
+  EXPECT_EQ(kIndexScoresMmaFp8.supports(with_keys(KvRowFormat::f32, 128), h200),
+            "keys have format f32, supports index_mxfp4 and index_fp8");
+  IndexScoresParams f32_q = p;
+  f32_q.q = fake_device_view(DType::f32, {3, 32, kIndexDim});
+  validate_index_scores(f32_q);
+  EXPECT_EQ(kIndexScoresMmaFp8.supports(f32_q, h200), "needs bf16 q (the FP4 values are read from bf16 bits)");
+  EXPECT_STREQ(choose_index_scores(f32_q, h200).name, "simt");
   EXPECT_EQ(kIndexScoresMmaFp8.supports(with_keys(KvRowFormat::index_mxfp4, 96), h200),
             "index_dim 96, supports 64 and 128");
   IndexScoresParams many_heads = p;

@@ -293,6 +293,8 @@ TEST_F(CudaTest, CacheInsertWritesTheReferenceBytes) {
       {KvRowFormat::v41_fp4, 512, false, RowQuantizer::fp4_e4m3_16, -1, PagePlacement::segregated, "compressed entry"},
       {KvRowFormat::index_mxfp4, 128, true, RowQuantizer::fp4_ue8m0_32, -1, PagePlacement::segregated, "MXFP4 index key"},
       {KvRowFormat::index_fp8, 128, true, RowQuantizer::none, -3, PagePlacement::segregated, "FP8 index key"},
+      {KvRowFormat::f32, 512, true, RowQuantizer::none, 0, PagePlacement::segregated, "f32 window row"},
+      {KvRowFormat::f32, 96, true, RowQuantizer::none, -1, PagePlacement::interleaved, "f32 index key"},
   };
   for (const InsertCase& c : cases) check_cache_insert(c, seed += 10);
 }

@@ -329,7 +329,7 @@ const CommandRegistration kPlan{
                          ->check(CLI::ExistingFile);
       config->excludes(preset);
       preset->excludes(config);
-      app.add_option("--kv-format", o->kv_format, "only this KV format set (v4.1-native, fp8_ds_mla, bf16, fp8)");
+      app.add_option("--kv-format", o->kv_format, "only this KV format set (v4.1-native, fp8_ds_mla, bf16, fp8, f32)");
       auto* context = app.add_option("--context", o->context, "tokens per sequence for the per-sequence bytes")
                           ->check(CLI::Range(int64_t{1}, kMaxContext));
       app.add_option("--memory", o->memory, "KV memory budget (bytes, or with KiB/MiB/GiB/TiB) for the sequence count")

@@ -31,7 +31,7 @@
 namespace dsv4::cuda {
 
 struct SparseAttentionParams {
-  TensorView q;                // [tokens, heads, head_dim] bf16 (after RoPE); head_dim 512
+  TensorView q;                // [tokens, heads, head_dim] bf16 | f32 (after RoPE); head_dim 512
   TensorView token_sequence;   // [tokens] i32: the token's sequence = row of the block tables
                                // (optional when no cache has a block table)
   TensorView token_position;   // [tokens] i32: the token's absolute position p (>= 0)
@@ -58,8 +58,9 @@ struct SparseAttentionParams {
 
 void validate_sparse_attention(const SparseAttentionParams& p);
 // The name of the implementation run_sparse_attention picks for this call on the current device
-// ("decode_mma" on sm_90, else "mma_bf16": tensor cores, for bf16_rounding over caches exact in
-// bf16; "simt": the portable fp32 kernel); for tests and dsv4 bench.
+// ("decode_mma" on sm_90, else "mma_bf16": tensor cores, for bf16_rounding with bf16 q over caches
+// exact in bf16; "simt": the portable fp32 kernel, the one for f32 q and f32 caches); for tests
+// and dsv4 bench.
 const char* sparse_attention_implementation(const SparseAttentionParams& p);
 // Small steps (few tokens × head groups, e.g. decode at batch 1) leave most of the GPU idle with
 // one block per (token, head group); with this workspace each token's rows are split over several

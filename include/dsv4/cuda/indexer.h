@@ -18,9 +18,9 @@ namespace dsv4::cuda {
 // for bit: each dot rounded to bf16, each weighted term rounded to bf16, the fp32 sum over the
 // heads in head order rounded to bf16 (not with partial).
 struct IndexScoresParams {
-  TensorView q;                    // [tokens, index_heads, index_dim] bf16 (RoPE'd, fake-quantized)
+  TensorView q;                    // [tokens, index_heads, index_dim] bf16 | f32 (RoPE'd, fake-quantized)
   TensorView weights;              // [tokens, index_heads] f32 (weights_proj output times its scale)
-  PagedCache keys;                 // reader: index_mxfp4 | index_fp8 | bf16 rows of index_dim channels; row = entry
+  PagedCache keys;                 // reader: index_mxfp4 | index_fp8 | bf16 | f32 rows of index_dim channels; row = entry
   TensorView token_sequence;       // [tokens] i32 (optional when keys has no block table: flat slots)
   TensorView token_position;       // [tokens] i32
   int compress_ratio = 1;          // >= 1

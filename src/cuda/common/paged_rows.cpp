@@ -62,6 +62,10 @@ void check_paged_cache(const char* op, const std::string& name, const PagedCache
              "+", expected.row.scale_bytes, " (build the geometry with page_geometry())");
   DSV4_CHECK(g.format != KvRowFormat::fp8_per_tensor || (std::isfinite(cache.tensor_scale) && cache.tensor_scale > 0.0f),
              op, ": cache '", name, "' has fp8_per_tensor scale ", cache.tensor_scale, ", expected finite and > 0");
+  // The kernels read f32 channels as 4-byte words (paged_rows.cuh); rows and page strides
+  // are multiples of 4 bytes, so the pages' start decides.
+  DSV4_CHECK(g.format != KvRowFormat::f32 || reinterpret_cast<uintptr_t>(cache.pages.data) % 4 == 0, op, ": cache '",
+             name, "' has f32 pages that are not 4-byte aligned");
 }
 
 }  // namespace dsv4::cuda

@@ -57,16 +57,18 @@ __device__ __forceinline__ RowRef row_of_sequence(const DeviceRows& r, int64_t s
   return row_in_page(r, r.block_table[sequence * r.blocks_per_sequence + block], s.row);
 }
 
-// The exact dequantized value of channel c (code x scale) of a row in format F.
+// The exact dequantized value of channel c (code x scale) of a row in format F. f32 channels are
+// one 4-byte load: f32 rows are 4-byte aligned (rows of 4·dims bytes, no scales, no page padding).
 template <KvRowFormat F>
 __device__ __forceinline__ float decode_channel(const DeviceRows& r, const RowRef& row, int c) {
-  return row_codec::decode_channel<F>(row.data, row.scales, c, r.tensor_scale);
+  if constexpr (F == KvRowFormat::f32) return reinterpret_cast<const float*>(row.data)[c];
+  else return row_codec::decode_channel<F>(row.data, row.scales, c, r.tensor_scale);
 }
 
 // Channels c0 … c0 + 15 (c0 a multiple of 16) of a row in format F, as decode_channel gives them,
-// read with 8-byte read-only loads so that a thread keeps several loads in flight. Needs 8-byte
-// aligned row data, which every 512-channel layout has (row sizes and page strides are multiples
-// of 8); the pages must not change while the kernel runs.
+// read with 8-byte read-only loads (f32 rows: 4-byte ones) so that a thread keeps several loads in
+// flight. Needs 8-byte aligned row data, which every 512-channel layout has (row sizes and page
+// strides are multiples of 8); the pages must not change while the kernel runs.
 __device__ __forceinline__ uint2 load8(const uint8_t* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
 
 __device__ __forceinline__ void bf16x4_to_float(uint2 bits, float* out) {
@@ -87,7 +89,10 @@ __device__ __forceinline__ void decode_chunk16(const DeviceRows& r, const RowRef
   // channel by channel.
   constexpr bool vector_loads = F == KvRowFormat::bf16 || F == KvRowFormat::fp8_per_tensor ||
                                 F == KvRowFormat::v41_fp8 || F == KvRowFormat::v41_fp4 || F == KvRowFormat::fp8_ds_mla;
-  if constexpr (vector_loads) {
+  if constexpr (F == KvRowFormat::f32) {
+    const float* p = reinterpret_cast<const float*>(row.data) + c0;
+    for (int i = 0; i < 16; ++i) out[i] = __ldg(p + i);
+  } else if constexpr (vector_loads) {
     const uint8_t* p = row.data + row_codec::channel_offset<F>(c0);
     switch (row_codec::channel_code<F>(c0)) {
       case row_codec::ChannelCode::bf16: {
@@ -108,6 +113,7 @@ __device__ __forceinline__ void decode_chunk16(const DeviceRows& r, const RowRef
           out[i] = e2m1_to_float(static_cast<uint8_t>((i < 8 ? packed.x : packed.y) >> (4 * (i % 8)))) * scale;
         return;
       }
+      case row_codec::ChannelCode::f32: return;  // the branch above
     }
   } else {
     for (int i = 0; i < 16; ++i) out[i] = decode_channel<F>(r, row, c0 + i);

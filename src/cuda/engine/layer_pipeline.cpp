@@ -123,7 +123,6 @@ size_t LayerPipeline::scratch_bytes_at(int64_t T) const {
   // The size queries read shapes only; the views point at the workspace.
   void* any = ws.memory.data();
   const auto rows_view = [&](int64_t cols) { return view(any, ws.rows, {T, cols}); };
-  const auto bf16_view = [&](int64_t cols) { return view(any, DType::bf16, {T, cols}); };
   size_t scratch = 0;
   for (size_t l = 0; l < in_.recipes->size(); ++l) {
     const LayerRecipe& r = (*in_.recipes)[l];
@@ -134,7 +133,7 @@ size_t LayerPipeline::scratch_bytes_at(int64_t T) const {
       measure(linear_params(x, w.get(role), y, in_.blas));
     };
     measure_role(rows_view(hidden), WeightRole::wq_a, rows_view(config().q_lora_rank));
-    measure_role(rows_view(config().q_lora_rank), WeightRole::wq_b, bf16_view(H * D));
+    measure_role(rows_view(config().q_lora_rank), WeightRole::wq_b, rows_view(H * D));
     measure_role(rows_view(hidden), WeightRole::wkv, rows_view(D));
     measure_role(rows_view(config().o_groups * config().o_lora_rank), WeightRole::wo_b,
                  in_.communicator ? view(any, DType::f32, {T, hidden}) : rows_view(hidden));
@@ -153,7 +152,7 @@ size_t LayerPipeline::scratch_bytes_at(int64_t T) const {
         measure_role(rows_view(D), WeightRole::indexer_wk, rows_view(dI));
     }
     if (r.plan.owns_indexer) {
-      measure_role(rows_view(config().q_lora_rank), WeightRole::indexer_wq_b, bf16_view(nI * dI));
+      measure_role(rows_view(config().q_lora_rank), WeightRole::indexer_wq_b, rows_view(nI * dI));
       measure_role(rows_view(hidden), WeightRole::indexer_weights_proj, rows_view(nI));
     }
     if (r.plan.kind == AttentionKind::dspark) {
@@ -205,9 +204,9 @@ void LayerPipeline::project_queries(int layer, const TensorView& x, const Tensor
   run_rms_norm(q_norm, in_.stream);
   // The indexer branch needs x and qr only: from here it may run beside the rest (run()).
   if (fork_) DSV4_CUDA_CHECK(cudaEventRecord(fork_, in_.stream));
-  project(qr, w.get(WeightRole::wq_b), view(ws.q, DType::bf16, {T, H * D}));
+  project(qr, w.get(WeightRole::wq_b), view(ws.q, ws.rows, {T, H * D}));
   RopeHeadsParams q_rope;
-  q_rope.x = q_rope.out = view(ws.q, DType::bf16, {T, H, D});
+  q_rope.x = q_rope.out = view(ws.q, ws.rows, {T, H, D});
   q_rope.token_position = positions;
   q_rope.rope_table = rope_table(layer);
   q_rope.head_norm = r.q_head_norm;
@@ -349,7 +348,7 @@ void LayerPipeline::run_draft_block(int layer, const TensorView& hidden_in, cons
   // The committed window rows up to p0, then every row of the token's block (itself and the later
   // ones: non-causal), as picks of the block-key cache.
   SparseAttentionParams attention;
-  attention.q = view(ws.q, DType::bf16, {T, H, D});
+  attention.q = view(ws.q, ws.rows, {T, H, D});
   attention.token_sequence = block.token_sequence();
   attention.token_position = positions;
   attention.window_last = block.window_last();
@@ -438,9 +437,9 @@ void LayerPipeline::index(int layer, const Lane& lane) {
   const int64_t k = config().index_topk;
 
   // Queries and head weights (SPEC §4.2).
-  const TensorView q = view(ws.index_q, DType::bf16, {T, nI, dI});
+  const TensorView q = view(ws.index_q, ws.rows, {T, nI, dI});
   project(view(ws.qr, ws.rows, {T, config().q_lora_rank}), w.get(WeightRole::indexer_wq_b),
-          view(ws.index_q, DType::bf16, {T, nI * dI}), lane);
+          view(ws.index_q, ws.rows, {T, nI * dI}), lane);
   RopeHeadsParams rope;
   rope.x = rope.out = q;
   rope.token_position = in_.step->token_position();
@@ -515,7 +514,7 @@ void LayerPipeline::attend(int layer) {
   const LayerPlan& plan = r.plan;
   const int64_t T = in_.step->tokens(), H = config().num_heads, D = config().head_dim;
   SparseAttentionParams a;
-  a.q = view(ws.q, DType::bf16, {T, H, D});
+  a.q = view(ws.q, ws.rows, {T, H, D});
   a.token_sequence = in_.step->token_sequence();
   a.token_position = in_.step->token_position();
   a.window = in_.step->layer(layer).window;

@@ -45,7 +45,7 @@ Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecip
   add(&ws.staged_out, n(T, hidden) * 4);
   add(&ws.x, n(T, hidden) * row_size);
   add(&ws.qr, n(T, config.q_lora_rank) * row_size);
-  add(&ws.q, n(T, H * D) * 2);
+  add(&ws.q, n(T, H * D) * row_size);
   add(&ws.kv, n(T, D) * row_size);
   add(&ws.o, n(T, H * D) * row_size);
   add(&ws.y, n(T, config.o_groups * config.o_lora_rank) * row_size);
@@ -58,7 +58,7 @@ Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecip
   }
   ws.picks.assign(recipes.size(), nullptr);
   if (has_indexer) {
-    add(&ws.index_q, n(T, nI * dI) * 2);
+    add(&ws.index_q, n(T, nI * dI) * row_size);
     add(&ws.index_w_raw, n(T, nI) * row_size);
     add(&ws.index_w, n(T, nI) * 4);
     ws.score_floats = std::max(std::min(T * max_entries, kScoreFloats), std::max<int64_t>(max_entries, 1));

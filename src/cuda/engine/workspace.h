@@ -22,7 +22,7 @@ struct Workspace {
   float* staged_out = nullptr;      // [T, hidden] f32: host attn_out
   void* x = nullptr;                // [T, hidden] rows (the layer input, rounded to bf16 unless fp32)
   void* qr = nullptr;               // [T, q_lora] rows
-  void* q = nullptr;                // [T, H, D] bf16
+  void* q = nullptr;                // [T, H, D] rows
   void* kv = nullptr;               // [T, D] rows
   void* o = nullptr;                // [T, H, D] rows
   void* y = nullptr;                // [T, G, R] rows
@@ -31,7 +31,7 @@ struct Workspace {
   void* latent = nullptr;           // [T, D] rows
   void* index_latent = nullptr;     // [T, index_dim] rows (V4.0 CSA)
   void* keys = nullptr;             // [T, index_dim] rows
-  void* index_q = nullptr;          // [T, index_heads, index_dim] bf16
+  void* index_q = nullptr;          // [T, index_heads, index_dim] rows
   void* index_w_raw = nullptr;      // [T, index_heads] rows
   float* index_w = nullptr;         // [T, index_heads] f32
   float* scores = nullptr;          // [score_floats] f32

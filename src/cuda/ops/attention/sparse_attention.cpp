@@ -19,9 +19,9 @@ constexpr int64_t kHeadDim = 512;  // the head size of every V4 / V4.1 model
 constexpr const SparseAttentionImplementation* kImplementations[] = {&kSparseAttentionDecodeMma, &kSparseAttentionMmaBf16,
                                                                      &kSparseAttentionSimt};
 
-const std::vector<KvRowFormat> kAttentionFormats = {KvRowFormat::bf16, KvRowFormat::fp8_per_tensor,
+const std::vector<KvRowFormat> kAttentionFormats = {KvRowFormat::bf16,    KvRowFormat::fp8_per_tensor,
                                                     KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
-                                                    KvRowFormat::fp8_ds_mla};
+                                                    KvRowFormat::fp8_ds_mla, KvRowFormat::f32};
 
 }  // namespace
 
@@ -30,7 +30,7 @@ void validate_sparse_attention(const SparseAttentionParams& p) {
   const bool has_compressed = is_present(p.compressed.pages);
   const int64_t tokens = p.q.shape[0], heads = p.q.shape[1];
   std::vector<TensorSpec> specs = {
-      {"q", &p.q, {kAnyDim, kAnyDim, kHeadDim}, {DType::bf16}},
+      {"q", &p.q, {kAnyDim, kAnyDim, kHeadDim}, {DType::bf16, DType::f32}},
       {"token_sequence", &p.token_sequence, {tokens}, {DType::i32}, !is_present(p.window.block_table) &&
                                                                          !is_present(p.compressed.block_table)},
       {"token_position", &p.token_position, {tokens}, {DType::i32}, p.window_size == 0 && p.compress_ratio == 0},

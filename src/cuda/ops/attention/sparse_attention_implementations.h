@@ -27,13 +27,13 @@ struct SparseAttentionImplementation {
 };
 
 // Tensor cores with the row gathers and decodes on their own warps (mma.sync bf16, sm_90 only: its
-// machine code, setmaxnreg), for bf16_rounding calls over caches exact in bf16 (mma/): what
+// machine code, setmaxnreg), for bf16_rounding calls with bf16 q over caches exact in bf16 (mma/): what
 // the H100 / H200 run in reference precision, decode steps above all.
 extern const SparseAttentionImplementation kSparseAttentionDecodeMma;
 // Tensor cores (mma.sync bf16, sm_80+ with 227 KB of shared memory per block: A100 has less), for
-// bf16_rounding calls over caches whose rows are exact in bf16 (mma/).
+// bf16_rounding calls with bf16 q over caches whose rows are exact in bf16 (mma/).
 extern const SparseAttentionImplementation kSparseAttentionMmaBf16;
-// The portable fallback: fp32 SIMT, every device, every cache format (simt/).
+// The portable fallback: fp32 SIMT, every device, every cache format, bf16 | f32 q (simt/).
 extern const SparseAttentionImplementation kSparseAttentionSimt;
 
 // The most rows a token of a validated call attends (window, widened by image spans, plus picks):

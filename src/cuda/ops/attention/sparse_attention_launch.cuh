@@ -13,7 +13,8 @@
 namespace dsv4::cuda {
 
 struct SparseAttentionLaunch {
-  const uint16_t* q = nullptr;  // [tokens, heads, head_dim] bf16
+  const uint16_t* q = nullptr;  // [tokens, heads, head_dim] bf16, or null when q_f32 holds q
+  const float* q_f32 = nullptr; // [tokens, heads, head_dim] f32 (Precision::fp32; the SIMT kernel only)
   const int32_t* token_sequence = nullptr;  // optional (flat caches): sequence 0
   const int32_t* token_position = nullptr;  // optional: no window, no causal bound
   const int32_t* window_last = nullptr;     // optional: the token's own position
@@ -47,7 +48,8 @@ inline SparseAttentionLaunch make_sparse_attention_launch(const SparseAttentionP
   SparseAttentionLaunch a;
   a.tokens = p.q.shape[0];
   a.heads = static_cast<int>(p.q.shape[1]);
-  a.q = p.q.ptr<const uint16_t>();
+  if (p.q.dtype == DType::f32) a.q_f32 = p.q.ptr<const float>();
+  else a.q = p.q.ptr<const uint16_t>();
   if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
   if (is_present(p.token_position)) a.token_position = p.token_position.ptr<const int32_t>();
   if (is_present(p.window_last)) a.window_last = p.window_last.ptr<const int32_t>();

@@ -53,7 +53,7 @@ void validate_index_scores(const IndexScoresParams& p) {
   constexpr const char* op = "index_scores";
   const int64_t tokens = p.q.shape[0], heads = p.q.shape[1], dim = p.q.shape[2];
   std::vector<TensorSpec> specs = {
-      {"q", &p.q, {kAnyDim, kAnyDim, kAnyDim}, {DType::bf16}},
+      {"q", &p.q, {kAnyDim, kAnyDim, kAnyDim}, {DType::bf16, DType::f32}},
       {"weights", &p.weights, {tokens, heads}, {DType::f32}},
   };
   for (TensorSpec& s : paged_cache_specs("keys", p.keys, true, kAnyDim)) specs.push_back(std::move(s));
@@ -64,7 +64,7 @@ void validate_index_scores(const IndexScoresParams& p) {
   specs.push_back({"scores", &p.scores, {tokens, kAnyDim}, {DType::f32}});
   check_tensors(op, specs);
   check_paged_cache(op, "keys", p.keys, dim,
-                    {KvRowFormat::index_mxfp4, KvRowFormat::index_fp8, KvRowFormat::bf16});
+                    {KvRowFormat::index_mxfp4, KvRowFormat::index_fp8, KvRowFormat::bf16, KvRowFormat::f32});
   DSV4_CHECK(p.compress_ratio >= 1, op, ": compress_ratio is ", p.compress_ratio, ", expected >= 1");
   DSV4_CHECK(!is_present(p.candidates) || p.candidate_block_size >= 1, op, ": candidate_block_size is ",
              p.candidate_block_size, ", expected >= 1 with candidates");

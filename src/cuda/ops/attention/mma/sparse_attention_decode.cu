@@ -55,6 +55,7 @@ std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
     return why_not;
   if (std::string why_not = needs_value("head_dim", decode_mma::kHeadDim, p.q.shape[2]); !why_not.empty()) return why_not;
   if (!p.bf16_rounding) return "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)";
+  if (p.q.dtype != DType::bf16) return "needs bf16 q (the tensor cores read q as bf16)";
   if (std::string why_not = cache_supported("window", p.window); !why_not.empty()) return why_not;
   if (is_present(p.compressed.pages)) return cache_supported("compressed", p.compressed);
   return "";  // any head count, bf16 | f32 out

@@ -56,14 +56,20 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
   for (int h = 0; h < kAttentionHeadsPerWarp; ++h) {
     head[h] = blockIdx.y * kAttentionHeadsPerBlock + warp * kAttentionHeadsPerWarp + h;
     const bool active = head[h] < a.heads;
-    const uint16_t* qh = a.q + (t * a.heads + head[h]) * kHeadDim;
+    const int64_t q_offset = (t * a.heads + head[h]) * kHeadDim;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      const uint2 bits = active ? *reinterpret_cast<const uint2*>(qh + c * 128 + lane * 4) : uint2{0, 0};
-      q[h][c][0] = bf16_bits_to_float(static_cast<uint16_t>(bits.x));
-      q[h][c][1] = bf16_bits_to_float(static_cast<uint16_t>(bits.x >> 16));
-      q[h][c][2] = bf16_bits_to_float(static_cast<uint16_t>(bits.y));
-      q[h][c][3] = bf16_bits_to_float(static_cast<uint16_t>(bits.y >> 16));
+      const int64_t at = q_offset + c * 128 + lane * 4;
+      if (a.q_f32) {
+        const float4 v = active ? *reinterpret_cast<const float4*>(a.q_f32 + at) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        q[h][c][0] = v.x, q[h][c][1] = v.y, q[h][c][2] = v.z, q[h][c][3] = v.w;
+      } else {
+        const uint2 bits = active ? *reinterpret_cast<const uint2*>(a.q + at) : uint2{0, 0};
+        q[h][c][0] = bf16_bits_to_float(static_cast<uint16_t>(bits.x));
+        q[h][c][1] = bf16_bits_to_float(static_cast<uint16_t>(bits.x >> 16));
+        q[h][c][2] = bf16_bits_to_float(static_cast<uint16_t>(bits.y));
+        q[h][c][3] = bf16_bits_to_float(static_cast<uint16_t>(bits.y >> 16));
+      }
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[h][c][i] = 0.0f;
     }

@@ -25,7 +25,7 @@ SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
 
 std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
   if (std::string why_not = needs_compute_capability_at_least(80, device); !why_not.empty()) return why_not;
-  return needs_value("head_dim", kHeadDim, p.q.shape[2]);  // every cache format, bf16 | f32 out, any head count
+  return needs_value("head_dim", kHeadDim, p.q.shape[2]);  // every cache format, bf16 | f32 q and out, any head count
 }
 
 size_t workspace_bytes(const SparseAttentionParams& p) {

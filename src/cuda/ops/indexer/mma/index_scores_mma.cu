@@ -60,6 +60,7 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
   // Built as sm_90a code only (elsewhere the compute_80 PTX has no fp8 MMA).
   if (std::string why_not = needs_compute_capability(90, device); !why_not.empty()) return why_not;
   if (!p.fp4_queries) return "needs fp4_queries (q read as e2m1 codes)";
+  if (p.q.dtype != DType::bf16) return "needs bf16 q (the FP4 values are read from bf16 bits)";
   const KvRowFormat f = p.keys.geometry.format;
   if (f != KvRowFormat::index_mxfp4 && f != KvRowFormat::index_fp8)
     return std::string("keys have format ") + kv_row_format_name(f) + ", supports index_mxfp4 and index_fp8";

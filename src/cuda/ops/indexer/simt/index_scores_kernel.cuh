@@ -17,7 +17,8 @@
 namespace dsv4::cuda {
 
 struct IndexScoresLaunch {
-  const uint16_t* q = nullptr;        // [tokens, heads, dim] bf16
+  const uint16_t* q = nullptr;        // [tokens, heads, dim] bf16, or null when q_f32 holds q
+  const float* q_f32 = nullptr;       // [tokens, heads, dim] f32 (Precision::fp32)
   const float* weights = nullptr;     // [tokens, heads]
   DeviceRows keys;
   const int32_t* token_sequence = nullptr;
@@ -143,8 +144,9 @@ __global__ void __launch_bounds__(kIndexEntriesPerBlock) index_scores_kernel(Ind
   for (int h0 = 0; h0 < a.heads; h0 += a.staged_heads) {
     const int staged = min(a.staged_heads, a.heads - h0);
     if (h0 > 0) __syncthreads();  // every thread is done with the previous heads' queries
-    const uint16_t* q = a.q + (t * a.heads + h0) * dim;
-    for (int i = threadIdx.x; i < staged * dim; i += blockDim.x) q_shared[i] = bf16_bits_to_float(q[i]);
+    const int64_t q_first = (t * a.heads + h0) * dim;
+    for (int i = threadIdx.x; i < staged * dim; i += blockDim.x)
+      q_shared[i] = a.q_f32 ? a.q_f32[q_first + i] : bf16_bits_to_float(a.q[q_first + i]);
     for (int i = threadIdx.x; i < staged; i += blockDim.x) w_shared[i] = a.weights[t * a.heads + h0 + i];
     __syncthreads();
     if (!row.valid()) continue;

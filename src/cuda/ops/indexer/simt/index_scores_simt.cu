@@ -25,7 +25,7 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
   if (p.scores.shape[1] > kMaxGridY * kIndexEntriesPerBlock)
     return std::to_string(p.scores.shape[1]) + " entries per row, supports at most " +
            std::to_string(kMaxGridY * kIndexEntriesPerBlock);
-  return "";  // every key format, candidates or not, any number of index heads (staged)
+  return "";  // every key format, bf16 | f32 q, candidates or not, any number of index heads (staged)
 }
 
 void run(const IndexScoresParams& p, cudaStream_t stream) {
@@ -35,7 +35,8 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
   a.dim = static_cast<int>(p.q.shape[2]);
   a.entries = p.scores.shape[1];
   if (a.tokens == 0 || a.entries == 0) return;
-  a.q = p.q.ptr<const uint16_t>();
+  if (p.q.dtype == DType::f32) a.q_f32 = p.q.ptr<const float>();
+  else a.q = p.q.ptr<const uint16_t>();
   a.weights = p.weights.ptr<const float>();
   a.keys = device_rows(p.keys);
   if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
