@@ -130,9 +130,8 @@ DSV4_HD constexpr uint8_t ue8m0_from_exponent(int exponent) {
 }
 
 DSV4_HD constexpr float ue8m0_to_float(uint8_t byte) {
-  if (byte == 0xff) return float_from_bits(0x7fc00000u);
-  if (byte == 0) return float_from_bits(0x00400000u);  // 2^-127 is an fp32 subnormal
-  return float_from_bits(uint32_t{byte} << 23);
+  // 2^-127 is an fp32 subnormal; one expression, so that kernels select instead of branching.
+  return float_from_bits(byte == 0xff ? 0x7fc00000u : byte == 0 ? 0x00400000u : uint32_t{byte} << 23);
 }
 
 // ------------------------------------------------------------------------------------------------
