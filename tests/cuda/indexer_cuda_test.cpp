@@ -5,7 +5,7 @@
 // same, ties included).
 //
 // Score tolerance (fp32): a different summation order over the channels and the heads. -inf
-// entries must match exactly. The mma_fp8 implementation (FP4 queries, sm_90) runs the cases with
+// entries must match exactly. The mma_f16 implementation (FP4 queries, sm_90) runs the cases with
 // fp4_queries: bit for bit in bf16_rounding, its exact MXFP4 dots within the same fp32 tolerance,
 // its index_fp8 block sums within the fp8 MMA's accumulation bound.
 #include <gtest/gtest.h>
@@ -224,41 +224,41 @@ TEST_F(CudaTest, IndexScoresBf16RoundingEqualsReferenceBitForBit) {
   check_index_scores({.heads = 40, .dim = 512, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 129}}, .seed = 302});
 }
 
-// mma_fp8 (FP4 queries on fp8 tensor cores): the reference's bf16 scores bit for bit over index
+// mma_f16 (FP4 queries on f16 tensor cores): the reference's bf16 scores bit for bit over index
 // dims, head counts (5: a padded n tile; 64: two head-sum passes), tokens that see nothing
 // (positions 0-2 at ratio 4), entries past one 1024-entry chunk and not a multiple of 16, candidates,
 // partial sums, and block exponents up to 6, 18 and 30 octaves apart (up to 9: fp32 block sums; beyond:
 // the dot's double path).
-TEST_F(CudaTest, IndexScoresMmaFp8Bf16RoundingEqualsReferenceBitForBit) {
+TEST_F(CudaTest, IndexScoresMmaF16Bf16RoundingEqualsReferenceBitForBit) {
   const std::vector<std::pair<int32_t, int32_t>> decode = {{0, 0}, {0, 3}, {1, 4400}, {0, 1259}, {1, 4401}, {2, 2}};
   for (const int64_t dim : {64, 128})
     for (const int64_t heads : {5, 32, 64}) {
       const uint32_t seed = static_cast<uint32_t>(500 + dim + heads);
       check_index_scores({.heads = heads, .dim = dim, .bf16_rounding = true, .ratio = 4, .tokens = decode, .seed = seed,
-                          .fp4_queries = true, .implementation = "mma_fp8"});
+                          .fp4_queries = true, .implementation = "mma_f16"});
       check_index_scores({.heads = heads, .dim = dim, .bf16_rounding = true, .ratio = 4, .tokens = decode,
                           .candidate_block_size = 8, .candidate_blocks = 40, .seed = seed + 1, .fp4_queries = true,
-                          .implementation = "mma_fp8"});
+                          .implementation = "mma_f16"});
       check_index_scores({.heads = heads, .dim = dim, .bf16_rounding = true, .partial = true, .ratio = 2,
                           .tokens = {{0, 1301}, {1, 20}}, .seed = seed + 2, .fp4_queries = true,
-                          .implementation = "mma_fp8"});
+                          .implementation = "mma_f16"});
     }
   for (const int step : {1, 3, 5})  // fp32 block sums (rows with several scales), double, double
     check_index_scores({.heads = 32, .dim = 128, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 700}, {1, 1500}},
                         .seed = static_cast<uint32_t>(600 + step), .fp4_queries = true, .block_exponent_step = step,
-                        .implementation = "mma_fp8"});
+                        .implementation = "mma_f16"});
 }
 
-// mma_fp8 in fp32 precision: exact MXFP4 dots (the reference's tolerance), index_fp8 keys within
+// mma_f16 in fp32 precision: exact MXFP4 dots (the reference's tolerance), index_fp8 keys within
 // the fp8 accumulation bound; index_fp8 with bf16_rounding goes to the SIMT kernel.
-TEST_F(CudaTest, IndexScoresMmaFp8Fp32) {
+TEST_F(CudaTest, IndexScoresMmaF16Fp32) {
   for (const int64_t dim : {64, 128}) {
     const uint32_t seed = static_cast<uint32_t>(700 + dim);
     check_index_scores({.heads = 32, .dim = dim, .ratio = 2, .tokens = {{0, 0}, {0, 1}, {1, 1040}, {2, 299}, {1, 41}},
-                        .seed = seed, .fp4_queries = true, .implementation = "mma_fp8"});
+                        .seed = seed, .fp4_queries = true, .implementation = "mma_f16"});
     check_index_scores({.key_format = KvRowFormat::index_fp8, .heads = 5, .dim = dim, .ratio = 1,
                         .tokens = {{0, 530}, {0, 531}, {1, 7}}, .candidate_block_size = 8, .candidate_blocks = 30,
-                        .seed = seed + 1, .fp4_queries = true, .implementation = "mma_fp8"});
+                        .seed = seed + 1, .fp4_queries = true, .implementation = "mma_f16"});
     check_index_scores({.key_format = KvRowFormat::index_fp8, .heads = 32, .dim = dim, .bf16_rounding = true,
                         .ratio = 1, .tokens = {{0, 150}, {1, 151}}, .seed = seed + 2, .fp4_queries = true,
                         .implementation = "simt"});
@@ -268,8 +268,8 @@ TEST_F(CudaTest, IndexScoresMmaFp8Fp32) {
 // Prefill chunks: a CTA takes one token per 64 of the step (up to 8; 151 tokens: 2, 200: 3, 520:
 // 8), and consecutive tokens of one sequence share its key loads: runs of one sequence that do not
 // align with the CTAs' tokens, and alternating sequences.
-TEST_F(CudaTest, IndexScoresMmaFp8PrefillChunks) {
-  ScoresCase runs{.heads = 32, .ratio = 1, .seed = 801, .fp4_queries = true, .implementation = "mma_fp8"};
+TEST_F(CudaTest, IndexScoresMmaF16PrefillChunks) {
+  ScoresCase runs{.heads = 32, .ratio = 1, .seed = 801, .fp4_queries = true, .implementation = "mma_f16"};
   for (int32_t p = 600; p < 675; ++p) runs.tokens.push_back({0, p});
   for (int32_t p = 1000; p < 1076; ++p) runs.tokens.push_back({1, p});
   check_index_scores(runs);
@@ -280,22 +280,22 @@ TEST_F(CudaTest, IndexScoresMmaFp8PrefillChunks) {
   runs.seed = 802;
   check_index_scores(runs);
   ScoresCase eight{.heads = 8, .dim = 64, .bf16_rounding = true, .ratio = 1, .seed = 803, .fp4_queries = true,
-                   .implementation = "mma_fp8"};
+                   .implementation = "mma_f16"};
   for (int32_t p = 300; p < 473; ++p) eight.tokens.push_back({0, p});
   for (int32_t p = 900; p < 1100; ++p) eight.tokens.push_back({1, p});
   for (int32_t p = 50; p < 197; ++p) eight.tokens.push_back({2, p});
   check_index_scores(eight);
   ScoresCase alternating{.heads = 16, .dim = 64, .bf16_rounding = true, .ratio = 2, .seed = 804, .fp4_queries = true,
-                         .implementation = "mma_fp8"};
+                         .implementation = "mma_f16"};
   for (int32_t t = 0; t < 200; ++t) alternating.tokens.push_back({t % 3, 900 + 17 * t});
   check_index_scores(alternating);
 }
 
 // fp4_queries promises FP4 values: a head with a block that is not FP4 gets NaN dots (every score
 // of its token is NaN) rather than silently wrong ones.
-TEST_F(CudaTest, IndexScoresMmaFp8QueryThatIsNotFp4GivesNaN) {
+TEST_F(CudaTest, IndexScoresMmaF16QueryThatIsNotFp4GivesNaN) {
   check_index_scores({.heads = 32, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 300}, {1, 40}}, .seed = 901,
-                      .fp4_queries = true, .spoil_query = true, .implementation = "mma_fp8"});
+                      .fp4_queries = true, .spoil_query = true, .implementation = "mma_f16"});
 }
 
 // Rows of scores with many ties (few distinct values), NaN and -inf, as in bf16 reference scores.
@@ -566,23 +566,23 @@ TEST(IndexerCudaDispatch, IndexDimsNameTheLimit) {
   p.q = fake_device_view(DType::bf16, {3, 1000, 48});
   validate_index_scores(p);
   EXPECT_EQ(testing::error_of([&] { choose_index_scores(p, DeviceInfo{90}); }),
-            "dsv4: index_scores: no implementation supports this call: mma_fp8: needs fp4_queries (q read as e2m1 "
+            "dsv4: index_scores: no implementation supports this call: mma_f16: needs fp4_queries (q read as e2m1 "
             "codes); simt: index_dim 48, supports multiples of 32 up to 16384");
 }
 
-// mma_fp8 takes FP4 queries against index_mxfp4 keys (any precision) or index_fp8 keys (fp32) of
+// mma_f16 takes FP4 queries against index_mxfp4 keys (any precision) or index_fp8 keys (fp32) of
 // index_dim 64 or 128 and at most 128 heads, on sm_90 (its only machine code); else the SIMT kernel.
-TEST(IndexerCudaDispatch, ChoosesMmaFp8ForFp4QueriesOnSm90) {
+TEST(IndexerCudaDispatch, ChoosesMmaF16ForFp4QueriesOnSm90) {
   using testing::fake_device_view;
   const DeviceInfo h200{90, 232448};
   IndexScoresParams p = fake_index_scores_params();
   p.fp4_queries = true;
-  EXPECT_STREQ(choose_index_scores(p, h200).name, "mma_fp8");
+  EXPECT_STREQ(choose_index_scores(p, h200).name, "mma_f16");
   p.bf16_rounding = true;
-  EXPECT_STREQ(choose_index_scores(p, h200).name, "mma_fp8");
+  EXPECT_STREQ(choose_index_scores(p, h200).name, "mma_f16");
   for (const int compute_capability : {80, 86, 89, 100, 120})
     EXPECT_STREQ(choose_index_scores(p, DeviceInfo{compute_capability, 232448}).name, "simt") << compute_capability;
-  EXPECT_EQ(kIndexScoresMmaFp8.supports(p, DeviceInfo{89, 101376}), "needs compute capability 9.0, the device has 8.9");
+  EXPECT_EQ(kIndexScoresMmaF16.supports(p, DeviceInfo{89, 101376}), "needs compute capability 9.0, the device has 8.9");
 
   auto with_keys = [&](KvRowFormat format, int64_t dim) {
     IndexScoresParams q = p;
@@ -594,26 +594,26 @@ TEST(IndexerCudaDispatch, ChoosesMmaFp8ForFp4QueriesOnSm90) {
     return q;
   };
   IndexScoresParams fp8 = with_keys(KvRowFormat::index_fp8, 64);
-  EXPECT_EQ(kIndexScoresMmaFp8.supports(fp8, h200),
+  EXPECT_EQ(kIndexScoresMmaF16.supports(fp8, h200),
             "index_fp8 keys with bf16_rounding (e4m3 x e2m1 block sums are not exact in the fp8 MMA)");
   EXPECT_STREQ(choose_index_scores(fp8, h200).name, "simt");
   fp8.bf16_rounding = false;
-  EXPECT_STREQ(choose_index_scores(fp8, h200).name, "mma_fp8");
-  EXPECT_EQ(kIndexScoresMmaFp8.supports(with_keys(KvRowFormat::bf16, 128), h200),
+  EXPECT_STREQ(choose_index_scores(fp8, h200).name, "mma_f16");
+  EXPECT_EQ(kIndexScoresMmaF16.supports(with_keys(KvRowFormat::bf16, 128), h200),
             "keys have format bf16, supports index_mxfp4 and index_fp8");
-  EXPECT_EQ(kIndexScoresMmaFp8.supports(with_keys(KvRowFormat::f32, 128), h200),
+  EXPECT_EQ(kIndexScoresMmaF16.supports(with_keys(KvRowFormat::f32, 128), h200),
             "keys have format f32, supports index_mxfp4 and index_fp8");
   IndexScoresParams f32_q = p;
   f32_q.q = fake_device_view(DType::f32, {3, 32, kIndexDim});
   validate_index_scores(f32_q);
-  EXPECT_EQ(kIndexScoresMmaFp8.supports(f32_q, h200), "needs bf16 q (the FP4 values are read from bf16 bits)");
+  EXPECT_EQ(kIndexScoresMmaF16.supports(f32_q, h200), "needs bf16 q (the FP4 values are read from bf16 bits)");
   EXPECT_STREQ(choose_index_scores(f32_q, h200).name, "simt");
-  EXPECT_EQ(kIndexScoresMmaFp8.supports(with_keys(KvRowFormat::index_mxfp4, 96), h200),
+  EXPECT_EQ(kIndexScoresMmaF16.supports(with_keys(KvRowFormat::index_mxfp4, 96), h200),
             "index_dim 96, supports 64 and 128");
   IndexScoresParams many_heads = p;
   many_heads.q = fake_device_view(DType::bf16, {3, 129, kIndexDim});
   many_heads.weights = fake_device_view(DType::f32, {3, 129});
-  EXPECT_EQ(kIndexScoresMmaFp8.supports(many_heads, h200), "129 index heads, supports at most 128");
+  EXPECT_EQ(kIndexScoresMmaF16.supports(many_heads, h200), "129 index heads, supports at most 128");
   p.fp4_queries = false;
   EXPECT_STREQ(choose_index_scores(p, h200).name, "simt");
 }

@@ -15,7 +15,7 @@ constexpr int kBlockScoreThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 
 // In order of preference (indexer_implementations.h); the SIMT fallbacks last.
-constexpr const IndexScoresImplementation* kIndexScoresImplementations[] = {&kIndexScoresMmaFp8, &kIndexScoresSimt};
+constexpr const IndexScoresImplementation* kIndexScoresImplementations[] = {&kIndexScoresMmaF16, &kIndexScoresSimt};
 constexpr const TopkImplementation* kTopkImplementations[] = {&kTopkRadix, &kTopkSimt};
 
 __global__ void candidate_block_scores_kernel(const float* scores, const int32_t* token_position, int ratio,

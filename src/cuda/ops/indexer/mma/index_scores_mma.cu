@@ -1,5 +1,6 @@
-// The fp8 tensor-core implementation of run_index_scores ("mma_fp8"), index_scores_mma_kernel.cuh;
-// the kernels are instantiated in src/cuda/instantiations/index_scores_mma_fp8_*.cu.
+// The tensor-core implementation of run_index_scores ("mma_f16": the keys' FP4 / FP8 codes widened
+// to f16 in registers), index_scores_mma_kernel.cuh; the kernels are instantiated in
+// src/cuda/instantiations/index_scores_mma_f16_*.cu.
 #include <algorithm>
 #include <string>
 
@@ -118,6 +119,6 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-const IndexScoresImplementation kIndexScoresMmaFp8 = {"mma_fp8", &supports, &run};
+const IndexScoresImplementation kIndexScoresMmaF16 = {"mma_f16", &supports, &run};
 
 }  // namespace dsv4::cuda

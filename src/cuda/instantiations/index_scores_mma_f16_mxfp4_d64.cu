@@ -1,4 +1,4 @@
-// fp8 tensor-core index scores (mma_fp8), index_mxfp4 keys, index_dim 64.
+// Tensor-core index scores (mma_f16), index_mxfp4 keys, index_dim 64.
 #include "cuda/ops/indexer/mma/index_scores_mma_kernel.cuh"
 
 namespace dsv4::cuda::index_mma {
