@@ -24,6 +24,9 @@
 
 namespace dsv4::cuda::radix_topk {
 
+// The most CTAs sharing a row: the portable cluster size.
+inline constexpr int kMaxCluster = 8;
+
 // The CTAs sharing one row. sm_90 code runs clusters (a launch without a cluster is a cluster of
 // one); the compute_80 PTX has none, so it is always one CTA there.
 struct RowCluster {
@@ -71,6 +74,18 @@ struct RowCluster {
     (void)rank;
     return local;
 #endif
+  }
+  // The sum of a shared counter over the CTAs; the reads are issued together, not one round trip
+  // after the other.
+  __device__ static int sum(const unsigned* local) {
+    const unsigned ctas = size();
+    unsigned count[kMaxCluster];
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) count[r] = static_cast<unsigned>(r) < ctas ? *remote(local, r) : 0u;
+    int total = 0;
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) total += static_cast<int>(count[r]);
+    return total;
   }
 };
 
@@ -233,16 +248,10 @@ __device__ Threshold find_threshold(int pass, int remaining, SelectShared<kThrea
   if (pass_shift(pass) > 0)
     for (int i = static_cast<int>(threadIdx.x); i < kBins + 1; i += kThreads) s.counts[(pass + 1) & 1][i] = 0u;
   if (warp == 0) {
-    const unsigned ctas = RowCluster::size();
     // Lane l holds groups kGroups - 1 - 2l (high) and kGroups - 2 - 2l (low), so that an inclusive
     // scan counts the keys in and above a lane's groups.
     const int high_group = kGroups - 1 - 2 * lane, low_group = high_group - 1;
-    int high = 0, low = 0;
-    for (unsigned r = 0; r < ctas; ++r) {
-      const unsigned* cta_groups = RowCluster::remote(groups, r);
-      high += static_cast<int>(cta_groups[high_group]);
-      low += static_cast<int>(cta_groups[low_group]);
-    }
+    const int high = RowCluster::sum(&groups[high_group]), low = RowCluster::sum(&groups[low_group]);
     const int through = warp_inclusive_sum(high + low);
     const int matching = __shfl_sync(kFullMask, through, kWarpSize - 1);
     if (lane == 0) s.matching = matching;
@@ -254,8 +263,7 @@ __device__ Threshold find_threshold(int pass, int remaining, SelectShared<kThrea
       const int group_above = __shfl_sync(kFullMask, in_high ? lane_above : lane_above + high, group_lane);
       // Lane l holds bin kGroupBins - 1 - l of the group (descending again).
       const int bin = group * kGroupBins + kGroupBins - 1 - lane;
-      int count = 0;
-      for (unsigned r = 0; r < ctas; ++r) count += static_cast<int>(RowCluster::remote(counts, r)[bin]);
+      const int count = RowCluster::sum(&counts[bin]);
       const int bin_through = group_above + warp_inclusive_sum(count);
       if (lane == __ffs(__ballot_sync(kFullMask, bin_through >= remaining)) - 1) {
         s.bucket = bin;

@@ -18,7 +18,6 @@ namespace {
 
 constexpr int64_t kChunkTarget = 16384;  // keys per CTA (64 KB) a long row is split into
 constexpr int64_t kSmallChunk = 4096;    // chunks up to this many keys take 256 threads, longer ones 512 or 1024
-constexpr int kMaxCluster = 8;           // the portable cluster size
 // CTAs of 1024 threads an H100 / H200 runs at once: one per SM, 16 clusters of 8 on its 132 SMs.
 // A grid of more takes CTAs of 512 threads, two per SM where their chunks fit (16K keys do): twice
 // the rows in flight, and one CTA's barriers and distributed shared memory reads overlap the
@@ -40,7 +39,9 @@ int64_t max_chunk(const DeviceInfo& device) {
 }
 
 // Clusters exist in the sm_90a code only (other devices run the compute_80 PTX).
-int max_cluster(const DeviceInfo& device) { return device.compute_capability == 90 ? kMaxCluster : 1; }
+int max_cluster(const DeviceInfo& device) {
+  return device.compute_capability == 90 ? radix_topk::kMaxCluster : 1;
+}
 
 // Chunks of about kChunkTarget keys, on at most max_cluster() CTAs; smaller chunks on more CTAs
 // where one CTA cannot hold kChunkTarget keys (supports() rejects rows needing more than

@@ -31,8 +31,10 @@ struct RadixTopkLaunch {
 // past the caches.
 __device__ __forceinline__ float4 load_scores(const float* chunk, int i, int count, bool aligned) {
   if (aligned && i + 4 <= count) return __ldcs(reinterpret_cast<const float4*>(chunk + i));
-  return make_float4(i < count ? __ldcs(chunk + i) : -INFINITY, i + 1 < count ? __ldcs(chunk + i + 1) : -INFINITY,
-                     i + 2 < count ? __ldcs(chunk + i + 2) : -INFINITY, i + 3 < count ? __ldcs(chunk + i + 3) : -INFINITY);
+  float score[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) score[j] = i + j < count ? __ldcs(chunk + i + j) : -INFINITY;
+  return make_float4(score[0], score[1], score[2], score[3]);
 }
 
 // A grid of tokens x cluster CTAs. Every kThreads is capped at 64 registers per thread, so that an
@@ -49,6 +51,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) topk_radix_kernel(R
   const int count = static_cast<int>(std::clamp<int64_t>(length - first, 0, a.chunk));
   const float* row = a.scores + t * a.n + first;
   const bool aligned = reinterpret_cast<uintptr_t>(row) % sizeof(float4) == 0;
+  using radix_topk::kTileKeys;
   const int lane_first = static_cast<int>(threadIdx.x) % kWarpSize * radix_topk::kKeysPerLane;
   radix_topk::clear_counts(shared);
   const radix_topk::TileRange tiles = radix_topk::warp_tiles<kThreads>(count);
@@ -56,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) topk_radix_kernel(R
     float4 score[kRadixLoadBatch] = {};
 #pragma unroll
     for (int b = 0; b < kRadixLoadBatch; ++b)
-      if (base + b < tiles.end) score[b] = load_scores(row, (base + b) * radix_topk::kTileKeys + lane_first, count, aligned);
+      if (base + b < tiles.end) score[b] = load_scores(row, (base + b) * kTileKeys + lane_first, count, aligned);
 #pragma unroll
     for (int b = 0; b < kRadixLoadBatch; ++b)
       if (base + b < tiles.end) {
