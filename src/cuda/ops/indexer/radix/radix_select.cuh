@@ -99,10 +99,10 @@ inline constexpr int kBins = 1 << kBinBits;
 __device__ constexpr int pass_shift(int pass) {
   return 32 - kBinBits * (pass + 1) > 0 ? 32 - kBinBits * (pass + 1) : 0;
 }
-// Bins are also summed in groups of one per lane, so that a single warp finds the threshold bin:
+// Bins are also summed in groups of kGroupBins, so that a single warp finds the threshold bin:
 // first its group from every CTA's group sums (two groups per lane), then the bin among the group's
-// bins of every CTA. Two rounds of a few distributed shared memory reads, instead of every CTA
-// reading every bin of every CTA.
+// bins (one per lane) of every CTA. Two rounds of a few distributed shared memory reads, instead of
+// every CTA reading every bin of every CTA.
 inline constexpr int kGroupBins = kWarpSize;
 inline constexpr int kGroups = kBins / kGroupBins;
 static_assert(kGroups == 2 * kWarpSize);
@@ -243,8 +243,8 @@ __device__ Threshold find_threshold(int pass, int remaining, SelectShared<kThrea
     if (lane == 0) groups[g] = group_count;
   }
   RowCluster::sync();  // every CTA's counts of this pass are complete
-  // The next pass's counts: the other CTAs are done with the previous pass's, which they read
-  // before counting this one.
+  // Zero the next pass's counts: the other CTAs are done with the previous pass's, which they read
+  // before counting this one (after the first pass: this CTA's second copy, folded above).
   if (pass_shift(pass) > 0)
     for (int i = static_cast<int>(threadIdx.x); i < kBins + 1; i += kThreads) s.counts[(pass + 1) & 1][i] = 0u;
   if (warp == 0) {

@@ -30,10 +30,11 @@ struct RowSplit {
 };
 
 // Keys one CTA can hold next to the selection's own shared memory (of the 1024-thread kernel: a
-// chunk too long for the 256-thread one's share is longer than kSmallChunk anyway).
+// chunk too long for the 256-thread one's share is longer than kSmallChunk anyway), after which
+// they start 16-byte aligned.
 int64_t max_chunk(const DeviceInfo& device) {
-  const int64_t bytes =
-      device.max_shared_bytes_per_block - static_cast<int64_t>(sizeof(radix_topk::SelectShared<1024>));
+  constexpr int64_t kSelectBytes = (sizeof(radix_topk::SelectShared<1024>) + 15) / 16 * 16;
+  const int64_t bytes = device.max_shared_bytes_per_block - kSelectBytes;
   return std::max<int64_t>(0, bytes / static_cast<int64_t>(sizeof(uint32_t))) / radix_topk::kTileKeys *
          radix_topk::kTileKeys;
 }

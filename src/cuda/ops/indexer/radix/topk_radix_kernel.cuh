@@ -37,12 +37,12 @@ __device__ __forceinline__ float4 load_scores(const float* chunk, int i, int cou
   return make_float4(score[0], score[1], score[2], score[3]);
 }
 
-// A grid of tokens x cluster CTAs. Every kThreads is capped at 64 registers per thread, so that an
-// SM holds 1024 threads of it: one CTA of 1024, two of 512 or four of 256 (shared memory
+// A grid of tokens x cluster CTAs. Each instantiation is capped at 64 registers per thread, so
+// that an SM holds 1024 of its threads: one CTA of 1024, two of 512 or four of 256 (shared memory
 // permitting).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, 1024 / kThreads) topk_radix_kernel(RadixTopkLaunch a) {
-  using radix_topk::RowCluster;
+  using radix_topk::kTileKeys, radix_topk::RowCluster;
   extern __shared__ __align__(16) uint32_t keys[];  // [a.chunk]
   __shared__ radix_topk::SelectShared<kThreads> shared;
   const int64_t t = blockIdx.x / RowCluster::size();
@@ -51,7 +51,6 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) topk_radix_kernel(R
   const int count = static_cast<int>(std::clamp<int64_t>(length - first, 0, a.chunk));
   const float* row = a.scores + t * a.n + first;
   const bool aligned = reinterpret_cast<uintptr_t>(row) % sizeof(float4) == 0;
-  using radix_topk::kTileKeys;
   const int lane_first = static_cast<int>(threadIdx.x) % kWarpSize * radix_topk::kKeysPerLane;
   radix_topk::clear_counts(shared);
   const radix_topk::TileRange tiles = radix_topk::warp_tiles<kThreads>(count);
