@@ -311,8 +311,10 @@ std::vector<float> tie_heavy_scores(int64_t n, uint32_t seed) {
 }
 
 // Rows of mixed scores: bf16 values of a small set (ties) next to fp32 values over many binades
-// (keys that differ only in their low bits), NaN, -inf, +inf and -0; every fifth row is all -inf
-// and every fifth all one value.
+// (keys that differ only in their low bits), NaN, -inf, +inf and -0; every fifth row is all -inf,
+// every tenth all one value and every tenth all NaN, and in every fifth the numbers lie in
+// [1, 1 + 2^-10) (8192 values: keys alike in their top 19 bits, so that a radix select needs its
+// last bits and the threshold has ties).
 std::vector<float> mixed_scores(int64_t tokens, int64_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
@@ -321,11 +323,12 @@ std::vector<float> mixed_scores(int64_t tokens, int64_t n, uint32_t seed) {
     for (int64_t j = 0; j < n; ++j) {
       float& x = s[t * n + j];
       const uint32_t r = rng() % 100;
-      if (t % 5 == 3) x = 1.5f;
+      if (t % 5 == 3) x = t % 10 == 3 ? 1.5f : std::numeric_limits<float>::quiet_NaN();
       else if (t % 5 == 4 || r < 6) x = -kInf;
       else if (r < 8) x = std::numeric_limits<float>::quiet_NaN();
       else if (r < 9) x = kInf;
       else if (r < 10) x = -0.0f;
+      else if (t % 5 == 2) x = 1.0f + std::ldexp(static_cast<float>(rng() % 8192), -23);
       else if (r < 55) x = round_to_bf16(static_cast<float>(static_cast<int>(rng() % 64) - 32) * 0.0625f);
       else x = (rng() % 2 ? -1.0f : 1.0f) * std::ldexp(mantissa(rng), static_cast<int>(rng() % 41) - 20);
     }
@@ -392,7 +395,8 @@ TEST_F(CudaTest, TopkMatchesReferenceWithTiesNanAndInfinities) {
 
 // The radix top-k against the reference on the row lengths it runs differently: one CTA of 256
 // threads (up to 4096 scores) or of 1024, and on sm_90 clusters of 5 and 8 CTAs (chunks of 52, 64
-// and 150 KB); the chooser picks it for them.
+// and 150 KB); rows whose chunks are not 16-byte aligned (odd lengths); grids of more CTAs than run
+// at once (CTAs of 512 threads). The chooser picks it for them.
 TEST_F(CudaTest, TopkRadixMatchesReference) {
   uint32_t seed = 40;
   for (const int64_t n : {1, 7, 513, 4096, 65536 + 3, 131072})
@@ -409,6 +413,9 @@ TEST_F(CudaTest, TopkRadixMatchesReference) {
              &kTopkRadix);
   check_topk({.tokens = 9, .n = 301, .k = 37, .ratio = 2, .group_size = 8, .seed = 63}, &kTopkRadix);
   check_topk({.tokens = 3, .n = 300001, .k = 512, .ratio = 0, .seed = 64, .mixed = true}, &kTopkRadix);
+  // 64 rows of 128K (512 CTAs in clusters of 8) and 150 single-CTA rows of odd length.
+  check_topk({.tokens = 64, .n = 131072, .k = 512, .ratio = 0, .seed = 65, .mixed = true}, &kTopkRadix);
+  check_topk({.tokens = 150, .n = 8197, .k = 2048, .ratio = 1, .seed = 66, .mixed = true}, &kTopkRadix);
 
   using testing::fake_device_view;
   for (const int64_t n : {1, 4096, 131072})
@@ -529,7 +536,7 @@ TEST(IndexerCudaDispatch, ChoosesSimtOnEveryDevice) {
 }
 
 // The radix top-k takes every row its CTAs' shared memory holds: up to 8 CTAs of a cluster on
-// sm_90 (about 8 x 54K scores), one CTA elsewhere (about 38K on an A100, 22K on Ada); longer rows
+// sm_90 (about 8 x 53K scores), one CTA elsewhere (about 37K on an A100, 21K on Ada); longer rows
 // go to the SIMT kernel.
 TEST(IndexerCudaDispatch, ChoosesTopkByDeviceAndRowLength) {
   using testing::fake_device_view;

@@ -1,23 +1,31 @@
 // The selection core of the radix top-k: the keys of one row (topk_rules.cuh) lie in the shared
 // memory of the CTAs of a thread-block cluster, each CTA holding a contiguous chunk in row order.
-// select_picks finds the k-th best key with four 8-bit radix passes whose histograms the CTAs
-// combine through distributed shared memory; write_picks then writes every pick at its rank in the
-// row's ascending pick list. Nothing goes through global memory but the picks, and the result is a
-// pure function of the keys (histogram counts do not depend on the order of the atomics).
+// The k-th best key is found by up to three radix passes (11, 11 and 10 bits, most significant
+// first); each pass counts per CTA the keys that match the bins chosen so far, and the CTAs combine
+// the counts through distributed shared memory. The first pass, over every key, is counted while
+// the keys are stored (count_first_pass), so only the later passes read the keys again, and they
+// count only the few keys of the threshold bin. write_picks then writes every pick at its rank in
+// the row's ascending pick list. Nothing goes through global memory but the picks, and the result
+// is a pure function of the keys (histogram counts do not depend on the order of the atomics).
 //
-// It only reads each CTA's `keys[0, count)`, the keys of row positions first + i: a kernel that
-// computes its chunk's scores into shared memory instead of loading them (a fused score scan) can
-// call it as is.
+// Keys are handled in tiles of kTileKeys: lane l of a warp holds keys 4l .. 4l + 3 of a tile (one
+// 16-byte shared memory access) and each warp walks a contiguous run of tiles (warp_tiles). A
+// kernel fills keys[0, count) of each CTA, and 0 (-inf, never picked) up to the end of the last
+// tile, and calls: clear_counts, then for each of its warp's tiles store_tile and
+// count_first_pass, then select_picks and write_picks. A kernel that computes its chunk's scores
+// into shared memory instead of loading them (a fused score scan) can do the same.
 #pragma once
 
 #include <cooperative_groups.h>
 
-#include <cub/block/block_scan.cuh>
 #include <cstdint>
 
 #include "cuda/common/device_math.cuh"
 
 namespace dsv4::cuda::radix_topk {
+
+// The most CTAs sharing a row: the portable cluster size.
+inline constexpr int kMaxCluster = 8;
 
 // The CTAs sharing one row. sm_90 code runs clusters (a launch without a cluster is a cluster of
 // one); the compute_80 PTX has none, so it is always one CTA there.
@@ -44,6 +52,19 @@ struct RowCluster {
     __syncthreads();
 #endif
   }
+  // sync() in two halves: arrive() once this thread reads no other CTA's shared memory any more,
+  // wait() before the CTA exits, so that its shared memory outlives the other CTAs' reads. Work
+  // between the two overlaps the barrier. With one CTA there is nothing to wait for.
+  __device__ static void arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cooperative_groups::this_cluster().barrier_arrive();
+#endif
+  }
+  __device__ static void wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cooperative_groups::this_cluster().barrier_wait();
+#endif
+  }
   // The same shared variable in CTA `rank` of the cluster.
   template <class T>
   __device__ static T* remote(T* local, unsigned rank) {
@@ -54,14 +75,37 @@ struct RowCluster {
     return local;
 #endif
   }
+  // The sum of a shared counter over the CTAs; the reads are issued together, not one round trip
+  // after the other.
+  __device__ static int sum(const unsigned* local) {
+    const unsigned ctas = size();
+    unsigned count[kMaxCluster];
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) count[r] = static_cast<unsigned>(r) < ctas ? *remote(local, r) : 0u;
+    int total = 0;
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) total += static_cast<int>(count[r]);
+    return total;
+  }
 };
 
-inline constexpr int kRadixBits = 8;
-inline constexpr int kBins = 1 << kRadixBits;
-// Lane i counts into copy i % kHistogramCopies of the histogram: scores cluster in few bins (a
-// binade per bin in the first pass), and lanes adding to one shared word serialize. The copies are
-// kBins + 1 words apart, so the same bin of two copies lies in different banks.
-inline constexpr int kHistogramCopies = 4;
+inline constexpr int kKeysPerLane = 4;
+inline constexpr int kTileKeys = kWarpSize * kKeysPerLane;
+
+// A pass counts the keys matching the bins chosen so far in kBins bins of the next kBinBits bits
+// (the last pass takes the 10 that are left: its bins share their top bit with the prefix).
+inline constexpr int kBinBits = 11;
+inline constexpr int kBins = 1 << kBinBits;
+__device__ constexpr int pass_shift(int pass) {
+  return 32 - kBinBits * (pass + 1) > 0 ? 32 - kBinBits * (pass + 1) : 0;
+}
+// Bins are also summed in groups of kGroupBins, so that a single warp finds the threshold bin:
+// first its group from every CTA's group sums (two groups per lane), then the bin among the group's
+// bins (one per lane) of every CTA. Two rounds of a few distributed shared memory reads, instead of
+// every CTA reading every bin of every CTA.
+inline constexpr int kGroupBins = kWarpSize;
+inline constexpr int kGroups = kBins / kGroupBins;
+static_assert(kGroups == 2 * kWarpSize);
 
 // The picks of a row: every key != 0 with (key & mask) > prefix, and of the keys with
 // (key & mask) == prefix (the ties at the threshold) the first `ties` in row order.
@@ -74,163 +118,292 @@ struct Selection {
 
 template <int kThreads>
 struct SelectShared {
-  static_assert(kThreads % kWarpSize == 0 && kThreads >= kBins && kThreads / kWarpSize <= kWarpSize);
+  static_assert(kThreads % kWarpSize == 0 && kThreads / kWarpSize <= kWarpSize);
   static constexpr int kWarps = kThreads / kWarpSize;
-  using Scan = cub::BlockScan<int, kThreads>;
 
-  typename Scan::TempStorage scan;
-  // This CTA's counts per bin (copy 0 once folded); passes alternate, since another CTA may still
-  // read the previous pass's counts while this one counts.
-  unsigned histogram[2][kHistogramCopies][kBins + 1];
-  int bucket, above, bucket_count;  // the pass's threshold bin, keys in the bins above it, keys in it
-  // write_picks: per warp, its keys above the threshold, its ties, and where its ties and picks start.
-  int warp_above[kWarps], warp_ties[kWarps], warp_tie_rank[kWarps], warp_pick_rank[kWarps];
-  int cta_above, cta_ties;  // this CTA's, read by the later CTAs of the cluster
+  // This CTA's counts per bin of a pass, counts[pass & 1]: passes alternate, since another CTA may
+  // still read the previous pass's counts while this one counts. The first pass, the one over
+  // every key, counts odd lanes into counts[1] and folds them into counts[0]: scores pile up in few
+  // bins, and lanes adding to one shared word serialize. The + 1 puts the same bin of the two in
+  // different banks.
+  unsigned counts[2][kBins + 1];
+  unsigned group_counts[2][kGroups];     // the sums of counts[pass & 1] per group of kGroupBins bins
+  int bucket, above, bucket_count;       // the pass's threshold bin, keys in the bins above it, keys in it
+  int matching;                          // keys the pass counted (all eligible keys in the first)
+  // write_picks: per warp, its keys above the threshold and its ties (then: those of the warps
+  // before it in the CTA); this CTA's totals (read by the later CTAs of the cluster); the totals of
+  // the CTAs before this one.
+  int warp_above[kWarps], warp_ties[kWarps];
+  int cta_above, cta_ties;
+  int above_before, ties_before;
 };
 
-__device__ __forceinline__ int warp_exclusive_sum(int v) {
-  const int lane = threadIdx.x % kWarpSize;
-  int inclusive = v;
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const int other = __shfl_up_sync(kFullMask, inclusive, offset);
-    if (lane >= offset) inclusive += other;
-  }
-  return inclusive - v;
+// The first `count` keys in tiles: this warp's contiguous run [begin, end).
+struct TileRange {
+  int begin, end;
+};
+
+template <int kThreads>
+__device__ __forceinline__ TileRange warp_tiles(int count) {
+  constexpr int kWarps = SelectShared<kThreads>::kWarps;
+  const int tiles = (count + kTileKeys - 1) / kTileKeys;
+  const int per_warp = (tiles + kWarps - 1) / kWarps;
+  const int begin = min(tiles, static_cast<int>(threadIdx.x) / kWarpSize * per_warp);
+  return {begin, min(tiles, begin + per_warp)};
 }
 
-// The threshold of the k best keys of the row (key 0, -inf, is never counted): most significant
-// byte first, each pass keeps the bin holding the remaining-th best key among the keys that match
-// the prefix so far. Stops early when every key of that bin is picked. Every CTA of the cluster
-// computes the same result from the combined counts.
-template <int kThreads>
-__device__ Selection select_picks(const uint32_t* keys, int count, int64_t k, SelectShared<kThreads>& s) {
-  using Scan = typename SelectShared<kThreads>::Scan;
-  const unsigned cluster_size = RowCluster::size();
-  uint32_t prefix = 0u, mask = 0u;
-  int remaining = static_cast<int>(k < INT32_MAX ? k : INT32_MAX);  // picks left among the keys matching prefix
+__device__ __forceinline__ void load_tile(const uint32_t* keys, int tile, uint32_t (&key)[kKeysPerLane]) {
+  const uint4 q = reinterpret_cast<const uint4*>(keys)[tile * kWarpSize + static_cast<int>(threadIdx.x) % kWarpSize];
+  key[0] = q.x;
+  key[1] = q.y;
+  key[2] = q.z;
+  key[3] = q.w;
+}
+
+__device__ __forceinline__ void store_tile(uint32_t* keys, int tile, const uint32_t (&key)[kKeysPerLane]) {
+  reinterpret_cast<uint4*>(keys)[tile * kWarpSize + static_cast<int>(threadIdx.x) % kWarpSize] =
+      make_uint4(key[0], key[1], key[2], key[3]);
+}
+
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  int eligible = 0;
-  for (int shift = 32 - kRadixBits, pass = 0; shift >= 0; shift -= kRadixBits, ++pass) {
-    auto& copies = s.histogram[pass & 1];
-    for (int b = threadIdx.x; b < kHistogramCopies * (kBins + 1); b += kThreads) (&copies[0][0])[b] = 0u;
-    __syncthreads();
-    unsigned* copy = copies[threadIdx.x % kHistogramCopies];
-    for (int warp_base = static_cast<int>(threadIdx.x) - lane; warp_base < count; warp_base += kThreads) {
-      const int i = warp_base + lane;
-      const uint32_t key = i < count ? keys[i] : 0u;
-      const bool counted = key != 0u && (key & mask) == prefix;
-      const unsigned bin = (key >> shift) & (kBins - 1), voters = __ballot_sync(kFullMask, counted);
-      // A warp whose counted keys share one bin (a run of equal scores) adds them in one atomic.
-      const unsigned first_bin = __shfl_sync(kFullMask, bin, voters ? __ffs(voters) - 1 : 0);
-      if (__all_sync(kFullMask, !counted || bin == first_bin)) {
-        if (lane == 0 && voters) atomicAdd(&copy[first_bin], static_cast<unsigned>(__popc(voters)));
-      } else if (counted) {
-        atomicAdd(&copy[bin], 1u);
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const int other = __shfl_up_sync(kFullMask, v, offset);
+    if (lane >= offset) v += other;
+  }
+  return v;
+}
+
+// Adds this lane's keys of a tile that are != 0 and match prefix under mask to their bins
+// (key >> shift) & (kBins - 1) of counts. Warp-wide: a tile without such keys costs a vote, and a
+// tile whose counted keys share one bin (a run of equal scores) one atomic.
+__device__ __forceinline__ void count_keys(unsigned* counts, const uint32_t (&key)[kKeysPerLane], uint32_t mask,
+                                           uint32_t prefix, int shift) {
+  bool counted[kKeysPerLane];
+  unsigned bin[kKeysPerLane], lane_count = 0u, first_bin = 0u;
+#pragma unroll
+  for (int j = kKeysPerLane - 1; j >= 0; --j) {
+    counted[j] = key[j] != 0u && (key[j] & mask) == prefix;
+    bin[j] = (key[j] >> shift) & (kBins - 1);
+    lane_count += counted[j] ? 1u : 0u;
+    if (counted[j]) first_bin = bin[j];
+  }
+  const unsigned lanes = __ballot_sync(kFullMask, lane_count != 0u);
+  if (lanes == 0u) return;
+  const unsigned tile_bin = __shfl_sync(kFullMask, first_bin, __ffs(lanes) - 1);
+  bool in_tile_bin = true;
+#pragma unroll
+  for (int j = 0; j < kKeysPerLane; ++j) in_tile_bin = in_tile_bin && (!counted[j] || bin[j] == tile_bin);
+  if (__all_sync(kFullMask, in_tile_bin)) {
+    const unsigned tile_count = __reduce_add_sync(kFullMask, lane_count);
+    if (threadIdx.x % kWarpSize == 0) atomicAdd(&counts[tile_bin], tile_count);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kKeysPerLane; ++j)
+      if (counted[j]) atomicAdd(&counts[bin[j]], 1u);
+  }
+}
+
+// Zeroes the first pass's counts; ends with a barrier of the CTA, after which it may count.
+template <int kThreads>
+__device__ void clear_counts(SelectShared<kThreads>& s) {
+  for (int i = static_cast<int>(threadIdx.x); i < 2 * (kBins + 1); i += kThreads) (&s.counts[0][0])[i] = 0u;
+  __syncthreads();
+}
+
+// Counts this lane's keys of a tile (as stored) for the first pass: every key but -inf.
+template <int kThreads>
+__device__ __forceinline__ void count_first_pass(const uint32_t (&key)[kKeysPerLane], SelectShared<kThreads>& s) {
+  count_keys(s.counts[threadIdx.x % 2], key, 0u, 0u, pass_shift(0));
+}
+
+struct Threshold {
+  int bucket = 0, above = 0, bucket_count = 0, matching = 0;
+};
+
+// The bin of a pass holding the remaining-th best key among the keys every CTA of the cluster
+// counted (valid when matching >= remaining), the keys in the bins above it and in it, and the
+// number counted. Begins with a barrier of the CTA (its counts are complete) and ends with one;
+// zeroes the next pass's counts. Every CTA finds the same.
+template <int kThreads>
+__device__ Threshold find_threshold(int pass, int remaining, SelectShared<kThreads>& s) {
+  constexpr int kWarps = SelectShared<kThreads>::kWarps;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  unsigned* counts = s.counts[pass & 1];
+  unsigned* groups = s.group_counts[pass & 1];
+  __syncthreads();
+  for (int g = warp; g < kGroups; g += kWarps) {
+    const int bin = g * kGroupBins + lane;
+    unsigned count = counts[bin];
+    if (pass == 0) {
+      count += s.counts[1][bin];
+      counts[bin] = count;
+    }
+    const unsigned group_count = __reduce_add_sync(kFullMask, count);
+    if (lane == 0) groups[g] = group_count;
+  }
+  RowCluster::sync();  // every CTA's counts of this pass are complete
+  // Zero the next pass's counts: the other CTAs are done with the previous pass's, which they read
+  // before counting this one (after the first pass: this CTA's second copy, folded above).
+  if (pass_shift(pass) > 0)
+    for (int i = static_cast<int>(threadIdx.x); i < kBins + 1; i += kThreads) s.counts[(pass + 1) & 1][i] = 0u;
+  if (warp == 0) {
+    // Lane l holds groups kGroups - 1 - 2l (high) and kGroups - 2 - 2l (low), so that an inclusive
+    // scan counts the keys in and above a lane's groups.
+    const int high_group = kGroups - 1 - 2 * lane, low_group = high_group - 1;
+    const int high = RowCluster::sum(&groups[high_group]), low = RowCluster::sum(&groups[low_group]);
+    const int through = warp_inclusive_sum(high + low);
+    const int matching = __shfl_sync(kFullMask, through, kWarpSize - 1);
+    if (lane == 0) s.matching = matching;
+    if (matching >= remaining) {
+      const int group_lane = __ffs(__ballot_sync(kFullMask, through >= remaining)) - 1;
+      const int lane_above = through - high - low;
+      const bool in_high = lane_above + high >= remaining;
+      const int group = __shfl_sync(kFullMask, in_high ? high_group : low_group, group_lane);
+      const int group_above = __shfl_sync(kFullMask, in_high ? lane_above : lane_above + high, group_lane);
+      // Lane l holds bin kGroupBins - 1 - l of the group (descending again).
+      const int bin = group * kGroupBins + kGroupBins - 1 - lane;
+      const int count = RowCluster::sum(&counts[bin]);
+      const int bin_through = group_above + warp_inclusive_sum(count);
+      if (lane == __ffs(__ballot_sync(kFullMask, bin_through >= remaining)) - 1) {
+        s.bucket = bin;
+        s.above = bin_through - count;
+        s.bucket_count = count;
       }
     }
-    __syncthreads();
-    unsigned* histogram = copies[0];
-    if (threadIdx.x < kBins)
-      for (int c = 1; c < kHistogramCopies; ++c) histogram[threadIdx.x] += copies[c][threadIdx.x];
-    RowCluster::sync();  // every CTA's counts of this pass are complete
-    // Thread i holds bin kBins - 1 - i, so that an inclusive scan counts the keys in and above a bin.
-    int bin_count = 0;
-    if (threadIdx.x < kBins)
-      for (unsigned r = 0; r < cluster_size; ++r)
-        bin_count += static_cast<int>(RowCluster::remote(histogram, r)[kBins - 1 - threadIdx.x]);
-    int in_and_above = 0, matching = 0;
-    Scan(s.scan).InclusiveSum(bin_count, in_and_above, matching);
-    if (pass == 0) eligible = matching;
-    // Fewer eligible keys than k (only possible in the first pass): all of them are picked.
-    if (matching < remaining) return {prefix, mask, matching, matching};
-    if (threadIdx.x < kBins && in_and_above >= remaining && in_and_above - bin_count < remaining) {
-      s.bucket = kBins - 1 - static_cast<int>(threadIdx.x);
-      s.above = in_and_above - bin_count;
-      s.bucket_count = bin_count;
+  }
+  __syncthreads();
+  // s is written again only after the next pass's cluster barrier.
+  return {s.bucket, s.above, s.bucket_count, s.matching};
+}
+
+// The threshold of the k best keys of the row (key 0, -inf, is never counted): each pass keeps the
+// bin holding the remaining-th best key among the keys matching the prefix so far. Stops early
+// when every key of that bin is picked. The first pass has been counted (count_first_pass).
+template <int kThreads>
+__device__ Selection select_picks(const uint32_t* keys, int count, int64_t k, SelectShared<kThreads>& s) {
+  const TileRange tiles = warp_tiles<kThreads>(count);
+  uint32_t prefix = 0u, mask = 0u;
+  int remaining = static_cast<int>(k < INT32_MAX ? k : INT32_MAX);  // picks left among the keys matching prefix
+  int eligible = 0;
+  for (int pass = 0;; ++pass) {
+    const int shift = pass_shift(pass);
+    if (pass > 0)
+      for (int tile = tiles.begin; tile < tiles.end; ++tile) {
+        uint32_t key[kKeysPerLane];
+        load_tile(keys, tile, key);
+        count_keys(s.counts[pass & 1], key, mask, prefix, shift);
+      }
+    const Threshold threshold = find_threshold(pass, remaining, s);
+    if (pass == 0) {
+      eligible = threshold.matching;
+      // Fewer eligible keys than k: all of them are picked (as ties of the empty prefix).
+      if (eligible < remaining) return {0u, 0u, eligible, eligible};
     }
-    __syncthreads();
-    prefix |= static_cast<uint32_t>(s.bucket) << shift;
+    prefix |= static_cast<uint32_t>(threshold.bucket) << shift;
     mask |= static_cast<uint32_t>(kBins - 1) << shift;
-    remaining -= s.above;
-    // s and the scan storage are written again only after the next pass's cluster barrier.
-    if (s.bucket_count == remaining) break;
+    remaining -= threshold.above;
+    if (threshold.bucket_count == remaining || shift == 0) break;
   }
   return {prefix, mask, remaining, static_cast<int>(k < eligible ? k : eligible)};
 }
 
-// Writes the picks of this CTA's keys (row positions first + i) into picks[0, k) of the row: the
-// chunks lie in row order and each warp walks a contiguous run of tiles of 32 keys, so ranks in
-// row order come from counts per CTA and per warp and ballots per tile. The CTAs share the -1
-// padding. Ends with a cluster barrier, after which the CTA may exit.
+// Writes the picks of this CTA's keys (row positions first + i) into picks[0, k) of the row. A
+// pick's rank is the number of keys above the threshold before it in the row plus the number of
+// picked ties before it, min(ties before it, selection.ties); both counts come from counts per CTA
+// and per warp (the chunks lie in row order, each warp walks a contiguous run of tiles) and a scan
+// per tile. The CTAs share the -1 padding. Ends with a cluster barrier, after which the CTA may
+// exit.
 template <int kThreads>
 __device__ void write_picks(const uint32_t* keys, int count, int64_t first, const Selection& selection,
                             int32_t* picks, int64_t k, SelectShared<kThreads>& s) {
   constexpr int kWarps = SelectShared<kThreads>::kWarps;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const unsigned lanes_before = (1u << lane) - 1u;
-  const int tiles = (count + kWarpSize - 1) / kWarpSize;
-  const int tiles_per_warp = (tiles + kWarps - 1) / kWarps;
-  const int begin = min(count, warp * tiles_per_warp * kWarpSize), end = min(count, begin + tiles_per_warp * kWarpSize);
-  const auto classify = [&](int i, unsigned& above, unsigned& tie) {
-    const uint32_t key = i < end ? keys[i] : 0u;
-    above = __ballot_sync(kFullMask, key != 0u && (key & selection.mask) > selection.prefix);
-    tie = __ballot_sync(kFullMask, key != 0u && (key & selection.mask) == selection.prefix);
+  const TileRange tiles = warp_tiles<kThreads>(count);
+  const auto classify = [&](int tile, bool (&above)[kKeysPerLane], bool (&tie)[kKeysPerLane]) {
+    uint32_t key[kKeysPerLane];
+    load_tile(keys, tile, key);
+#pragma unroll
+    for (int j = 0; j < kKeysPerLane; ++j) {
+      above[j] = (key[j] & selection.mask) > selection.prefix;
+      tie[j] = key[j] != 0u && (key[j] & selection.mask) == selection.prefix;
+    }
   };
 
   int above_count = 0, tie_count = 0;
-  for (int base = begin; base < end; base += kWarpSize) {
-    unsigned above, tie;
-    classify(base + lane, above, tie);
-    above_count += __popc(above);
-    tie_count += __popc(tie);
+  for (int tile = tiles.begin; tile < tiles.end; ++tile) {
+    bool above[kKeysPerLane], tie[kKeysPerLane];
+    classify(tile, above, tie);
+#pragma unroll
+    for (int j = 0; j < kKeysPerLane; ++j) {
+      above_count += above[j] ? 1 : 0;
+      tie_count += tie[j] ? 1 : 0;
+    }
   }
+  above_count = __reduce_add_sync(kFullMask, above_count);
+  tie_count = __reduce_add_sync(kFullMask, tie_count);
   if (lane == 0) {
     s.warp_above[warp] = above_count;
     s.warp_ties[warp] = tie_count;
   }
   __syncthreads();
   if (warp == 0) {
-    const int ties = lane < kWarps ? s.warp_ties[lane] : 0, above = lane < kWarps ? s.warp_above[lane] : 0;
-    const int ties_before = warp_exclusive_sum(ties), above_before = warp_exclusive_sum(above);
-    if (lane < kWarps) s.warp_tie_rank[lane] = ties_before;
+    const int above = lane < kWarps ? s.warp_above[lane] : 0, ties = lane < kWarps ? s.warp_ties[lane] : 0;
+    const int above_through = warp_inclusive_sum(above), ties_through = warp_inclusive_sum(ties);
+    if (lane < kWarps) {
+      s.warp_above[lane] = above_through - above;
+      s.warp_ties[lane] = ties_through - ties;
+    }
     if (lane == kWarpSize - 1) {
-      s.cta_ties = ties_before + ties;
-      s.cta_above = above_before + above;
+      s.cta_above = above_through;
+      s.cta_ties = ties_through;
     }
   }
   RowCluster::sync();  // every CTA's totals are published
   if (warp == 0) {
-    // The ties and picks of the CTAs before this one, in row order.
-    int tie_rank = 0, pick_rank = 0;
-    for (unsigned r = 0; r < RowCluster::rank(); ++r) {
-      const int cta_ties = *RowCluster::remote(&s.cta_ties, r);
-      pick_rank += *RowCluster::remote(&s.cta_above, r) + max(0, min(cta_ties, selection.ties - tie_rank));
-      tie_rank += cta_ties;
-    }
-    const int ties = lane < kWarps ? s.warp_ties[lane] : 0;
-    const int warp_tie_rank = tie_rank + (lane < kWarps ? s.warp_tie_rank[lane] : 0);
-    const int picked = (lane < kWarps ? s.warp_above[lane] : 0) + max(0, min(ties, selection.ties - warp_tie_rank));
-    const int picks_before = warp_exclusive_sum(picked);
-    if (lane < kWarps) {
-      s.warp_tie_rank[lane] = warp_tie_rank;
-      s.warp_pick_rank[lane] = pick_rank + picks_before;
+    // Lane r < this CTA's rank reads CTA r's totals.
+    const bool before = static_cast<unsigned>(lane) < RowCluster::rank();
+    const int above = __reduce_add_sync(kFullMask, before ? *RowCluster::remote(&s.cta_above, lane) : 0);
+    const int ties = __reduce_add_sync(kFullMask, before ? *RowCluster::remote(&s.cta_ties, lane) : 0);
+    if (lane == 0) {
+      s.above_before = above;
+      s.ties_before = ties;
     }
   }
   __syncthreads();
-  int tie_rank = s.warp_tie_rank[warp], pick_rank = s.warp_pick_rank[warp];
-  for (int base = begin; base < end; base += kWarpSize) {
-    unsigned above, tie;
-    classify(base + lane, above, tie);
-    const bool tie_picked = ((tie >> lane) & 1u) && tie_rank + __popc(tie & lanes_before) < selection.ties;
-    const unsigned picked = above | __ballot_sync(kFullMask, tie_picked);
-    if ((picked >> lane) & 1u) picks[pick_rank + __popc(picked & lanes_before)] = static_cast<int32_t>(first + base + lane);
-    tie_rank += __popc(tie);
-    pick_rank += __popc(picked);
+  RowCluster::arrive();
+  // The row's keys above the threshold and ties before this warp's next tile.
+  int above_before = s.above_before + s.warp_above[warp], ties_before = s.ties_before + s.warp_ties[warp];
+  for (int tile = tiles.begin; tile < tiles.end; ++tile) {
+    bool above[kKeysPerLane], tie[kKeysPerLane];
+    classify(tile, above, tie);
+    int lane_above = 0, lane_ties = 0;
+#pragma unroll
+    for (int j = 0; j < kKeysPerLane; ++j) {
+      lane_above += above[j] ? 1 : 0;
+      lane_ties += tie[j] ? 1 : 0;
+    }
+    if (!__any_sync(kFullMask, lane_above + lane_ties != 0)) continue;
+    // Both counts of the lanes up to this one in one scan (each at most kTileKeys per tile).
+    const int packed = (lane_above << 16) | lane_ties;
+    const int through = warp_inclusive_sum(packed);
+    int above_here = above_before + ((through - packed) >> 16), ties_here = ties_before + ((through - packed) & 0xffff);
+#pragma unroll
+    for (int j = 0; j < kKeysPerLane; ++j) {
+      if (above[j] || (tie[j] && ties_here < selection.ties))
+        picks[above_here + min(ties_here, selection.ties)] =
+            static_cast<int32_t>(first + int64_t{tile} * kTileKeys + lane * kKeysPerLane + j);
+      above_here += above[j] ? 1 : 0;
+      ties_here += tie[j] ? 1 : 0;
+    }
+    const int tile_total = __shfl_sync(kFullMask, through, kWarpSize - 1);
+    above_before += tile_total >> 16;
+    ties_before += tile_total & 0xffff;
   }
   const int64_t stride = int64_t{RowCluster::size()} * kThreads;
   for (int64_t i = selection.taken + int64_t{RowCluster::rank()} * kThreads + threadIdx.x; i < k; i += stride)
     picks[i] = -1;
-  RowCluster::sync();  // the later CTAs have read this CTA's totals
+  RowCluster::wait();  // the later CTAs have read this CTA's totals
 }
 
 }  // namespace dsv4::cuda::radix_topk

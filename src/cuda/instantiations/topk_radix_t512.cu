@@ -1,0 +1,6 @@
+// Radix top-k, 512 threads per CTA.
+#include "cuda/ops/indexer/radix/topk_radix_kernel.cuh"
+
+namespace dsv4::cuda {
+template void launch_topk_radix<512>(const RadixTopkLaunch&, int64_t, cudaStream_t);
+}  // namespace dsv4::cuda
