@@ -27,9 +27,10 @@ constexpr int64_t kMaxGridY = 65535;
 // Tokens per CTA: consecutive tokens of one sequence (a prefill chunk) share the CTA's key loads,
 // but tokens of different sequences (a decode batch) run one after the other in it, so a CTA
 // takes one token per 64 of the step (a decode batch of 64: one), at most kMaxTokensPerCta and
-// as many as kSharedBudget bytes allow (two CTAs per SM).
+// as many as kSharedBudget bytes allow (three CTAs per SM: 12 warps hide the MMA and shared
+// memory latencies better than 8 with twice the tokens).
 constexpr int64_t kTokensPerExtraCtaToken = 64;
-constexpr size_t kSharedBudget = 112 * 1024;
+constexpr size_t kSharedBudget = 75 * 1024;
 // Keys per CTA: enough CTAs for kWaves waves, each CTA at least kMinKeysPerCta keys (8 stages per
 // warp) so that the query staging and the pipeline's start are amortized.
 constexpr int64_t kWaves = 2;
