@@ -660,26 +660,22 @@ TEST(SparseAttentionCudaDispatch, ChoosesMmaForReferencePrecision) {
   EXPECT_STREQ(choose_sparse_attention(p, DeviceInfo{100, 232448}).name, "mma_bf16");
   EXPECT_EQ(kSparseAttentionDecodeMma.supports(unrounded, h200),
             "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)");
+  // Calls both tensor-core implementations refuse for the same reason go to SIMT.
+  auto expect_simt_only = [&](const SparseAttentionParams& call, const std::string& why) {
+    EXPECT_EQ(kSparseAttentionMmaBf16.supports(call, h200), why);
+    EXPECT_EQ(kSparseAttentionDecodeMma.supports(call, h200), why);
+    EXPECT_STREQ(choose_sparse_attention(call, h200).name, "simt") << why;
+  };
   SparseAttentionParams per_tensor = p;
   per_tensor.window.geometry = page_geometry(KvRowFormat::fp8_per_tensor, kHeadDim, 32);
-  EXPECT_EQ(kSparseAttentionMmaBf16.supports(per_tensor, h200),
-            "cache 'window' has format fp8_per_tensor, whose values need not be exact in bf16");
-  EXPECT_EQ(kSparseAttentionDecodeMma.supports(per_tensor, h200),
-            "cache 'window' has format fp8_per_tensor, whose values need not be exact in bf16");
-  EXPECT_STREQ(choose_sparse_attention(per_tensor, h200).name, "simt");
+  expect_simt_only(per_tensor, "cache 'window' has format fp8_per_tensor, whose values need not be exact in bf16");
   // Precision::fp32's f32 rows and f32 queries stay on SIMT, even with bf16_rounding.
   SparseAttentionParams f32_rows = p;
   f32_rows.window.geometry = page_geometry(KvRowFormat::f32, kHeadDim, 64);
-  EXPECT_EQ(kSparseAttentionDecodeMma.supports(f32_rows, h200),
-            "cache 'window' has format f32, whose values need not be exact in bf16");
-  EXPECT_EQ(kSparseAttentionMmaBf16.supports(f32_rows, h200),
-            "cache 'window' has format f32, whose values need not be exact in bf16");
-  EXPECT_STREQ(choose_sparse_attention(f32_rows, h200).name, "simt");
+  expect_simt_only(f32_rows, "cache 'window' has format f32, whose values need not be exact in bf16");
   SparseAttentionParams f32_q = p;
   f32_q.q.dtype = DType::f32;
-  EXPECT_EQ(kSparseAttentionDecodeMma.supports(f32_q, h200), "needs bf16 q (the tensor cores read q as bf16)");
-  EXPECT_EQ(kSparseAttentionMmaBf16.supports(f32_q, h200), "needs bf16 q (the tensor cores read q as bf16)");
-  EXPECT_STREQ(choose_sparse_attention(f32_q, h200).name, "simt");
+  expect_simt_only(f32_q, "needs bf16 q (the tensor cores read q as bf16)");
   for (const KvRowFormat format : {KvRowFormat::bf16, KvRowFormat::v41_fp4, KvRowFormat::fp8_ds_mla}) {
     SparseAttentionParams q = p;
     q.window.geometry = page_geometry(format, kHeadDim, 32);
