@@ -8,9 +8,6 @@
 //                      block scores per sequence (a context of E entries has E / candidate_block_size)
 //   attention-decode   sparse attention of one decode token per sequence: window rows (v41_fp8)
 //                      plus index_topk picked entries (v41_fp4) out of `context`
-// The attention and indexer ops read caches of the --kv-format set (v4.1-native by default: the
-// formats named above; fp8_ds_mla: 584 B attention rows and 132 B index keys, as FlashMLA and
-// DeepGEMM read them).
 //   attention-prefill  sparse attention of a `context`-token prefill chunk per sequence, each token
 //                      attending its window and min(index_topk, p + 1) picked entries
 //   compressor         the ratio-2 compressor of a `context`-token chunk per sequence: the fused
@@ -22,6 +19,9 @@
 //   rope-heads         RoPE of q (heads x head_dim bf16) of a `context`-token chunk per sequence
 //   cache-insert       the window insert of a `context`-token chunk per sequence: RMSNorm, RoPE,
 //                      fp8 QAT and v41_fp8 encoding into a paged cache
+// The attention and indexer ops read caches of the --kv-format set (v4.1-native by default: the
+// formats named above; fp8_ds_mla: 584 B attention rows and 132 B index keys, as FlashMLA and
+// DeepGEMM read them).
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
