@@ -37,7 +37,7 @@ def attention(batch, window, compressed, median):
 def indexer(op, context, keys, key_bytes, scores, median):
     tail = ", then top 512" if op == "index-topk" else ""
     return result_block(op, 64, context, f"64 x 1 tokens x {context} {keys} keys ({key_bytes} B/row), FP4 q, 32 heads, "
-                        f"{scores} scores{tail}", "mma_fp8", median)
+                        f"{scores} scores{tail}", "mma_f16", median)
 
 
 LOG = ("dsv4: some other line\n" + attention(64, "v41_fp8", "v41_fp4", 20.0) +
@@ -71,8 +71,8 @@ def test_tables_against_the_baseline():
     assert "| b 1, dsv4 native rows (v41_fp8 528 B + v41_fp4 288 B) | — | — | — | 13.1 | — |" in text
     baseline = {c: (us, compare.BASELINE_SOURCE, None) for c, us in compare.DEEPGEMM_BASELINE_US.items()}
     text = compare.indexer_table(records, baseline, 50, 5)
-    assert "| b 64 × 131072 keys, dsv4 index_mxfp4 (68 B), fp32 scores | mma_fp8 | 138.4 | 1234.5 | 276.9 | 2.00× |" in text
-    assert "dsv4 index_fp8 (132 B), fp32 scores + top-512 (DeepGEMM: logits only) | mma_fp8 | 300.0 | 1234.5 | 276.9 | 0.92× |" in text
+    assert "| b 64 × 131072 keys, dsv4 index_mxfp4 (68 B), fp32 scores | mma_f16 | 138.4 | 1234.5 | 276.9 | 2.00× |" in text
+    assert "dsv4 index_fp8 (132 B), fp32 scores + top-512 (DeepGEMM: logits only) | mma_f16 | 300.0 | 1234.5 | 276.9 | 0.92× |" in text
 
 
 def test_from_log_command_line(tmp_path):
