@@ -19,6 +19,9 @@
 //   rope-heads         RoPE of q (heads x head_dim bf16) of a `context`-token chunk per sequence
 //   cache-insert       the window insert of a `context`-token chunk per sequence: RMSNorm, RoPE,
 //                      fp8 QAT and v41_fp8 encoding into a paged cache
+// The attention and indexer ops read caches of the --kv-format set (v4.1-native by default: the
+// formats named above; fp8_ds_mla: 584 B attention rows and 132 B index keys, as FlashMLA and
+// DeepGEMM read them).
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
@@ -82,6 +85,11 @@ Cache random_cache(KvRowFormat format, int64_t dims, int64_t sequences, int64_t 
   return c;
 }
 
+// The formats of the caches the attention and indexer ops read.
+KvFormatSet cache_formats(const BenchOptions& o) {
+  return kv_format_set(o.kv_format.empty() ? "v4.1-native" : o.kv_format);
+}
+
 // Tokens of `sequences` sequences, `per_sequence` each, at positions start ... start + per_sequence - 1.
 struct Tokens {
   DeviceTensor sequence, position;
@@ -143,7 +151,7 @@ struct IndexScoresSetup {
   double key_bytes = 0, visible = 0;
 
   IndexScoresSetup(const BenchOptions& o, const ModelConfig& c, int64_t per_sequence)
-      : keys(random_cache(KvRowFormat::index_mxfp4, c.index_head_dim, o.batch, o.context, 1)),
+      : keys(random_cache(cache_formats(o).index_keys, c.index_head_dim, o.batch, o.context, 1)),
         tokens(make_tokens(o.batch, std::min(per_sequence, o.context), o.context - std::min(per_sequence, o.context))),
         B(o.batch), L(std::min(per_sequence, o.context)), E(o.context), T(o.batch * L) {
     q = fp4_queries(T, c.index_n_heads, c.index_head_dim, 2);
@@ -161,9 +169,9 @@ struct IndexScoresSetup {
     visible = static_cast<double>(B) * static_cast<double>(L * E - L * (L - 1) / 2);  // Σ (p + 1)
   }
   std::string what(const ModelConfig& c) const {
-    return format_string("%" PRId64 " x %" PRId64 " tokens x %" PRId64 " index_mxfp4 keys (%d B/row), FP4 q, %d heads, "
-                         "%s scores", B, L, E, static_cast<int>(key_bytes), static_cast<int>(c.index_n_heads),
-                         params.bf16_rounding ? "bf16-rounded" : "fp32");
+    return format_string("%" PRId64 " x %" PRId64 " tokens x %" PRId64 " %s keys (%d B/row), FP4 q, %d heads, "
+                         "%s scores", B, L, E, kv_row_format_name(keys.view.geometry.format), static_cast<int>(key_bytes),
+                         static_cast<int>(c.index_n_heads), params.bf16_rounding ? "bf16-rounded" : "fp32");
   }
   double key_read_bytes() const { return static_cast<double>(B * E) * key_bytes; }
   double flops(const ModelConfig& c) const { return 2.0 * visible * static_cast<double>(c.index_n_heads * c.index_head_dim); }
@@ -236,8 +244,9 @@ void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& 
   std::vector<int64_t> positions;
   for (int64_t s = 0; s < B; ++s)
     for (int64_t t = 0; t < per_sequence; ++t) positions.push_back(start + t);
-  Cache window = random_cache(KvRowFormat::v41_fp8, D, B, L, 5);
-  Cache compressed = random_cache(KvRowFormat::v41_fp4, D, B, L, 6);
+  const KvFormatSet formats = cache_formats(o);
+  Cache window = random_cache(formats.window, D, B, L, 5);
+  Cache compressed = random_cache(formats.compressed, D, B, L, 6);
   DeviceTensor picks = random_picks(positions, k, 7);
   DeviceTensor q = random_device_tensor(DType::bf16, {tokens.count, H, D}, 8), sink = random_device_tensor(DType::f32, {H}, 9);
   DeviceTensor out = poisoned_tensor(DType::bf16, {tokens.count, H, D});
@@ -268,9 +277,10 @@ void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& 
   const double cache_bytes = static_cast<double>(B) * (window_rows * static_cast<double>(window.view.geometry.row.row_bytes()) +
                                                        picked_rows * static_cast<double>(compressed.view.geometry.row.row_bytes()));
   Workload w;
-  w.what = format_string("%" PRId64 " tokens x %" PRId64 " heads, window %" PRId64 " (v41_fp8) + %" PRId64
-                         " picks (v41_fp4), bf16 q and out%s",
-                         tokens.count, H, W, k, workspace_bytes > 0 ? ", rows split over blocks" : "");
+  w.what = format_string("%" PRId64 " tokens x %" PRId64 " heads, window %" PRId64 " (%s) + %" PRId64
+                         " picks (%s), bf16 q and out%s",
+                         tokens.count, H, W, kv_row_format_name(formats.window), k, kv_row_format_name(formats.compressed),
+                         workspace_bytes > 0 ? ", rows split over blocks" : "");
   w.bytes = cache_bytes + static_cast<double>(tokens.count * H * D) * 4 +
             static_cast<double>(tokens.count * k) * 4;
   w.bytes_note = prefill ? "every cache row of the chunk once, q, out, picks" : "attended rows once, q, out, picks";

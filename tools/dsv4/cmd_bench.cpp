@@ -25,6 +25,7 @@
 #include "dsv4/command.h"
 #include "dsv4/config.h"
 #include "dsv4/error.h"
+#include "dsv4/kv_format.h"
 #include "dsv4/tensor_parallel.h"
 
 #ifdef DSV4_WITH_CUDA
@@ -33,7 +34,6 @@
 #include "dsv4/backend_util.h"
 #include "dsv4/cuda/runtime.h"
 #include "dsv4/engine.h"
-#include "dsv4/kv_format.h"
 #include "dsv4/synthetic_inputs.h"
 #include "dsv4/weights.h"
 #endif
@@ -294,7 +294,9 @@ void bench_step(const BenchCommandOptions& o, const ModelConfig& c, cuda::Stream
   auto weights = std::make_shared<const ModelWeights>(random_weights(c, topology, 1, c.weight_quantization.has_value()));
   // A warm-up decode step, then the timed one.
   EngineOptions options = decode_bench_options(B, prefilled, L, 2, stream);
-  options.kv_format = c.family == ModelFamily::v4_1 ? "v4.1-native" : "fp8_ds_mla";  // as dsv4 run
+  options.kv_format = !o.kv_format.empty()             ? o.kv_format
+                      : c.family == ModelFamily::v4_1 ? "v4.1-native"
+                                                      : "fp8_ds_mla";  // as dsv4 run
   const std::unique_ptr<Engine> engine_owner = Engine::create(c, weights, options);
   Engine& engine = *engine_owner;
   const int64_t T = options.max_tokens_per_step;
@@ -416,6 +418,8 @@ void bench_step(const BenchCommandOptions& o, const ModelConfig& c, cuda::Stream
 
 int run_bench(BenchCommandOptions o) {
   DSV4_CHECK(o.parallel.tp == 1 || o.op == "layer", "bench: --tp applies to --op layer, not to --op ", o.op);
+  DSV4_CHECK(o.kv_format.empty() || o.op == "step" || o.op.starts_with("attention-") || o.op.starts_with("index"),
+             "bench: --kv-format applies to the attention, indexer and step ops, not to --op ", o.op);
   if (o.parallel.launches()) return launch_ranks(o.parallel, "bench");
   // A tensor-parallel rank joins its group first, which makes its GPU current.
   const std::shared_ptr<NcclCommunicator> ranks = join_rank_group(o.parallel, "bench");
@@ -459,6 +463,10 @@ const CommandRegistration registration(
       app.add_option("--context", o->context,
                      "Context tokens per sequence, or the chunk length of chunk ops "
                      "(default: 8192 decode, 1024 chunk ops, 4096 layer and step)");
+      app.add_option("--kv-format", o->kv_format,
+                     "KV format set of the caches the attention and indexer ops and step read (default: v4.1-native; "
+                     "step: as dsv4 run)")
+          ->check(CLI::IsMember(kv_format_set_names()));
       app.add_option("--prefill-tokens", o->prefill_tokens,
                      "--op step: at most this many tokens are prefilled (whole sequences of --context tokens); the "
                      "other sequences are forked from them, sharing their pages")
