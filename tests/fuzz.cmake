@@ -35,7 +35,9 @@ if(DSV4_LIBFUZZER_WORKS)
       list(APPEND json_flags -isystem ${dir})
     endif()
   endforeach()
-  set(fuzzer ${CMAKE_CURRENT_BINARY_DIR}/safetensors_header_fuzzer)
+  # Not the target's own name in this folder: Ninja would see two rules for one path.
+  set(fuzzer ${CMAKE_CURRENT_BINARY_DIR}/libfuzzer/safetensors_header_fuzzer)
+  file(MAKE_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/libfuzzer)
   file(GLOB dsv4_public_headers ${PROJECT_SOURCE_DIR}/include/dsv4/*.h)
   add_custom_command(OUTPUT ${fuzzer}
     COMMAND ${DSV4_CLANGXX} -std=c++20 -O1 -g -DDSV4_LIBFUZZER -fsanitize=fuzzer ${DSV4_SANITIZER_FLAGS}
