@@ -644,7 +644,8 @@ TEST(SparseAttentionCudaDispatch, ChoosesMmaForReferencePrecision) {
   SparseAttentionParams p = fake_params();
   p.bf16_rounding = true;
   const DeviceInfo h200{90, 232448}, a100{80, 166912}, ada{89, 101376}, turing{75, 65536};
-  EXPECT_STREQ(choose_sparse_attention(p, h200).name, "decode_mma");
+  EXPECT_STREQ(choose_sparse_attention(p, h200).name, "wgmma");
+  EXPECT_EQ(kSparseAttentionDecodeMma.supports(p, h200), "");
   EXPECT_EQ(kSparseAttentionMmaBf16.supports(p, h200), "");
   EXPECT_STREQ(choose_sparse_attention(p, a100).name, "simt");
   EXPECT_STREQ(choose_sparse_attention(p, ada).name, "simt");
@@ -654,6 +655,9 @@ TEST(SparseAttentionCudaDispatch, ChoosesMmaForReferencePrecision) {
   SparseAttentionParams unrounded = fake_params();
   EXPECT_EQ(kSparseAttentionMmaBf16.supports(unrounded, h200),
             "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)");
+  EXPECT_EQ(kSparseAttentionWgmma.supports(p, a100), "needs compute capability 9.0, the device has 8.0");
+  EXPECT_EQ(kSparseAttentionWgmma.supports(p, DeviceInfo{100, 232448}), "needs compute capability 9.0, the device has 10.0");
+  EXPECT_EQ(kSparseAttentionWgmma.supports(unrounded, h200), "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)");
   EXPECT_EQ(kSparseAttentionDecodeMma.supports(p, a100), "needs compute capability 9.0, the device has 8.0");
   EXPECT_EQ(kSparseAttentionDecodeMma.supports(p, DeviceInfo{100, 232448}),
             "needs compute capability 9.0, the device has 10.0");
@@ -661,35 +665,49 @@ TEST(SparseAttentionCudaDispatch, ChoosesMmaForReferencePrecision) {
   EXPECT_EQ(kSparseAttentionDecodeMma.supports(unrounded, h200),
             "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)");
   // Calls both tensor-core implementations refuse for the same reason go to SIMT.
-  auto expect_simt_only = [&](const SparseAttentionParams& call, const std::string& why) {
+  auto expect_simt_only = [&](const SparseAttentionParams& call, const std::string& why,
+                              const std::string& wgmma_why) {
     EXPECT_EQ(kSparseAttentionMmaBf16.supports(call, h200), why);
     EXPECT_EQ(kSparseAttentionDecodeMma.supports(call, h200), why);
+    EXPECT_EQ(kSparseAttentionWgmma.supports(call, h200), wgmma_why);
     EXPECT_STREQ(choose_sparse_attention(call, h200).name, "simt") << why;
   };
   SparseAttentionParams per_tensor = p;
   per_tensor.window.geometry = page_geometry(KvRowFormat::fp8_per_tensor, kHeadDim, 32);
-  expect_simt_only(per_tensor, "cache 'window' has format fp8_per_tensor, whose values need not be exact in bf16");
+  expect_simt_only(per_tensor, "cache 'window' has format fp8_per_tensor, whose values need not be exact in bf16",
+                   "cache 'window' has format fp8_per_tensor, expected a quantized format (v41_fp8, v41_fp4, fp8_ds_mla)");
   // Precision::fp32's f32 rows and f32 queries stay on SIMT, even with bf16_rounding.
   SparseAttentionParams f32_rows = p;
   f32_rows.window.geometry = page_geometry(KvRowFormat::f32, kHeadDim, 64);
-  expect_simt_only(f32_rows, "cache 'window' has format f32, whose values need not be exact in bf16");
+  expect_simt_only(f32_rows, "cache 'window' has format f32, whose values need not be exact in bf16",
+                   "cache 'window' has format f32, expected a quantized format (v41_fp8, v41_fp4, fp8_ds_mla)");
   SparseAttentionParams f32_q = p;
   f32_q.q.dtype = DType::f32;
-  expect_simt_only(f32_q, "needs bf16 q (the tensor cores read q as bf16)");
-  for (const KvRowFormat format : {KvRowFormat::bf16, KvRowFormat::v41_fp4, KvRowFormat::fp8_ds_mla}) {
-    SparseAttentionParams q = p;
-    q.window.geometry = page_geometry(format, kHeadDim, 32);
-    EXPECT_STREQ(choose_sparse_attention(q, h200).name, "decode_mma") << kv_row_format_name(format);
-  }
+  expect_simt_only(f32_q, "needs bf16 q (the tensor cores read q as bf16)", "needs bf16 q (the tensor cores read q as bf16)");
+  // wgmma takes the V4.1 native pair and fp8_ds_mla rows; other pairs and bf16 rows (too large for
+  // its raw ring) go to decode_mma.
+  SparseAttentionParams ds_mla = p;
+  ds_mla.window.geometry = page_geometry(KvRowFormat::fp8_ds_mla, kHeadDim, 32);
+  EXPECT_STREQ(choose_sparse_attention(ds_mla, h200).name, "wgmma");
+  SparseAttentionParams fp4_window = p;
+  fp4_window.window.geometry = page_geometry(KvRowFormat::v41_fp4, kHeadDim, 32);
+  EXPECT_EQ(kSparseAttentionWgmma.supports(fp4_window, h200),
+            "needs window v41_fp8 with compressed v41_fp4, or fp8_ds_mla for both");
+  EXPECT_STREQ(choose_sparse_attention(fp4_window, h200).name, "decode_mma");
+  SparseAttentionParams bf16_rows = p;
+  bf16_rows.window.geometry = page_geometry(KvRowFormat::bf16, kHeadDim, 32);
+  EXPECT_EQ(kSparseAttentionWgmma.supports(bf16_rows, h200),
+            "cache 'window' has format bf16, expected a quantized format (v41_fp8, v41_fp4, fp8_ds_mla)");
+  EXPECT_STREQ(choose_sparse_attention(bf16_rows, h200).name, "decode_mma");
 }
 
-// On an H100 / H200 reference precision goes to decode_mma (what dsv4 bench --op attention-decode
-// then reports).
-TEST_F(CudaTest, SparseAttentionChoosesDecodeMmaOnHopper) {
-  if (device_info().compute_capability != 90) GTEST_SKIP() << "decode_mma needs compute capability 9.0";
+// On an H100 / H200 reference precision over the V4.1 native rows goes to wgmma (what dsv4 bench
+// --op attention-decode then reports).
+TEST_F(CudaTest, SparseAttentionChoosesWgmmaOnHopper) {
+  if (device_info().compute_capability != 90) GTEST_SKIP() << "wgmma needs compute capability 9.0";
   SparseAttentionParams p = fake_params();
   p.bf16_rounding = true;
-  EXPECT_STREQ(sparse_attention_implementation(p), "decode_mma");
+  EXPECT_STREQ(sparse_attention_implementation(p), "wgmma");
 }
 
 // The engine sizes the row split's workspace ahead with sparse_attention_max_workspace_bytes: it

@@ -2,5 +2,5 @@
 #include "cuda/ops/indexer/simt/index_scores_kernel.cuh"
 
 namespace dsv4::cuda {
-template void launch_index_scores<0>(const IndexScoresLaunch&, cudaStream_t);
+template void launch_index_scores<0>(const IndexScoresSimtLaunch&, cudaStream_t);
 }  // namespace dsv4::cuda

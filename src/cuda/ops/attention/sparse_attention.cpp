@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <string>
 
 #include "cuda/common/check_args.h"
 #include "cuda/common/paged_rows.h"
 #include "cuda/ops/attention/sparse_attention_implementations.h"
 #include "dsv4/cuda/attention.h"
+#include "dsv4/kv_format.h"
 
 namespace dsv4::cuda {
 
@@ -16,14 +19,35 @@ namespace {
 constexpr int64_t kHeadDim = 512;  // the head size of every V4 / V4.1 model
 
 // Implementations in order of preference (sparse_attention_implementations.h); the SIMT fallback last.
-constexpr const SparseAttentionImplementation* kImplementations[] = {&kSparseAttentionDecodeMma, &kSparseAttentionMmaBf16,
-                                                                     &kSparseAttentionSimt};
+constexpr const SparseAttentionImplementation* kImplementations[] = {&kSparseAttentionWgmma, &kSparseAttentionDecodeMma,
+                                                                     &kSparseAttentionMmaBf16, &kSparseAttentionSimt};
 
 const std::vector<KvRowFormat> kAttentionFormats = {KvRowFormat::bf16,    KvRowFormat::fp8_per_tensor,
                                                     KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
                                                     KvRowFormat::fp8_ds_mla, KvRowFormat::f32};
 
+std::string gathered_cache_supported(const char* name, const PagedCache& cache, std::span<const KvRowFormat> formats,
+                                    const char* unsupported) {
+  const KvRowFormat f = cache.geometry.format;
+  if (std::find(formats.begin(), formats.end(), f) == formats.end())
+    return std::string("cache '") + name + "' has format " + kv_row_format_name(f) + ", " + unsupported;
+  const PageGeometry& g = cache.geometry;
+  if (reinterpret_cast<uintptr_t>(cache.pages.data) % 8 != 0 || g.page_stride % 8 != 0 ||
+      g.data_offset(1) % 8 != 0 || g.scale_offset(0) % 8 != 0 || (g.scale_offset(1) - g.scale_offset(0)) % 8 != 0)
+    return std::string("cache '") + name + "' has rows that are not 8-byte aligned";
+  return "";
+}
+
 }  // namespace
+
+std::string gathered_caches_supported(const SparseAttentionParams& p, std::span<const KvRowFormat> formats,
+                                      const char* unsupported) {
+  if (is_present(p.window.pages))
+    if (std::string why_not = gathered_cache_supported("window", p.window, formats, unsupported); !why_not.empty())
+      return why_not;
+  if (is_present(p.compressed.pages)) return gathered_cache_supported("compressed", p.compressed, formats, unsupported);
+  return "";
+}
 
 void validate_sparse_attention(const SparseAttentionParams& p) {
   constexpr const char* op = "sparse_attention";

@@ -26,6 +26,10 @@ struct SparseAttentionImplementation {
   void (*run)(const SparseAttentionParams& p, void* workspace, cudaStream_t stream);
 };
 
+// Hopper warpgroup MMAs (wgmma, sm_90a) with the row gathers and decodes on their own warpgroup, for
+// bf16_rounding calls with bf16 q over the quantized cache formats (v41_fp8, v41_fp4, fp8_ds_mla;
+// wgmma/): the H100 / H200 in reference precision, decode steps and prefill chunks.
+extern const SparseAttentionImplementation kSparseAttentionWgmma;
 // Tensor cores with the row gathers and decodes on their own warps (mma.sync bf16, sm_90 only: its
 // machine code, setmaxnreg), for bf16_rounding calls with bf16 q over caches exact in bf16 (mma/): what
 // the H100 / H200 run in reference precision, decode steps above all.
@@ -35,6 +39,12 @@ extern const SparseAttentionImplementation kSparseAttentionDecodeMma;
 extern const SparseAttentionImplementation kSparseAttentionMmaBf16;
 // The portable fallback: fp32 SIMT, every device, every cache format, bf16 | f32 q (simt/).
 extern const SparseAttentionImplementation kSparseAttentionSimt;
+
+// For the implementations that copy raw rows 8 bytes at a time (cp.async) and decode them: "" when the
+// call's window and compressed caches (those present) have one of `formats` and 8-byte aligned row
+// data and scales, else why not (`unsupported` says why the other formats are not taken).
+std::string gathered_caches_supported(const SparseAttentionParams& p, std::span<const KvRowFormat> formats,
+                                      const char* unsupported);
 
 // The most rows a token of a validated call attends (window, widened by image spans, plus picks):
 // what the implementations plan their row splits for.

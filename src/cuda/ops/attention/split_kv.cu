@@ -45,6 +45,13 @@ SplitKvPlan plan_split_kv(int64_t blocks, int64_t tiles, bool split_allowed) {
   return {static_cast<int>(splits), (tiles + splits - 1) / splits};
 }
 
+SplitKvPlan plan_split_kv_one_wave(int64_t blocks, int64_t tiles, bool split_allowed) {
+  tiles = std::max<int64_t>(1, tiles);
+  blocks = std::max<int64_t>(1, blocks);
+  const int64_t splits = split_allowed ? std::clamp<int64_t>(kOneWaveBlocks / blocks, 1, std::min<int64_t>(tiles, 65535)) : 1;
+  return {static_cast<int>(splits), (tiles + splits - 1) / splits};
+}
+
 size_t split_kv_workspace_bytes(int64_t tokens, int64_t heads, int64_t head_dim, int splits) {
   if (splits <= 1) return 0;
   return partial_out_bytes(tokens, heads, head_dim, splits) +

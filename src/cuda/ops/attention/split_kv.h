@@ -31,6 +31,14 @@ struct SplitKvPlan {
 // tiles never mean fewer splits, and a step of kSplitKvTargetBlocks blocks or more never splits.
 SplitKvPlan plan_split_kv(int64_t blocks, int64_t tiles, bool split_allowed);
 
+// Blocks of one wave of an H100 / H200 (132 SMs) for kernels that run one block per SM.
+inline constexpr int64_t kOneWaveBlocks = 132;
+
+// The plan of a kernel that runs one block per SM: a step of fewer blocks than one wave splits
+// each token's rows so that the blocks make about one wave, never more (a second, partial wave
+// would cost a whole block's time).
+SplitKvPlan plan_split_kv_one_wave(int64_t blocks, int64_t tiles, bool split_allowed);
+
 // The partial results in the workspace, [splits, tokens, heads, head_dim] f32 then
 // [splits, tokens, heads] (running max, running sum).
 struct SplitKvPartials {

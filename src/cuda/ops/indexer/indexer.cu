@@ -4,6 +4,7 @@
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.h"
 #include "cuda/ops/indexer/indexer_implementations.h"
+#include "cuda/ops/indexer/indexer_launch.h"
 #include "cuda/ops/indexer/visible_entries.cuh"
 #include "dsv4/cuda/indexer.h"
 
@@ -70,6 +71,30 @@ void validate_index_scores(const IndexScoresParams& p) {
              p.candidate_block_size, ", expected >= 1 with candidates");
 }
 
+IndexScoresLaunch index_scores_launch(const IndexScoresParams& p) {
+  IndexScoresLaunch a;
+  a.tokens = p.q.shape[0];
+  a.heads = static_cast<int>(p.q.shape[1]);
+  a.dim = static_cast<int>(p.q.shape[2]);
+  a.entries = p.scores.shape[1];
+  if (p.q.dtype == DType::f32) a.q_f32 = p.q.ptr<const float>();
+  else a.q = p.q.ptr<const uint16_t>();
+  a.weights = p.weights.ptr<const float>();
+  a.keys = device_rows(p.keys);
+  if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
+  a.token_position = p.token_position.ptr<const int32_t>();
+  a.compress_ratio = p.compress_ratio;
+  if (is_present(p.candidates)) {
+    a.candidates = p.candidates.ptr<const int32_t>();
+    a.num_candidates = p.candidates.shape[1];
+    a.candidate_block_size = p.candidate_block_size;
+  }
+  a.scores = p.scores.ptr<float>();
+  a.bf16_rounding = p.bf16_rounding;
+  a.partial = p.partial;
+  return a;
+}
+
 void run_index_scores(const IndexScoresParams& p, cudaStream_t stream) {
   validate_index_scores(p);
   choose_index_scores(p, device_info()).run(p, stream);
@@ -116,6 +141,18 @@ void validate_topk(const TopkParams& p) {
   DSV4_CHECK(p.compress_ratio >= 0, op, ": compress_ratio is ", p.compress_ratio, ", expected >= 0");
   DSV4_CHECK(p.group_size >= 1, op, ": group_size is ", p.group_size, ", expected >= 1");
   DSV4_CHECK(p.scores.shape[1] <= INT32_MAX, op, ": rows of ", p.scores.shape[1], " scores exceed the i32 pick range");
+}
+
+TopkLaunch topk_launch(const TopkParams& p) {
+  TopkLaunch a;
+  a.scores = p.scores.ptr<const float>();
+  a.n = p.scores.shape[1];
+  if (is_present(p.token_position)) a.token_position = p.token_position.ptr<const int32_t>();
+  a.compress_ratio = p.compress_ratio;
+  a.group_size = p.group_size;
+  a.picks = p.picks.ptr<int32_t>();
+  a.k = p.picks.shape[1];
+  return a;
 }
 
 void run_topk(const TopkParams& p, cudaStream_t stream) {

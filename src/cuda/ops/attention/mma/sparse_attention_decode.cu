@@ -17,16 +17,11 @@ extern template void launch_sparse_attention_decode<float>(const SparseAttention
 
 namespace {
 
-// One block per SM (the accumulators of 64 heads x 512 channels take half the register file):
-// a step of fewer blocks than an H100 / H200 has SMs splits each token's rows so that the blocks
-// make about one wave, never more (a second, partial wave would cost a whole block's time).
-constexpr int64_t kOneWaveBlocks = 132;
-
+// One block per SM (the accumulators of 64 heads x 512 channels take half the register file).
 SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_allowed) {
-  const int64_t blocks = std::max<int64_t>(1, tokens * ((heads + decode_mma::kHeadsPerBlock - 1) / decode_mma::kHeadsPerBlock));
-  const int64_t tiles = std::max<int64_t>(1, (max_rows + decode_mma::kTileRows - 1) / decode_mma::kTileRows);
-  const int64_t splits = split_allowed ? std::clamp<int64_t>(kOneWaveBlocks / blocks, 1, std::min<int64_t>(tiles, 65535)) : 1;
-  return {static_cast<int>(splits), (tiles + splits - 1) / splits};
+  const int64_t head_groups = (heads + decode_mma::kHeadsPerBlock - 1) / decode_mma::kHeadsPerBlock;
+  return plan_split_kv_one_wave(tokens * head_groups, (max_rows + decode_mma::kTileRows - 1) / decode_mma::kTileRows,
+                                split_allowed);
 }
 
 SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
@@ -34,18 +29,8 @@ SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
 }
 
 // The rows go to the tensor cores as bf16: formats whose decoded values are exact in bf16 (bf16;
-// e4m3 codes times ue8m0 scales; e2m1 codes times e4m3 scales). The loaders copy rows 8 bytes at
-// a time: row data and scales must be 8-byte aligned.
-std::string cache_supported(const char* name, const PagedCache& cache) {
-  const KvRowFormat f = cache.geometry.format;
-  if (f != KvRowFormat::bf16 && f != KvRowFormat::v41_fp8 && f != KvRowFormat::v41_fp4 && f != KvRowFormat::fp8_ds_mla)
-    return std::string("cache '") + name + "' has format " + kv_row_format_name(f) + ", whose values need not be exact in bf16";
-  const PageGeometry& g = cache.geometry;
-  if (reinterpret_cast<uintptr_t>(cache.pages.data) % 8 != 0 || g.page_stride % 8 != 0 ||
-      g.data_offset(1) % 8 != 0 || g.scale_offset(0) % 8 != 0 || (g.scale_offset(1) - g.scale_offset(0)) % 8 != 0)
-    return std::string("cache '") + name + "' has rows that are not 8-byte aligned";
-  return "";
-}
+// e4m3 codes times ue8m0 scales; e2m1 codes times e4m3 scales).
+constexpr KvRowFormat kFormats[] = {KvRowFormat::bf16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, KvRowFormat::fp8_ds_mla};
 
 // sm_90a machine code only: elsewhere the driver would JIT the compute_80 PTX, which has no
 // setmaxnreg, so the MMA warps would spill (mma_bf16 runs those devices).
@@ -56,9 +41,7 @@ std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
   if (std::string why_not = needs_value("head_dim", decode_mma::kHeadDim, p.q.shape[2]); !why_not.empty()) return why_not;
   if (!p.bf16_rounding) return "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)";
   if (p.q.dtype != DType::bf16) return "needs bf16 q (the tensor cores read q as bf16)";
-  if (std::string why_not = cache_supported("window", p.window); !why_not.empty()) return why_not;
-  if (is_present(p.compressed.pages)) return cache_supported("compressed", p.compressed);
-  return "";  // any head count, bf16 | f32 out
+  return gathered_caches_supported(p, kFormats, "whose values need not be exact in bf16");  // any head count, bf16 | f32 out
 }
 
 size_t workspace_bytes(const SparseAttentionParams& p) {

@@ -89,30 +89,13 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
 }
 
 void run(const IndexScoresParams& p, cudaStream_t stream) {
-  IndexScoresMmaLaunch a;
-  a.tokens = p.q.shape[0];
-  a.heads = static_cast<int>(p.q.shape[1]);
-  a.entries = p.scores.shape[1];
+  IndexScoresMmaLaunch a{index_scores_launch(p)};
   if (a.tokens == 0 || a.entries == 0) return;
-  a.q = p.q.ptr<const uint16_t>();
-  a.weights = p.weights.ptr<const float>();
-  a.keys = device_rows(p.keys);
-  if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
-  a.token_position = p.token_position.ptr<const int32_t>();
-  a.compress_ratio = p.compress_ratio;
-  if (is_present(p.candidates)) {
-    a.candidates = p.candidates.ptr<const int32_t>();
-    a.num_candidates = p.candidates.shape[1];
-    a.candidate_block_size = p.candidate_block_size;
-  }
-  a.scores = p.scores.ptr<float>();
   const bool fp8 = p.keys.geometry.format == KvRowFormat::index_fp8;
   const int blocks = static_cast<int>(p.q.shape[2] / 32);
   a.tokens_per_cta = tokens_per_cta(a.tokens, a.heads, blocks, fp8);
   a.keys_per_cta = keys_per_cta(a.entries, (a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta,
                                 shared_bytes(blocks, fp8, a.tokens_per_cta, a.heads), device_info());
-  a.bf16_rounding = p.bf16_rounding;
-  a.partial = p.partial;
   if (p.q.shape[2] == 128) fp8 ? launch_index_scores_mma<4, true>(a, stream) : launch_index_scores_mma<4, false>(a, stream);
   else fp8 ? launch_index_scores_mma<2, true>(a, stream) : launch_index_scores_mma<2, false>(a, stream);
   check_launch("index_scores");

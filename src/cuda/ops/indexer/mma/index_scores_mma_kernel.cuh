@@ -61,6 +61,7 @@
 #include "cuda/common/async_copy.cuh"
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.cuh"
+#include "cuda/ops/indexer/indexer_launch.h"
 #include "cuda/ops/indexer/visible_entries.cuh"
 #include "dsv4/numeric.h"
 
@@ -87,24 +88,9 @@ inline constexpr int kMaxQueryExponent = 115;  // 2^(12 + eq) stays a finite fp3
 inline constexpr int16_t kNoExponent = INT16_MIN;  // an all-zero block
 inline constexpr int16_t kNotFp4 = INT16_MAX;      // a block that is not e2m1 times a power of two
 
-struct IndexScoresMmaLaunch {
-  const uint16_t* q = nullptr;        // [tokens, heads, dim] bf16
-  const float* weights = nullptr;     // [tokens, heads]
-  DeviceRows keys;
-  const int32_t* token_sequence = nullptr;  // null: flat keys
-  const int32_t* token_position = nullptr;
-  int compress_ratio = 1;
-  const int32_t* candidates = nullptr;  // [tokens, num_candidates] or null
-  int64_t num_candidates = 0;
-  int64_t candidate_block_size = 1;
-  float* scores = nullptr;            // [tokens, entries]
-  int64_t entries = 0;
-  int64_t tokens = 0;
-  int heads = 0;
-  int tokens_per_cta = 1;             // 1 … kMaxTokensPerCta
-  int64_t keys_per_cta = kKeyGranule; // a multiple of kKeyGranule
-  bool bf16_rounding = false;
-  bool partial = false;
+struct IndexScoresMmaLaunch : IndexScoresLaunch {
+  int tokens_per_cta = 1;              // 1 … kMaxTokensPerCta
+  int64_t keys_per_cta = kKeyGranule;  // a multiple of kKeyGranule
 };
 
 __host__ __device__ constexpr int head_tiles(int heads) { return (heads + 7) / 8; }

@@ -66,18 +66,11 @@ std::string supports(const TopkParams& p, const DeviceInfo& device) {
 }
 
 void run(const TopkParams& p, cudaStream_t stream) {
-  RadixTopkLaunch a;
+  RadixTopkLaunch a{topk_launch(p)};
   const int64_t tokens = p.scores.shape[0];
-  a.n = p.scores.shape[1];
-  a.k = p.picks.shape[1];
   if (tokens == 0 || a.k == 0) return;
   const RowSplit split = split_rows(a.n, device_info());
   DSV4_CHECK(tokens * split.cluster <= INT_MAX, "topk: ", tokens, " rows of ", split.cluster, " CTAs are too many");
-  a.scores = p.scores.ptr<const float>();
-  if (is_present(p.token_position)) a.token_position = p.token_position.ptr<const int32_t>();
-  a.compress_ratio = p.compress_ratio;
-  a.group_size = p.group_size;
-  a.picks = p.picks.ptr<int32_t>();
   a.chunk = split.chunk;
   a.cluster = split.cluster;
   if (split.chunk <= kSmallChunk) launch_topk_radix<256>(a, tokens, stream);

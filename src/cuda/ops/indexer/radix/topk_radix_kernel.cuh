@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "cuda/ops/indexer/radix/radix_select.cuh"
+#include "cuda/ops/indexer/indexer_launch.h"
 #include "cuda/ops/indexer/topk_rules.cuh"
 #include "dsv4/cuda/runtime.h"
 
@@ -13,14 +14,7 @@ namespace dsv4::cuda {
 
 inline constexpr int kRadixLoadBatch = 4;  // tiles loaded at once: 16 scores in flight per thread
 
-struct RadixTopkLaunch {
-  const float* scores = nullptr;
-  int64_t n = 0;
-  const int32_t* token_position = nullptr;  // null: the whole row is eligible
-  int compress_ratio = 0;
-  int64_t group_size = 1;
-  int32_t* picks = nullptr;
-  int64_t k = 0;
+struct RadixTopkLaunch : TopkLaunch {
   int64_t chunk = 0;  // keys per CTA (a multiple of radix_topk::kTileKeys): CTA r of a row's cluster
                       // holds positions [r * chunk, (r + 1) * chunk)
   int cluster = 1;    // CTAs per row (> 1 on sm_90 only)

@@ -12,29 +12,13 @@
 
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.cuh"
+#include "cuda/ops/indexer/indexer_launch.h"
 #include "cuda/ops/indexer/visible_entries.cuh"
 
 namespace dsv4::cuda {
 
-struct IndexScoresLaunch {
-  const uint16_t* q = nullptr;        // [tokens, heads, dim] bf16, or null when q_f32 holds q
-  const float* q_f32 = nullptr;       // [tokens, heads, dim] f32 (Precision::fp32)
-  const float* weights = nullptr;     // [tokens, heads]
-  DeviceRows keys;
-  const int32_t* token_sequence = nullptr;
-  const int32_t* token_position = nullptr;
-  int compress_ratio = 1;
-  const int32_t* candidates = nullptr;  // [tokens, num_candidates] or null
-  int64_t num_candidates = 0;
-  int64_t candidate_block_size = 1;
-  float* scores = nullptr;            // [tokens, entries]
-  int64_t entries = 0;
-  int64_t tokens = 0;
-  int heads = 0;
-  int dim = 0;                        // index_dim, a multiple of kIndexKeyChunk
-  int staged_heads = 0;               // heads whose queries shared memory holds at a time
-  bool bf16_rounding = false;         // IndexScoresParams::bf16_rounding
-  bool partial = false;               // IndexScoresParams::partial
+struct IndexScoresSimtLaunch : IndexScoresLaunch {
+  int staged_heads = 0;  // heads whose queries shared memory holds at a time
 };
 
 inline constexpr int kIndexEntriesPerBlock = 128;
@@ -115,7 +99,7 @@ struct Bf16RoundedScores {
 };
 
 template <int kDim, class Scores>
-__global__ void __launch_bounds__(kIndexEntriesPerBlock) index_scores_kernel(IndexScoresLaunch a) {
+__global__ void __launch_bounds__(kIndexEntriesPerBlock) index_scores_kernel(IndexScoresSimtLaunch a) {
   static_assert(kDim % kIndexKeyChunk == 0);
   const int dim = kDim > 0 ? kDim : a.dim;
   extern __shared__ float4 shared4[];
@@ -169,7 +153,7 @@ __global__ void __launch_bounds__(kIndexEntriesPerBlock) index_scores_kernel(Ind
 }
 
 template <class Kernel>
-void launch_index_scores_kernel(Kernel kernel, const IndexScoresLaunch& a, cudaStream_t stream) {
+void launch_index_scores_kernel(Kernel kernel, const IndexScoresSimtLaunch& a, cudaStream_t stream) {
   const size_t shared = index_scores_shared_bytes(a.staged_heads, a.dim);
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   const dim3 grid(static_cast<unsigned>(a.tokens),
@@ -179,7 +163,7 @@ void launch_index_scores_kernel(Kernel kernel, const IndexScoresLaunch& a, cudaS
 
 // kDim: a.dim, or 0 for any a.dim.
 template <int kDim>
-void launch_index_scores(const IndexScoresLaunch& a, cudaStream_t stream) {
+void launch_index_scores(const IndexScoresSimtLaunch& a, cudaStream_t stream) {
   if (a.bf16_rounding) launch_index_scores_kernel(index_scores_kernel<kDim, Bf16RoundedScores>, a, stream);
   else launch_index_scores_kernel(index_scores_kernel<kDim, Fp32Scores>, a, stream);
 }

@@ -6,9 +6,9 @@
 
 namespace dsv4::cuda {
 
-extern template void launch_index_scores<64>(const IndexScoresLaunch&, cudaStream_t);
-extern template void launch_index_scores<128>(const IndexScoresLaunch&, cudaStream_t);
-extern template void launch_index_scores<0>(const IndexScoresLaunch&, cudaStream_t);
+extern template void launch_index_scores<64>(const IndexScoresSimtLaunch&, cudaStream_t);
+extern template void launch_index_scores<128>(const IndexScoresSimtLaunch&, cudaStream_t);
+extern template void launch_index_scores<0>(const IndexScoresSimtLaunch&, cudaStream_t);
 
 namespace {
 
@@ -29,28 +29,9 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
 }
 
 void run(const IndexScoresParams& p, cudaStream_t stream) {
-  IndexScoresLaunch a;
-  a.tokens = p.q.shape[0];
-  a.heads = static_cast<int>(p.q.shape[1]);
-  a.dim = static_cast<int>(p.q.shape[2]);
-  a.entries = p.scores.shape[1];
+  IndexScoresSimtLaunch a{index_scores_launch(p)};
   if (a.tokens == 0 || a.entries == 0) return;
-  if (p.q.dtype == DType::f32) a.q_f32 = p.q.ptr<const float>();
-  else a.q = p.q.ptr<const uint16_t>();
-  a.weights = p.weights.ptr<const float>();
-  a.keys = device_rows(p.keys);
-  if (is_present(p.token_sequence)) a.token_sequence = p.token_sequence.ptr<const int32_t>();
-  a.token_position = p.token_position.ptr<const int32_t>();
-  a.compress_ratio = p.compress_ratio;
-  if (is_present(p.candidates)) {
-    a.candidates = p.candidates.ptr<const int32_t>();
-    a.num_candidates = p.candidates.shape[1];
-    a.candidate_block_size = p.candidate_block_size;
-  }
-  a.scores = p.scores.ptr<float>();
   a.staged_heads = index_scores_staged_heads(a.heads, a.dim);
-  a.bf16_rounding = p.bf16_rounding;
-  a.partial = p.partial;
   if (a.dim == 128) launch_index_scores<128>(a, stream);
   else if (a.dim == 64) launch_index_scores<64>(a, stream);
   else launch_index_scores<0>(a, stream);

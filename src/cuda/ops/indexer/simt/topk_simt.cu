@@ -4,22 +4,13 @@
 
 #include "cuda/common/device_math.cuh"
 #include "cuda/ops/indexer/indexer_implementations.h"
+#include "cuda/ops/indexer/indexer_launch.h"
 #include "cuda/ops/indexer/topk_rules.cuh"
 
 namespace dsv4::cuda {
 namespace {
 
 constexpr int kTopkThreads = 256;
-
-struct TopkLaunch {
-  const float* scores = nullptr;
-  int64_t n = 0;
-  const int32_t* token_position = nullptr;  // null: the whole row is eligible
-  int compress_ratio = 0;
-  int64_t group_size = 1;
-  int32_t* picks = nullptr;
-  int64_t k = 0;
-};
 
 // One block per row: a 4-pass radix select finds the key of the k-th best element, then one
 // ordered pass writes every better element and the first ties in index order (so the picks come
@@ -101,16 +92,9 @@ std::string supports(const TopkParams&, const DeviceInfo& device) {
 }
 
 void run(const TopkParams& p, cudaStream_t stream) {
-  TopkLaunch a;
+  const TopkLaunch a = topk_launch(p);
   const int64_t tokens = p.scores.shape[0];
-  a.n = p.scores.shape[1];
-  a.k = p.picks.shape[1];
   if (tokens == 0 || a.k == 0) return;
-  a.scores = p.scores.ptr<const float>();
-  if (is_present(p.token_position)) a.token_position = p.token_position.ptr<const int32_t>();
-  a.compress_ratio = p.compress_ratio;
-  a.group_size = p.group_size;
-  a.picks = p.picks.ptr<int32_t>();
   topk_kernel<<<static_cast<unsigned>(tokens), kTopkThreads, 0, stream>>>(a);
   check_launch("topk");
 }

@@ -1,0 +1,132 @@
+// Hopper warpgroup MMAs (wgmma, sm_90a) for the attention kernels: shared-memory matrix
+// descriptors of the 128-byte-swizzled layout, the fences, and the two bf16 -> f32 shapes the
+// sparse attention uses (S = Q·Kᵀ from shared memory, O += P·V with P in registers).
+//
+// Accumulator layout (PTX "wgmma .m64nNk16 D"): warp w of the warpgroup holds rows 16w … 16w+15;
+// lane l, g = l / 4, c = l % 4 holds d[j][0..1] = (16w + g, 8j + 2c … +1), d[j][2..3] = (16w + g + 8, 8j
+// + 2c … +1): per warp the mma.sync m16n8 C fragments of mma_fragments.cuh, N / 8 of them. The A
+// register fragment of a k step is the mma.sync m16n8k16 A fragment of the warp's 16 rows.
+//
+// The 128-byte-swizzled layout ("SW128") of a [rows x 512] bf16 tile used here: eight column blocks of
+// 64 channels, each [rows][128 B]; within a block, the 16-byte unit u of row r sits at unit u ^ (r % 8).
+// Blocks are 1024-byte aligned (the swizzle is applied to address bits). K-major reads (Q·Kᵀ: rows are
+// M or N, channels K) advance 32 bytes per k step of 16 inside a block; MN-major reads (P·V: rows are
+// K, channels N) take N = 256 as four blocks LBO apart and K = 16 as two 8-row groups SBO apart.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dsv4::cuda::wgmma {
+
+inline constexpr int kBlockChannels = 64;  // bf16 channels of one 128-byte swizzle row
+
+// Byte offset of channels channel … channel + 7 (channel a multiple of 8) of row `row` in an SW128
+// tile of `rows` rows.
+__host__ __device__ constexpr uint32_t sw128_offset(int rows, int row, int channel) {
+  return static_cast<uint32_t>((channel / kBlockChannels) * rows * 128 + row * 128 +
+                               ((((channel / 8) % 8) ^ (row % 8)) * 16));
+}
+
+// A shared-memory matrix descriptor of the SW128 layout: start address, leading and stride byte
+// offsets (bytes; the descriptor keeps them in 16-byte units), swizzle mode 1 (128 B) in bits 62-63.
+__device__ __forceinline__ uint64_t sw128_descriptor(uint32_t address, uint32_t leading_bytes, uint32_t stride_bytes) {
+  return static_cast<uint64_t>((address & 0x3FFFFu) >> 4) | static_cast<uint64_t>(leading_bytes >> 4) << 16 |
+         static_cast<uint64_t>(stride_bytes >> 4) << 32 | uint64_t{1} << 62;
+}
+// K-major: 8-row groups 1024 bytes apart; the leading offset is unused with a swizzle (1 by convention).
+__device__ __forceinline__ uint64_t k_major(uint32_t address) { return sw128_descriptor(address, 16, 1024); }
+// MN-major over a tile of `rows` rows: 64-channel blocks rows·128 bytes apart, 8-row groups 1024.
+__device__ __forceinline__ uint64_t mn_major(uint32_t address, int rows) {
+  return sw128_descriptor(address, static_cast<uint32_t>(rows) * 128, 1024);
+}
+
+// Orders the warpgroup's earlier register writes (accumulators, A fragments) before the MMAs that follow.
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Generic-proxy shared-memory writes (st.shared, cp.async) made visible to the async proxy the MMAs
+// read through: each writing thread, before the barrier that hands the data over.
+__device__ __forceinline__ void fence_shared_for_async_proxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Keeps the compiler from moving accesses of x across the point (the MMAs write their registers
+// asynchronously: reads after wait() must stay after it, A fragments must live until then).
+template <int kRows, int kCols>
+__device__ __forceinline__ void pin(float (&x)[kRows][kCols]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i)
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) asm volatile("" : "+f"(x[i][j])::"memory");
+}
+template <int kRows, int kCols>
+__device__ __forceinline__ void pin(uint32_t (&x)[kRows][kCols]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i)
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+}
+
+// d (64 x 64, f32) = a·bᵀ + (accumulate ? d : 0): a 64 x 16 and b 64 x 16 bf16, both K-major in shared memory.
+__device__ __forceinline__ void m64n64k16_ss(float (&d)[8][4], uint64_t a, uint64_t b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
+}
+
+// d (64 x 256, f32) += a·b: a 64 x 16 bf16 in registers (the A fragment), b 16 x 256 bf16 MN-major in
+// shared memory.
+__device__ __forceinline__ void m64n256k16_rs(float (&d)[32][4], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]),
+        "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]),
+        "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]),
+        "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]),
+        "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]),
+        "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]),
+        "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]),
+        "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]),
+        "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]),
+        "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]),
+        "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]),
+        "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]),
+        "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]),
+        "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]),
+        "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
+        "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
+        "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+}  // namespace dsv4::cuda::wgmma

@@ -1,0 +1,103 @@
+// Exact decoding of a raw cache row (its data bytes, then its scale bytes, as copied from a page
+// into shared memory) to bf16, 16 channels at a time: what the warp-specialized attention kernels'
+// producer warps run (decode_mma, wgmma). Every format taken here has values exact in bf16: bf16;
+// e4m3 codes times ue8m0 scales (v41_fp8, fp8_ds_mla); e2m1 codes times e4m3 scales (v41_fp4).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cache/row_codec.h"
+#include "cuda/ops/attention/mma/mma_fragments.cuh"
+
+namespace dsv4::cuda::row_decode {
+
+using mma::kRowChannels;
+
+// Eight e4m3 codes (little-endian) times `scale` (a power of two or an e4m3 value) as bf16, the
+// codec's values exactly: e4m3 is exact in f16 (cvt.rn.f16x2.e4m3x2, sm_89+), the product of two
+// 4-bit significands exact in f32 and in bf16.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_codes, float scale) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes), __NV_E4M3);
+  return mma::pack_bf16(__half2float(__half(__half_raw{h.x})) * scale, __half2float(__half(__half_raw{h.y})) * scale);
+}
+__device__ __forceinline__ uint4 e4m3x8_to_bf16(uint2 codes, float scale) {
+  return make_uint4(e4m3x2_to_bf16x2(codes.x & 0xffffu, scale), e4m3x2_to_bf16x2(codes.x >> 16, scale),
+                    e4m3x2_to_bf16x2(codes.y & 0xffffu, scale), e4m3x2_to_bf16x2(codes.y >> 16, scale));
+}
+
+// The eight e2m1 magnitudes (codes 0 … 7) times one e4m3 scale as bf16 (exact: at most 2 + 4
+// significant bits), split into byte tables for __byte_perm: low bytes of codes 0-3, of 4-7, high
+// bytes of 0-3, of 4-7. Computed once per 16 channels (they share the scale).
+struct E2m1Table {
+  uint32_t low[2], high[2];
+  __device__ __forceinline__ explicit E2m1Table(float scale) {
+    const uint32_t w0 = mma::pack_bf16(0.0f * scale, 0.5f * scale), w1 = mma::pack_bf16(1.0f * scale, 1.5f * scale);
+    const uint32_t w2 = mma::pack_bf16(2.0f * scale, 3.0f * scale), w3 = mma::pack_bf16(4.0f * scale, 6.0f * scale);
+    low[0] = __byte_perm(w0, w1, 0x6420), low[1] = __byte_perm(w2, w3, 0x6420);
+    high[0] = __byte_perm(w0, w1, 0x7531), high[1] = __byte_perm(w2, w3, 0x7531);
+  }
+  // Four codes (the nibbles of the low 16 bits, the first lowest) as two bf16 pairs: the
+  // magnitude's bytes looked up, the code's sign bit flipping the product's ((-v)·s = -(v·s)).
+  __device__ __forceinline__ uint2 lookup4(uint32_t codes) const {
+    const uint32_t index = codes & 0x7777u;
+    const uint32_t lo = __byte_perm(low[0], low[1], index), hi = __byte_perm(high[0], high[1], index);
+    const uint32_t pair01 = __byte_perm(lo, hi, 0x5140) ^ (((codes << 12) & 0x8000u) | ((codes << 24) & 0x80000000u));
+    const uint32_t pair23 = __byte_perm(lo, hi, 0x7362) ^ (((codes << 4) & 0x8000u) | ((codes << 16) & 0x80000000u));
+    return make_uint2(pair01, pair23);
+  }
+};
+
+// Eight e2m1 codes (packed, the even channel in the low nibble) times the table's scale as bf16.
+__device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t codes, const E2m1Table& table) {
+  const uint2 first = table.lookup4(codes), second = table.lookup4(codes >> 16);
+  return make_uint4(first.x, first.y, second.x, second.y);
+}
+
+// Channels c0 … c0 + 15 (c0 a multiple of 16) of a raw row of format F in shared memory (its data
+// bytes, then its scale bytes) as bf16: lo = c0 … c0 + 7, hi = c0 + 8 … c0 + 15. The values are
+// the row codec's (code x scale), which are exact in bf16 for every format decode_mma takes.
+template <KvRowFormat F>
+__device__ __forceinline__ void decode16(const uint8_t* raw, int c0, uint4& lo, uint4& hi) {
+  const uint8_t* data = raw + row_codec::channel_offset<F>(c0);
+  const uint8_t* scales = raw + row_codec::data_bytes(F, kRowChannels);
+  switch (row_codec::channel_code<F>(c0)) {
+    case row_codec::ChannelCode::bf16:
+      lo = *reinterpret_cast<const uint4*>(data), hi = *reinterpret_cast<const uint4*>(data + 16);
+      return;
+    case row_codec::ChannelCode::e4m3: {
+      const float scale = row_codec::channel_scale<F>(scales, c0, 1.0f);
+      const uint4 codes = *reinterpret_cast<const uint4*>(data);
+      lo = e4m3x8_to_bf16(make_uint2(codes.x, codes.y), scale), hi = e4m3x8_to_bf16(make_uint2(codes.z, codes.w), scale);
+      return;
+    }
+    case row_codec::ChannelCode::e2m1: {
+      const E2m1Table table(row_codec::channel_scale<F>(scales, c0, 1.0f));
+      const uint2 codes = *reinterpret_cast<const uint2*>(data);
+      lo = e2m1x8_to_bf16(codes.x, table), hi = e2m1x8_to_bf16(codes.y, table);
+      return;
+    }
+  }
+}
+
+__device__ __forceinline__ void decode16(KvRowFormat format, const uint8_t* raw, int c0, uint4& lo, uint4& hi) {
+  switch (format) {
+    case KvRowFormat::v41_fp8: decode16<KvRowFormat::v41_fp8>(raw, c0, lo, hi); return;
+    case KvRowFormat::v41_fp4: decode16<KvRowFormat::v41_fp4>(raw, c0, lo, hi); return;
+    case KvRowFormat::fp8_ds_mla: decode16<KvRowFormat::fp8_ds_mla>(raw, c0, lo, hi); return;
+    default: decode16<KvRowFormat::bf16>(raw, c0, lo, hi); return;  // supports() admits no other
+  }
+}
+
+// 8-byte chunks of a row's data and of its scales (every format decode_mma takes has both multiples of 8).
+struct RawLayout {
+  int data_chunks = 0, chunks = 0;
+  __device__ explicit RawLayout(KvRowFormat f)
+      : data_chunks(static_cast<int>(row_codec::data_bytes(f, kRowChannels) / 8)),
+        chunks(data_chunks + static_cast<int>(row_codec::scale_bytes(f, kRowChannels) / 8)) {}
+};
+
+}  // namespace dsv4::cuda::row_decode
