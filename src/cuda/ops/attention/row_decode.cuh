@@ -30,13 +30,20 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16(uint2 codes, float scale) {
 }
 
 // The eight e2m1 magnitudes (codes 0 … 7) times one e4m3 scale as bf16 (exact: at most 2 + 4
-// significant bits), split into byte tables for __byte_perm: low bytes of codes 0-3, of 4-7, high
-// bytes of 0-3, of 4-7. Computed once per 16 channels (they share the scale).
+// significant bits, so the bf16 products round nothing), split into byte tables for __byte_perm:
+// low bytes of codes 0-3, of 4-7, high bytes of 0-3, of 4-7. Computed once per 16 channels (they
+// share the scale).
 struct E2m1Table {
   uint32_t low[2], high[2];
-  __device__ __forceinline__ explicit E2m1Table(float scale) {
-    const uint32_t w0 = mma::pack_bf16(0.0f * scale, 0.5f * scale), w1 = mma::pack_bf16(1.0f * scale, 1.5f * scale);
-    const uint32_t w2 = mma::pack_bf16(2.0f * scale, 3.0f * scale), w3 = mma::pack_bf16(4.0f * scale, 6.0f * scale);
+  // scale_code: the e4m3 scale, exact in f16 (cvt.rn.f16x2.e4m3x2) and in bf16.
+  __device__ __forceinline__ explicit E2m1Table(uint8_t scale_code) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(scale_code), __NV_E4M3);
+    const __nv_bfloat162 scale = __float2bfloat162_rn(__half2float(__half(__half_raw{h.x})));
+    auto times = [&](float a, float b) {
+      const __nv_bfloat162 product = __hmul2(__floats2bfloat162_rn(a, b), scale);
+      return *reinterpret_cast<const uint32_t*>(&product);
+    };
+    const uint32_t w0 = times(0.0f, 0.5f), w1 = times(1.0f, 1.5f), w2 = times(2.0f, 3.0f), w3 = times(4.0f, 6.0f);
     low[0] = __byte_perm(w0, w1, 0x6420), low[1] = __byte_perm(w2, w3, 0x6420);
     high[0] = __byte_perm(w0, w1, 0x7531), high[1] = __byte_perm(w2, w3, 0x7531);
   }
@@ -58,37 +65,43 @@ __device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t codes, const E2m1Table&
 }
 
 // Channels c0 … c0 + 15 (c0 a multiple of 16) of a raw row of format F in shared memory (its data
-// bytes, then its scale bytes) as bf16: lo = c0 … c0 + 7, hi = c0 + 8 … c0 + 15. The values are
-// the row codec's (code x scale), which are exact in bf16 for every format decode_mma takes.
+// bytes, then its scale bytes) as bf16, in two halves of 8 channels: `first` = c0 + 8·upper … + 7,
+// `second` the other half (upper 0 or 1: the order a lane stores them in). The values are the row
+// codec's (code x scale), which are exact in bf16 for every format taken here.
 template <KvRowFormat F>
-__device__ __forceinline__ void decode16(const uint8_t* raw, int c0, uint4& lo, uint4& hi) {
-  const uint8_t* data = raw + row_codec::channel_offset<F>(c0);
+__device__ __forceinline__ void decode16(const uint8_t* raw, int c0, int upper, uint4& first, uint4& second) {
+  const int c_first = c0 + 8 * upper, c_second = c0 + 8 * (upper ^ 1);
   const uint8_t* scales = raw + row_codec::data_bytes(F, kRowChannels);
+  auto data = [&](int c) { return raw + row_codec::channel_offset<F>(c); };
   switch (row_codec::channel_code<F>(c0)) {
     case row_codec::ChannelCode::bf16:
-      lo = *reinterpret_cast<const uint4*>(data), hi = *reinterpret_cast<const uint4*>(data + 16);
+      first = *reinterpret_cast<const uint4*>(data(c_first)), second = *reinterpret_cast<const uint4*>(data(c_second));
       return;
     case row_codec::ChannelCode::e4m3: {
       const float scale = row_codec::channel_scale<F>(scales, c0, 1.0f);
-      const uint4 codes = *reinterpret_cast<const uint4*>(data);
-      lo = e4m3x8_to_bf16(make_uint2(codes.x, codes.y), scale), hi = e4m3x8_to_bf16(make_uint2(codes.z, codes.w), scale);
+      first = e4m3x8_to_bf16(*reinterpret_cast<const uint2*>(data(c_first)), scale);
+      second = e4m3x8_to_bf16(*reinterpret_cast<const uint2*>(data(c_second)), scale);
       return;
     }
     case row_codec::ChannelCode::e2m1: {
-      const E2m1Table table(row_codec::channel_scale<F>(scales, c0, 1.0f));
-      const uint2 codes = *reinterpret_cast<const uint2*>(data);
-      lo = e2m1x8_to_bf16(codes.x, table), hi = e2m1x8_to_bf16(codes.y, table);
+      // v41_fp4: one e4m3 scale per 16 channels (index_mxfp4 keys, ue8m0 per 32, are not decoded here).
+      static_assert(F != KvRowFormat::index_mxfp4 && row_codec::kV41Fp4Tile == 16);
+      const E2m1Table table(scales[c0 / 16]);
+      first = e2m1x8_to_bf16(*reinterpret_cast<const uint32_t*>(data(c_first)), table);
+      second = e2m1x8_to_bf16(*reinterpret_cast<const uint32_t*>(data(c_second)), table);
       return;
     }
+    default: return;  // f32 rows are not decoded here
   }
 }
 
-__device__ __forceinline__ void decode16(KvRowFormat format, const uint8_t* raw, int c0, uint4& lo, uint4& hi) {
+__device__ __forceinline__ void decode16(KvRowFormat format, const uint8_t* raw, int c0, int upper, uint4& first,
+                                         uint4& second) {
   switch (format) {
-    case KvRowFormat::v41_fp8: decode16<KvRowFormat::v41_fp8>(raw, c0, lo, hi); return;
-    case KvRowFormat::v41_fp4: decode16<KvRowFormat::v41_fp4>(raw, c0, lo, hi); return;
-    case KvRowFormat::fp8_ds_mla: decode16<KvRowFormat::fp8_ds_mla>(raw, c0, lo, hi); return;
-    default: decode16<KvRowFormat::bf16>(raw, c0, lo, hi); return;  // supports() admits no other
+    case KvRowFormat::v41_fp8: decode16<KvRowFormat::v41_fp8>(raw, c0, upper, first, second); return;
+    case KvRowFormat::v41_fp4: decode16<KvRowFormat::v41_fp4>(raw, c0, upper, first, second); return;
+    case KvRowFormat::fp8_ds_mla: decode16<KvRowFormat::fp8_ds_mla>(raw, c0, upper, first, second); return;
+    default: decode16<KvRowFormat::bf16>(raw, c0, upper, first, second); return;  // supports() admits no other
   }
 }
 

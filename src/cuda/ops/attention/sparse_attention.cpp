@@ -27,25 +27,28 @@ const std::vector<KvRowFormat> kAttentionFormats = {KvRowFormat::bf16,    KvRowF
                                                     KvRowFormat::fp8_ds_mla, KvRowFormat::f32};
 
 std::string gathered_cache_supported(const char* name, const PagedCache& cache, std::span<const KvRowFormat> formats,
-                                    const char* unsupported) {
+                                    const char* unsupported, int alignment) {
   const KvRowFormat f = cache.geometry.format;
   if (std::find(formats.begin(), formats.end(), f) == formats.end())
     return std::string("cache '") + name + "' has format " + kv_row_format_name(f) + ", " + unsupported;
   const PageGeometry& g = cache.geometry;
-  if (reinterpret_cast<uintptr_t>(cache.pages.data) % 8 != 0 || g.page_stride % 8 != 0 ||
-      g.data_offset(1) % 8 != 0 || g.scale_offset(0) % 8 != 0 || (g.scale_offset(1) - g.scale_offset(0)) % 8 != 0)
-    return std::string("cache '") + name + "' has rows that are not 8-byte aligned";
+  const int64_t n = alignment;
+  if (reinterpret_cast<uintptr_t>(cache.pages.data) % n != 0 || g.page_stride % n != 0 || g.data_offset(1) % n != 0 ||
+      g.scale_offset(0) % n != 0 || (g.scale_offset(1) - g.scale_offset(0)) % n != 0)
+    return std::string("cache '") + name + "' has rows that are not " + std::to_string(alignment) + "-byte aligned";
   return "";
 }
 
 }  // namespace
 
 std::string gathered_caches_supported(const SparseAttentionParams& p, std::span<const KvRowFormat> formats,
-                                      const char* unsupported) {
+                                      const char* unsupported, int alignment) {
   if (is_present(p.window.pages))
-    if (std::string why_not = gathered_cache_supported("window", p.window, formats, unsupported); !why_not.empty())
+    if (std::string why_not = gathered_cache_supported("window", p.window, formats, unsupported, alignment);
+        !why_not.empty())
       return why_not;
-  if (is_present(p.compressed.pages)) return gathered_cache_supported("compressed", p.compressed, formats, unsupported);
+  if (is_present(p.compressed.pages))
+    return gathered_cache_supported("compressed", p.compressed, formats, unsupported, alignment);
   return "";
 }
 

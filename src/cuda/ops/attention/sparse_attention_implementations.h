@@ -40,11 +40,12 @@ extern const SparseAttentionImplementation kSparseAttentionMmaBf16;
 // The portable fallback: fp32 SIMT, every device, every cache format, bf16 | f32 q (simt/).
 extern const SparseAttentionImplementation kSparseAttentionSimt;
 
-// For the implementations that copy raw rows 8 bytes at a time (cp.async) and decode them: "" when the
-// call's window and compressed caches (those present) have one of `formats` and 8-byte aligned row
-// data and scales, else why not (`unsupported` says why the other formats are not taken).
+// For the implementations that copy raw rows `alignment` (8 or 16) bytes at a time (cp.async) and
+// decode them: "" when the call's window and compressed caches (those present) have one of
+// `formats` and row data and scales aligned to it, else why not (`unsupported` says why the other
+// formats are not taken).
 std::string gathered_caches_supported(const SparseAttentionParams& p, std::span<const KvRowFormat> formats,
-                                      const char* unsupported);
+                                      const char* unsupported, int alignment);
 
 // The most rows a token of a validated call attends (window, widened by image spans, plus picks):
 // what the implementations plan their row splits for.

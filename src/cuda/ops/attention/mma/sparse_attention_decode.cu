@@ -29,7 +29,7 @@ SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
 }
 
 // The rows go to the tensor cores as bf16: formats whose decoded values are exact in bf16 (bf16;
-// e4m3 codes times ue8m0 scales; e2m1 codes times e4m3 scales).
+// e4m3 codes times ue8m0 scales; e2m1 codes times e4m3 scales), copied 8 bytes at a time.
 constexpr KvRowFormat kFormats[] = {KvRowFormat::bf16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, KvRowFormat::fp8_ds_mla};
 
 // sm_90a machine code only: elsewhere the driver would JIT the compute_80 PTX, which has no
@@ -41,7 +41,7 @@ std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
   if (std::string why_not = needs_value("head_dim", decode_mma::kHeadDim, p.q.shape[2]); !why_not.empty()) return why_not;
   if (!p.bf16_rounding) return "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)";
   if (p.q.dtype != DType::bf16) return "needs bf16 q (the tensor cores read q as bf16)";
-  return gathered_caches_supported(p, kFormats, "whose values need not be exact in bf16");  // any head count, bf16 | f32 out
+  return gathered_caches_supported(p, kFormats, "whose values need not be exact in bf16", 8);  // any head count, bf16 | f32 out
 }
 
 size_t workspace_bytes(const SparseAttentionParams& p) {

@@ -161,11 +161,12 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
       const uint8_t* const raw_stage = raw + stage * kRawStageBytes;
       const int c0 = lane * 16, upper_first = (lane >> 2) & 1;
       for (int r = loader_warp; r < kTileRows; r += kLoaderWarps) {
-        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+        uint4 first = make_uint4(0, 0, 0, 0), second = first;
         if ((valid >> r) & 1)
-          decode16(r < window_rows ? a.window.format : a.compressed.format, raw_stage + r * kRawRowBytes, c0, lo, hi);
-        *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0 + 8 * upper_first)) = upper_first ? hi : lo;
-        *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0 + 8 * (upper_first ^ 1))) = upper_first ? lo : hi;
+          decode16(r < window_rows ? a.window.format : a.compressed.format, raw_stage + r * kRawRowBytes, c0,
+                   upper_first, first, second);
+        *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0 + 8 * upper_first)) = first;
+        *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0 + 8 * (upper_first ^ 1))) = second;
       }
       if (loader_thread == 0) tile_valid[stage] = valid;
       barrier_arrive(kFullBarrier + stage, kThreads);

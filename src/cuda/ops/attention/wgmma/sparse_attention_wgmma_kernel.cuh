@@ -23,6 +23,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "cuda/common/async_copy.cuh"
 #include "cuda/common/device_math.cuh"
@@ -44,9 +46,12 @@ inline constexpr int kHeadsPerBlock = 64;  // one wgmma M
 inline constexpr int kTileRows = 64;       // one wgmma N of the scores
 inline constexpr int kSlotRows = 16;       // rows of one raw-ring slot
 inline constexpr int kSlotsPerTile = kTileRows / kSlotRows;
-inline constexpr int kRowsPerProducerWarp = kSlotRows / 4;
 inline constexpr int kConsumerThreads = 256;
 inline constexpr int kProducerThreads = 128;
+inline constexpr int kProducerWarps = kProducerThreads / kWarpSize;
+inline constexpr int kRowsPerProducerWarp = kSlotRows / kProducerWarps;
+// A producer lane looks up one row of one of the next kLookupSlots slots (its warp's rows of them).
+inline constexpr int kLookupSlots = kWarpSize / kRowsPerProducerWarp;
 inline constexpr int kThreads = kConsumerThreads + kProducerThreads;
 inline constexpr int kHalfChannels = kHeadDim / 2;
 inline constexpr int kScoreTiles = kTileRows / 8;   // n tiles of 8 of the 64 x 64 scores
@@ -56,7 +61,7 @@ inline constexpr int kPvSteps = kTileRows / 16;
 
 constexpr size_t kQBytes = size_t{kHeadsPerBlock} * mma::kRowBytes;
 constexpr size_t kTileBytes = size_t{kTileRows} * mma::kRowBytes;
-constexpr size_t kValidBytes = 2 * kSlotsPerTile * 4;  // [tile stage][slot][producer warp]: 4 bits
+constexpr size_t kValidBytes = 2 * kSlotsPerTile * kProducerWarps;  // [tile stage][slot][producer warp]
 // What the H100 / H200 give a block, less Q, the two bf16 tiles, the valid nibbles and the slack
 // that aligns the dynamic shared memory to 1024 bytes: the raw ring's share.
 constexpr size_t kSharedLimit = 232448;
@@ -64,19 +69,24 @@ constexpr size_t kRingLimit = kSharedLimit - kQBytes - 2 * kTileBytes - kValidBy
 
 // The raw ring of a (window, compressed) format pair: a row's place is the larger row rounded up
 // to 16 bytes (the decode's 16-byte loads), as many 16-row slots as fit, at most 4; all but the
-// one being decoded are in flight.
+// one being decoded are in flight. Rows are copied 16 bytes at a time where every row's data and
+// scales are multiples of 16 (the V4.1 native pair), else 8.
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
 struct Ring {
   static constexpr int64_t row_bytes(KvRowFormat f) {
     return row_codec::data_bytes(f, kHeadDim) + row_codec::scale_bytes(f, kHeadDim);
   }
+  static constexpr bool sixteen(KvRowFormat f) {
+    return row_codec::data_bytes(f, kHeadDim) % 16 == 0 && row_codec::scale_bytes(f, kHeadDim) % 16 == 0;
+  }
+  static constexpr int kCopyBytes = sixteen(kWindow) && sixteen(kCompressed) ? 16 : 8;
   static constexpr int kRowBytes = static_cast<int>(
       ((row_bytes(kWindow) > row_bytes(kCompressed) ? row_bytes(kWindow) : row_bytes(kCompressed)) + 15) / 16 * 16);
   static constexpr size_t kSlotBytes = size_t{kSlotRows} * kRowBytes;
   static constexpr int kSlots = kRingLimit / kSlotBytes < 4 ? static_cast<int>(kRingLimit / kSlotBytes) : 4;
   static constexpr int kAhead = kSlots - 1;
   static constexpr size_t kSharedBytes = kQBytes + 2 * kTileBytes + kSlots * kSlotBytes + kValidBytes + 1024;
-  static_assert(kSlots >= 2 && kSharedBytes <= kSharedLimit);
+  static_assert(kSlots >= 2 && kSharedBytes <= kSharedLimit && kAhead < kLookupSlots);
 };
 
 // Named barriers (0 is __syncthreads', unused).
@@ -84,15 +94,28 @@ inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
 
-// The producer needs few registers, a consumer holds 128 + 32 accumulators: 384 threads start with
-// 168 each (__launch_bounds__(384, 1)); 128 x (168 - 72) released = 256 x (216 - 168) claimed (with
-// 56 for the producer ptxas spills its row pipeline).
+// 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
+// within its setmaxnreg bound: a consumer holds 128 accumulators, 32 scores or 16 exp-score registers
+// and its addresses (within 168 it spills), the producer's row pipeline needs about 100.
+// 128 x (168 - 104) released >= 256 x (200 - 168) claimed.
 inline constexpr int kLaunchRegisters = 168;
-inline constexpr int kProducerRegisters = 72;
-inline constexpr int kConsumerRegisters = 216;
+inline constexpr int kProducerRegisters = 104;
+inline constexpr int kConsumerRegisters = 200;
 static_assert(kLaunchRegisters * kThreads <= 65536);
 static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <=
               kLaunchRegisters * kThreads);
+
+// Lane `lane`'s 16 channels of raw row r (format F; raw rows kRowBytes apart) decoded to bf16 and
+// stored into row row0 + r of the SW128 tile. Lanes 4-7 of each quarter warp store their upper chunk
+// first, so that a quarter warp's 8 stores fall on 8 different groups of banks.
+template <KvRowFormat F, int kRowBytes>
+__device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, int row0, int r, int lane) {
+  const int c0 = lane * 16, upper_first = (lane >> 2) & 1;
+  uint4 first, second;
+  row_decode::decode16<F>(raw + r * kRowBytes, c0, upper_first, first, second);
+  *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r, c0 + 8 * upper_first)) = first;
+  *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r, c0 + 8 * (upper_first ^ 1))) = second;
+}
 
 }  // namespace attention_wgmma
 
@@ -107,7 +130,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   uint8_t* const q_tile = shared;                              // [64 heads x 512] bf16, SW128
   uint8_t* const tiles = q_tile + kQBytes;                     // [stage][64 rows x 512] bf16, SW128
   uint8_t* const ring = tiles + 2 * kTileBytes;                // [slot][16 rows][R::kRowBytes]
-  uint8_t* const valid_nibbles = ring + R::kSlots * R::kSlotBytes;  // [stage][slot][producer warp]
+  uint8_t* const valid_bits = ring + R::kSlots * R::kSlotBytes;  // [stage][slot][producer warp]
 
   const int64_t t = blockIdx.x;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -121,111 +144,152 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     release_registers<kProducerRegisters>();
     const int producer_warp = warp - kConsumerThreads / kWarpSize;
     const int n_slots = n_tiles * kSlotsPerTile;
-    constexpr int kWindowData = static_cast<int>(row_codec::data_bytes(kWindow, kHeadDim) / 8);
-    constexpr int kWindowChunks = kWindowData + static_cast<int>(row_codec::scale_bytes(kWindow, kHeadDim) / 8);
-    constexpr int kCompressedData = static_cast<int>(row_codec::data_bytes(kCompressed, kHeadDim) / 8);
-    constexpr int kCompressedChunks = kCompressedData + static_cast<int>(row_codec::scale_bytes(kCompressed, kHeadDim) / 8);
-    // Lane l follows row l % 4 of the warp's rows of a slot (lanes 4-31 repeat lanes 0-3's loads).
-    auto row_index = [&](int j) {
-      return first_row + int64_t{j} * kSlotRows + producer_warp * kRowsPerProducerWarp + (lane & 3);
+    constexpr int kCopy = R::kCopyBytes;
+    constexpr int kWindowData = static_cast<int>(row_codec::data_bytes(kWindow, kHeadDim) / kCopy);
+    constexpr int kWindowPieces = kWindowData + static_cast<int>(row_codec::scale_bytes(kWindow, kHeadDim) / kCopy);
+    constexpr int kCompressedData = static_cast<int>(row_codec::data_bytes(kCompressed, kHeadDim) / kCopy);
+    constexpr int kCompressedPieces =
+        kCompressedData + static_cast<int>(row_codec::scale_bytes(kCompressed, kHeadDim) / kCopy);
+    // The warp's row r of slot j, and the first of its rows.
+    auto row_index = [&](int j, int r) {
+      return first_row + int64_t{j} * kSlotRows + producer_warp * kRowsPerProducerWarp + r;
     };
-    // A row's bytes in three steps, each load used an iteration after it was issued: the pick (the
-    // row number), the block-table entry (the page), the address.
+    // Lane l looks up row l % 4 of slot (l / 4) of a batch of kLookupSlots slots, in three steps
+    // a batch apart, so that each load is used a batch after it was issued: the pick (the row
+    // number), the block-table entry (the page), the address.
+    const int lookup_slot = lane / kRowsPerProducerWarp, lookup_row = lane % kRowsPerProducerWarp;
+    auto lookup_index = [&](int batch) { return row_index(batch * kLookupSlots + lookup_slot, lookup_row); };
     auto first_page = [&](const DeviceRows& cache) {
       const bool tabled = cache.first_logical_page && cache.block_table && rows.sequence >= 0 &&
                           rows.sequence < cache.num_sequences;
       return tabled ? cache.first_logical_page[rows.sequence] : 0;
     };
     const int32_t window_first_page = first_page(a.window), compressed_first_page = first_page(a.compressed);
-    auto row_number = [&](int j) { return rows.row_number(a, t, row_index(j), end_row); };
+    auto row_number = [&](int batch) { return rows.row_number(a, t, lookup_index(batch), end_row); };
     struct PageRow {
       int64_t page = -1;  // the page of a flat cache may exceed int32
       int32_t row = 0;
     };
-    auto page_of = [&](const DeviceRows& cache, int32_t first_page, int64_t number) {
+    auto page_of = [&](const DeviceRows& cache, int32_t first, int64_t number) {
       const RowSplit split = split_rows(number, cache.rows_per_page);
       if (cache.block_table == nullptr) return PageRow{split.block, static_cast<int32_t>(split.row)};
-      const int64_t block = split.block - first_page;
+      const int64_t block = split.block - first;
       if (rows.sequence < 0 || rows.sequence >= cache.num_sequences || block < 0 || block >= cache.blocks_per_sequence)
         return PageRow{};
       return PageRow{cache.block_table[rows.sequence * cache.blocks_per_sequence + block], static_cast<int32_t>(split.row)};
     };
-    auto page_row = [&](int j, int64_t number) {
+    auto page_row = [&](int batch, int64_t number) {
       if (number < 0) return PageRow{};
-      return row_index(j) < rows.n_window ? page_of(a.window, window_first_page, number)
-                                          : page_of(a.compressed, compressed_first_page, number);
+      return lookup_index(batch) < rows.n_window ? page_of(a.window, window_first_page, number)
+                                                 : page_of(a.compressed, compressed_first_page, number);
     };
-    auto ref_of = [&](int j, const PageRow& pr) {
+    auto ref_of = [&](int batch, const PageRow& pr) {
       if (pr.page < 0) return RowRef{};
-      return row_index(j) < rows.n_window ? row_in_page(a.window, pr.page, pr.row) : row_in_page(a.compressed, pr.page, pr.row);
+      return lookup_index(batch) < rows.n_window ? row_in_page(a.window, pr.page, pr.row)
+                                                 : row_in_page(a.compressed, pr.page, pr.row);
     };
-    // Copies the warp's rows of slot j (refs in lanes 0-3) into ring slot j % kSlots, one cp.async
-    // group; returns their valid bits.
-    auto request = [&](int j, const RowRef& ref) {
-      const uint32_t valid = __ballot_sync(kFullMask, ref.valid()) & 0xfu;
-      const int window_rows = rows.window_rows_in_tile(row_index(j) - (lane & 3), kRowsPerProducerWarp);
-      const uint32_t slot = shared_address(ring + (j % R::kSlots) * R::kSlotBytes);
+    // The refs of batches b (current) and b + 1 (next), the page of b + 2, the row number of b + 3.
+    RowRef ref_current = ref_of(0, page_row(0, row_number(0)));
+    RowRef ref_next = ref_of(1, page_row(1, row_number(1)));
+    PageRow page_ahead = page_row(2, row_number(2));
+    int64_t number_ahead = row_number(3);
+    int current_batch = 0;
+    // Copies the warp's rows of slot j into ring slot j % kSlots, one cp.async group, invalid rows
+    // zero-filled (they then decode to zeros: no stale bytes reach the MMAs); returns the valid bits.
+    // A slot of window rows only or picks only spreads its rows' 16-byte pieces over the lanes (one
+    // round of shuffles per 32 pieces); else each row's pieces go round the lanes.
+    auto request = [&](int j) {
+      const RowRef ref = j / kLookupSlots == current_batch ? ref_current : ref_next;
+      const int source = (j % kLookupSlots) * kRowsPerProducerWarp;
+      const uint32_t valid = (__ballot_sync(kFullMask, ref.valid()) >> source) & ((1u << kRowsPerProducerWarp) - 1);
+      const int window_rows = rows.window_rows_in_tile(row_index(j, 0), kRowsPerProducerWarp);
+      const uint32_t slot = shared_address(ring + (j % R::kSlots) * R::kSlotBytes) +
+                            producer_warp * kRowsPerProducerWarp * R::kRowBytes;
+      auto copy_piece = [&](int r, int c, int data_pieces) {
+        const uint8_t* data = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), source + r));
+        const uint8_t* scales = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), source + r));
+        const bool present = data != nullptr;
+        const uint8_t* from = !present ? reinterpret_cast<const uint8_t*>(a.q)  // any readable address; not read
+                              : c < data_pieces ? data + kCopy * c : scales + kCopy * (c - data_pieces);
+        return std::pair<const uint8_t*, bool>{from, present};
+      };
+      auto copy_uniform = [&](auto pieces_constant, auto data_constant) {
+        constexpr int kPieces = decltype(pieces_constant)::value, kData = decltype(data_constant)::value;
+        constexpr int kTotal = kRowsPerProducerWarp * kPieces;
 #pragma unroll
-      for (int r = 0; r < kRowsPerProducerWarp; ++r) {
-        const uint8_t* data = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), r));
-        const uint8_t* scales = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), r));
-        if (!((valid >> r) & 1)) continue;
-        const int data_chunks = r < window_rows ? kWindowData : kCompressedData;
-        const int chunks = r < window_rows ? kWindowChunks : kCompressedChunks;
-        const uint32_t row_address = slot + (producer_warp * kRowsPerProducerWarp + r) * R::kRowBytes;
-        for (int c = lane; c < chunks; c += kWarpSize)
-          cp_async<8>(row_address + 8 * c, c < data_chunks ? data + 8 * c : scales + 8 * (c - data_chunks));
-      }
+        for (int round = 0; round < (kTotal + kWarpSize - 1) / kWarpSize; ++round) {
+          const int k = round * kWarpSize + lane, r = min(k / kPieces, kRowsPerProducerWarp - 1), c = k - r * kPieces;
+          const auto [from, present] = copy_piece(r, c, kData);
+          if (k < kTotal) cp_async<kCopy>(slot + r * R::kRowBytes + kCopy * c, from, present);
+        }
+      };
+      if (kCopy == 16 && window_rows == 0)
+        copy_uniform(std::integral_constant<int, kCompressedPieces>{}, std::integral_constant<int, kCompressedData>{});
+      else if (kCopy == 16 && window_rows == kRowsPerProducerWarp)
+        copy_uniform(std::integral_constant<int, kWindowPieces>{}, std::integral_constant<int, kWindowData>{});
+      else
+        for (int r = 0; r < kRowsPerProducerWarp; ++r) {
+          const int data_pieces = r < window_rows ? kWindowData : kCompressedData;
+          const int pieces = r < window_rows ? kWindowPieces : kCompressedPieces;
+          for (int c0 = 0; c0 < pieces; c0 += kWarpSize) {
+            const auto [from, present] = copy_piece(r, c0 + lane, data_pieces);
+            if (c0 + lane < pieces) cp_async<kCopy>(slot + r * R::kRowBytes + kCopy * (c0 + lane), from, present);
+          }
+        }
       cp_async_commit();
       return valid;
     };
-    // Slots j + 1 … j + kAhead in flight while j is decoded (their valid nibbles in `valids`, slot j
-    // lowest); the ref of j + kAhead + 1, the page of j + kAhead + 2 and the row number of
-    // j + kAhead + 3 prepared an iteration before they are used.
+    // Slots j + 1 … j + kAhead in flight while j is decoded (their valid bits in `valids`, slot j
+    // lowest). Entering batch b + 1 shifts the lookups: its refs become current, and the next
+    // batch's refs, page and row number are prepared.
     uint32_t valids = 0;
 #pragma unroll
     for (int j = 0; j < R::kAhead; ++j) {
-      if (j < n_slots) valids |= request(j, ref_of(j, page_row(j, row_number(j)))) << (4 * j);
+      if (j < n_slots) valids |= request(j) << (kRowsPerProducerWarp * j);
       else cp_async_commit();
     }
-    RowRef ref_ahead = ref_of(R::kAhead, page_row(R::kAhead, row_number(R::kAhead)));
-    PageRow page_ahead = page_row(R::kAhead + 1, row_number(R::kAhead + 1));
-    int64_t number_ahead = row_number(R::kAhead + 2);
-    const int c0 = lane * 16, upper_first = (lane >> 2) & 1;
     for (int j = 0; j < n_slots; ++j) {
-      if (j + R::kAhead < n_slots) valids |= request(j + R::kAhead, ref_ahead) << (4 * R::kAhead);
+      const int issued = j + R::kAhead;
+      if (issued % kLookupSlots == 0 && issued / kLookupSlots == current_batch + 1) {
+        ++current_batch;
+        ref_current = ref_next;
+        ref_next = ref_of(current_batch + 1, page_ahead);
+        page_ahead = page_row(current_batch + 2, number_ahead);
+        number_ahead = row_number(current_batch + 3);
+      }
+      if (issued < n_slots) valids |= request(issued) << (kRowsPerProducerWarp * R::kAhead);
       else cp_async_commit();  // an empty group: the wait below then always means slot j
-      ref_ahead = ref_of(j + R::kAhead + 1, page_ahead);
-      page_ahead = page_row(j + R::kAhead + 2, number_ahead);
-      number_ahead = row_number(j + R::kAhead + 3);
       cp_async_wait<R::kAhead>();
       __syncwarp();  // every lane's bytes of slot j have landed
       const int tile_index = j / kSlotsPerTile, slot_in_tile = j % kSlotsPerTile, stage = tile_index % 2;
       if (slot_in_tile == 0 && tile_index >= 2) barrier_sync(kEmptyBarrier + stage, kThreads);  // tile - 2 consumed
-      // A lane per 16 channels of a row; lanes 4-7 of each quarter warp store their upper chunk
-      // first, so that a quarter warp's 8 stores fall on 8 different groups of banks.
-      const int window_rows = rows.window_rows_in_tile(row_index(j) - (lane & 3), kRowsPerProducerWarp);
-      const uint8_t* const raw = ring + (j % R::kSlots) * R::kSlotBytes;
+      // A lane per 16 channels of a row. A slot's rows are all window rows or all picks but where
+      // the window ends: those two cases decode without branches (four independent chains).
+      const int window_rows = rows.window_rows_in_tile(row_index(j, 0), kRowsPerProducerWarp);
+      const uint8_t* const raw = ring + (j % R::kSlots) * R::kSlotBytes + producer_warp * kRowsPerProducerWarp * R::kRowBytes;
       uint8_t* const tile = tiles + stage * kTileBytes;
+      const int row0 = slot_in_tile * kSlotRows + producer_warp * kRowsPerProducerWarp;
+      if (window_rows == 0) {
 #pragma unroll
-      for (int r = 0; r < kRowsPerProducerWarp; ++r) {
-        const int slot_row = producer_warp * kRowsPerProducerWarp + r;
-        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-        if ((valids >> r) & 1) {
-          if (r < window_rows) decode16<kWindow>(raw + slot_row * R::kRowBytes, c0, lo, hi);
-          else decode16<kCompressed>(raw + slot_row * R::kRowBytes, c0, lo, hi);
+        for (int r = 0; r < kRowsPerProducerWarp; ++r) decode_row<kCompressed, R::kRowBytes>(raw, tile, row0, r, lane);
+      } else if (window_rows == kRowsPerProducerWarp) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerProducerWarp; ++r) decode_row<kWindow, R::kRowBytes>(raw, tile, row0, r, lane);
+      } else {
+        for (int r = 0; r < kRowsPerProducerWarp; ++r) {
+          if (r < window_rows) decode_row<kWindow, R::kRowBytes>(raw, tile, row0, r, lane);
+          else decode_row<kCompressed, R::kRowBytes>(raw, tile, row0, r, lane);
         }
-        const int tile_row = slot_in_tile * kSlotRows + slot_row;
-        *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, tile_row, c0 + 8 * upper_first)) = upper_first ? hi : lo;
-        *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, tile_row, c0 + 8 * (upper_first ^ 1))) = upper_first ? lo : hi;
       }
-      if (lane == 0) valid_nibbles[(stage * kSlotsPerTile + slot_in_tile) * 4 + producer_warp] = static_cast<uint8_t>(valids & 0xfu);
+      if (lane == 0)
+        valid_bits[(stage * kSlotsPerTile + slot_in_tile) * kProducerWarps + producer_warp] =
+            static_cast<uint8_t>(valids & ((1u << kRowsPerProducerWarp) - 1));
       __syncwarp();  // ring slot j % kSlots is read: slot j + kSlots may overwrite it
       if (slot_in_tile == kSlotsPerTile - 1) {
         wgmma::fence_shared_for_async_proxy();
         barrier_arrive(kFullBarrier + stage, kThreads);
       }
-      valids >>= 4;
+      valids >>= kRowsPerProducerWarp;
     }
     return;
   }
@@ -250,37 +314,43 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const float scale_log2 = a.scale * mma::kLog2e;
 
+  // The descriptors of step k are the base's plus the step's offset (in the 16-byte units of the
+  // start address field; every address here stays below 256 KB, so no carry leaves that field).
+  const uint64_t q_descriptor = wgmma::k_major(q_address);
   for (int i = 0; i < n_tiles; ++i) {
     const int stage = i % 2;
     barrier_sync(kFullBarrier + stage, kThreads);
     const uint32_t tile = tiles_address + stage * kTileBytes;
+    const uint64_t key_descriptor = wgmma::k_major(tile);
+    const uint64_t value_descriptor = wgmma::mn_major(tile + half * 4 * kTileRows * 128, kTileRows);
     float s[kScoreTiles][4];
 #pragma unroll
     for (int j = 0; j < kScoreTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     wgmma::fence();
 #pragma unroll
     for (int k = 0; k < kQkSteps; ++k) {
-      const uint32_t offset = (k / 4) * kTileRows * 128 + (k % 4) * 32;  // 64-channel block, then 16 channels
-      wgmma::m64n64k16_ss(s, wgmma::k_major(q_address + offset), wgmma::k_major(tile + offset), k > 0);
+      const uint32_t step = ((k / 4) * kTileRows * 128 + (k % 4) * 32) >> 4;  // 64-channel block, then 16 channels
+      wgmma::m64n64k16_ss(s, q_descriptor + step, key_descriptor + step, k > 0);
     }
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::pin(s);
 
-    uint64_t valid_rows = 0;
+    uint64_t valid_rows = 0;  // row slot·16 + warp·2 + r of the tile
 #pragma unroll
-    for (int b = 0; b < kSlotsPerTile * 4; ++b)
-      valid_rows |= static_cast<uint64_t>(valid_nibbles[stage * kSlotsPerTile * 4 + b] & 0xfu) << (4 * b);
+    for (int b = 0; b < kSlotsPerTile * kProducerWarps; ++b)
+      valid_rows |= static_cast<uint64_t>(valid_bits[stage * kSlotsPerTile * kProducerWarps + b])
+                    << (kRowsPerProducerWarp * b);
     float correction[2];
     mma::online_softmax(s, valid_rows, scale_log2, lane, softmax, correction);
-    mma::rescale(acc, correction);
+    if (correction[0] != 1.0f || correction[1] != 1.0f) mma::rescale(acc, correction);  // x 1 changes no bit
     uint32_t p[kPvSteps][4];
 #pragma unroll
     for (int k = 0; k < kPvSteps; ++k) mma::a_from_c(p[k], s[2 * k], s[2 * k + 1]);
     wgmma::fence();
 #pragma unroll
     for (int k = 0; k < kPvSteps; ++k)
-      wgmma::m64n256k16_rs(acc, p[k], wgmma::mn_major(tile + half * 4 * kTileRows * 128 + k * 16 * 128, kTileRows));
+      wgmma::m64n256k16_rs(acc, p[k], value_descriptor + ((k * 16 * 128) >> 4));
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::pin(acc);
