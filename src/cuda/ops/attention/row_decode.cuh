@@ -47,22 +47,30 @@ struct E2m1Table {
     low[0] = __byte_perm(w0, w1, 0x6420), low[1] = __byte_perm(w2, w3, 0x6420);
     high[0] = __byte_perm(w0, w1, 0x7531), high[1] = __byte_perm(w2, w3, 0x7531);
   }
-  // Four codes (the nibbles of the low 16 bits, the first lowest) as two bf16 pairs: the
-  // magnitude's bytes looked up, the code's sign bit flipping the product's ((-v)·s = -(v·s)).
-  __device__ __forceinline__ uint2 lookup4(uint32_t codes) const {
-    const uint32_t index = codes & 0x7777u;
-    const uint32_t lo = __byte_perm(low[0], low[1], index), hi = __byte_perm(high[0], high[1], index);
-    const uint32_t pair01 = __byte_perm(lo, hi, 0x5140) ^ (((codes << 12) & 0x8000u) | ((codes << 24) & 0x80000000u));
-    const uint32_t pair23 = __byte_perm(lo, hi, 0x7362) ^ (((codes << 4) & 0x8000u) | ((codes << 16) & 0x80000000u));
-    return make_uint2(pair01, pair23);
+  // Eight codes (the nibbles of `codes`, the first lowest) as four bf16 pairs: the magnitudes'
+  // bytes looked up and interleaved, then each code's sign bit (bit 3 of its nibble) moved onto its
+  // product's sign bit, flipping it ((-v)·s = -(v·s)): pair k's signs come from byte k of
+  // codes << 4 (the even code's, into bit 15) and of codes (the odd code's, into bit 31).
+  __device__ __forceinline__ uint4 lookup8(uint32_t codes) const {
+    uint32_t pairs[4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t index = (codes >> (16 * half)) & 0x7777u;
+      const uint32_t lo = __byte_perm(low[0], low[1], index), hi = __byte_perm(high[0], high[1], index);
+      pairs[2 * half] = __byte_perm(lo, hi, 0x5140), pairs[2 * half + 1] = __byte_perm(lo, hi, 0x7362);
+    }
+    const uint32_t even_signs = codes << 4;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t selector = 0x4000u + 0x1111u * k;  // byte 1 <- byte k of even_signs, byte 3 <- byte k of codes
+      pairs[k] ^= __byte_perm(even_signs, codes, selector) & 0x80008000u;
+    }
+    return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
   }
 };
 
 // Eight e2m1 codes (packed, the even channel in the low nibble) times the table's scale as bf16.
-__device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t codes, const E2m1Table& table) {
-  const uint2 first = table.lookup4(codes), second = table.lookup4(codes >> 16);
-  return make_uint4(first.x, first.y, second.x, second.y);
-}
+__device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t codes, const E2m1Table& table) { return table.lookup8(codes); }
 
 // Channels c0 … c0 + 15 (c0 a multiple of 16) of a raw row of format F in shared memory (its data
 // bytes, then its scale bytes) as bf16, in two halves of 8 channels: `first` = c0 + 8·upper … + 7,

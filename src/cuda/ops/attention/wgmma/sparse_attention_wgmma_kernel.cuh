@@ -96,11 +96,11 @@ inline constexpr int kConsumerBarrier = 5;
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
 // within its setmaxnreg bound: a consumer holds 128 accumulators, 32 scores or 16 exp-score registers
-// and its addresses (within 168 it spills), the producer's row pipeline needs about 100.
-// 128 x (168 - 104) released >= 256 x (200 - 168) claimed.
+// and its addresses (within 168 it spills), the producer's row pipeline about 100 (it keeps four
+// rows' decodes in flight with more). 128 x (168 - 120) released = 256 x (192 - 168) claimed.
 inline constexpr int kLaunchRegisters = 168;
-inline constexpr int kProducerRegisters = 104;
-inline constexpr int kConsumerRegisters = 200;
+inline constexpr int kProducerRegisters = 120;
+inline constexpr int kConsumerRegisters = 192;
 static_assert(kLaunchRegisters * kThreads <= 65536);
 static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <=
               kLaunchRegisters * kThreads);
@@ -115,6 +115,17 @@ __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, in
   row_decode::decode16<F>(raw + r * kRowBytes, c0, upper_first, first, second);
   *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r, c0 + 8 * upper_first)) = first;
   *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r, c0 + 8 * (upper_first ^ 1))) = second;
+}
+
+// The warp's rows of the one slot of a token where the window ends (window rows, then picks): out
+// of line, to keep the hot loop small in the instruction cache.
+template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
+__device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
+#pragma unroll 1
+  for (int r = 0; r < kRowsPerProducerWarp; ++r) {
+    if (r < window_rows) decode_row<kWindow, kRowBytes>(raw, tile, row0, r, lane);
+    else decode_row<kCompressed, kRowBytes>(raw, tile, row0, r, lane);
+  }
 }
 
 }  // namespace attention_wgmma
@@ -276,10 +287,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
 #pragma unroll
         for (int r = 0; r < kRowsPerProducerWarp; ++r) decode_row<kWindow, R::kRowBytes>(raw, tile, row0, r, lane);
       } else {
-        for (int r = 0; r < kRowsPerProducerWarp; ++r) {
-          if (r < window_rows) decode_row<kWindow, R::kRowBytes>(raw, tile, row0, r, lane);
-          else decode_row<kCompressed, R::kRowBytes>(raw, tile, row0, r, lane);
-        }
+        decode_mixed_rows<kWindow, kCompressed, R::kRowBytes>(raw, tile, row0, window_rows, lane);
       }
       if (lane == 0)
         valid_bits[(stage * kSlotsPerTile + slot_in_tile) * kProducerWarps + producer_warp] =
