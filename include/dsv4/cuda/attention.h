@@ -58,9 +58,9 @@ struct SparseAttentionParams {
 
 void validate_sparse_attention(const SparseAttentionParams& p);
 // The name of the implementation run_sparse_attention picks for this call on the current device
-// ("decode_mma" on sm_90, else "mma_bf16": tensor cores, for bf16_rounding with bf16 q over caches
-// exact in bf16; "simt": the portable fp32 kernel, the one for f32 q and f32 caches); for tests
-// and dsv4 bench.
+// (for bf16_rounding with bf16 q, tensor cores: on sm_90 "wgmma" over the V4.1 native caches or
+// fp8_ds_mla rows, "decode_mma" over other caches exact in bf16, elsewhere "mma_bf16"; "simt": the
+// portable fp32 kernel, the one for f32 q and f32 caches); for tests and dsv4 bench.
 const char* sparse_attention_implementation(const SparseAttentionParams& p);
 // Small steps (few tokens × head groups, e.g. decode at batch 1) leave most of the GPU idle with
 // one block per (token, head group); with this workspace each token's rows are split over several
