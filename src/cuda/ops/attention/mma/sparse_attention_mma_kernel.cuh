@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
     else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
 
-  const TokenRows::BlockRows block = rows.block_rows(a, kMmaTileRows);
-  const int64_t first_row = block.first, end_row = block.end;
+  const int64_t first_row = int64_t{blockIdx.z} * a.tiles_per_split * kMmaTileRows;
+  const int64_t end_row = min(rows.n_rows, first_row + a.tiles_per_split * kMmaTileRows);
   // Refs and valid masks of the tile at `base`, then its rows into the stage.
   auto load_tile = [&](int64_t base, int stage) {
     RowRef* tile_refs = refs + stage * kMmaTileRows;
