@@ -21,25 +21,14 @@
 #include "dsv4/error.h"
 #include "dsv4/numeric.h"
 #include "dsv4/safetensors.h"
+#include "test_seed.h"
 
 namespace dsv4 {
 namespace {
 
 using Bytes = std::vector<uint8_t>;
 
-// A fixed seed by default, so that every run tests the same inputs; DSV4_TEST_SEED=<n> replays
-// another one, DSV4_TEST_SEED=random draws a fresh one (printed on failure by SEED_TRACE).
-uint64_t test_seed() {
-  static const uint64_t seed = [] {
-    const char* text = std::getenv("DSV4_TEST_SEED");
-    if (!text) return uint64_t{20261129};
-    if (std::string(text) != "random") return static_cast<uint64_t>(std::strtoull(text, nullptr, 0));
-    std::random_device device;
-    return (static_cast<uint64_t>(device()) << 32) ^ device();
-  }();
-  return seed;
-}
-#define SEED_TRACE() SCOPED_TRACE("DSV4_TEST_SEED=" + std::to_string(test_seed()))
+using test::test_seed;
 
 uint32_t bits_of(float f) { return float_bits(f); }
 

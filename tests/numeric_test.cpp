@@ -2,6 +2,7 @@
 // grid, with the tie rule written out) and, where the CUDA headers exist, against CUDA's own host
 // conversions. Random inputs come from a fixed seed, printed on failure (DSV4_TEST_SEED=<n> or random overrides).
 #include "dsv4/numeric.h"
+#include "test_seed.h"
 
 #include <gtest/gtest.h>
 
@@ -31,19 +32,7 @@ static_assert(float_to_e4m3(448.0f) == 0x7e && float_to_e4m3(-0.0f) == 0x80);
 static_assert(e2m1_to_float(0xf) == -6.0f && float_to_e2m1(2.5f) == 0x4);
 static_assert(float_to_bf16_bits(1.0f) == 0x3f80 && ceil_log2_exponent(3.0f) == 2);
 
-// A fixed seed by default, so that every run tests the same inputs; DSV4_TEST_SEED=<n> replays
-// another one, DSV4_TEST_SEED=random draws a fresh one (printed on failure by SEED_TRACE).
-uint64_t test_seed() {
-  static const uint64_t seed = [] {
-    const char* text = std::getenv("DSV4_TEST_SEED");
-    if (!text) return uint64_t{20261129};
-    if (std::string(text) != "random") return static_cast<uint64_t>(std::strtoull(text, nullptr, 0));
-    std::random_device device;
-    return (static_cast<uint64_t>(device()) << 32) ^ device();
-  }();
-  return seed;
-}
-#define SEED_TRACE() SCOPED_TRACE("DSV4_TEST_SEED=" + std::to_string(test_seed()))
+using test::test_seed;
 
 float from_bits(uint32_t bits) {
   float f;

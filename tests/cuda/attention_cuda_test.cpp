@@ -29,6 +29,7 @@
 #include "cuda/ops/attention/sparse_attention_implementations.h"
 #include "dsv4/cuda/attention.h"
 #include "reference/ops.h"
+#include "test_seed.h"
 
 namespace dsv4::cuda {
 namespace {
@@ -447,6 +448,51 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingDecodeBatches) {
       c.tokens.push_back({s, position});
       c.first_window_page.push_back(0);
     }
+    check_attention(c);
+  }
+}
+
+// Random valid configurations (a fixed seed: DSV4_TEST_SEED replays another or draws a fresh one):
+// head counts of tensor-parallel shards and odd ones, windows, top-k, every format of each cache
+// (none for the compressed one), ratios, tokens before, in and past the window, f32 and bf16
+// queries and outputs, with and without the reference's rounding; every implementation the device
+// runs for the call against the reference, with the bounds and checks of check_attention.
+TEST_F(CudaTest, SparseAttentionRandomConfigurations) {
+  SEED_TRACE();
+  std::mt19937_64 rng(test::test_seed());
+  auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto one_of = [&](const auto& values) { return values[static_cast<size_t>(uniform(0, std::size(values) - 1))]; };
+  constexpr int64_t kHeads[] = {1, 8, 16, 20, 32, 64, 65, 128};
+  constexpr KvRowFormat kWindowFormats[] = {KvRowFormat::bf16,       KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
+                                            KvRowFormat::fp8_ds_mla, KvRowFormat::f32,     KvRowFormat::fp8_per_tensor};
+  constexpr KvRowFormat kCompressedFormats[] = {KvRowFormat::bf16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4,
+                                                KvRowFormat::fp8_ds_mla, KvRowFormat::f32};
+  constexpr int kRatios[] = {0, 1, 2, 4};
+  for (int trial = 0; trial < 12; ++trial) {
+    AttentionCase c;
+    c.heads = one_of(kHeads);
+    c.window_format = one_of(kWindowFormats);
+    if (uniform(0, 4) > 0) {
+      c.compressed_format = one_of(kCompressedFormats);
+      c.ratio = one_of(kRatios);
+      c.num_picks = uniform(1, 1100);
+    }
+    c.window = uniform(1, 256);
+    c.out_dtype = uniform(0, 1) ? DType::bf16 : DType::f32;
+    c.q_dtype = uniform(0, 3) ? DType::bf16 : DType::f32;
+    c.bf16_rounding = uniform(0, 2) > 0;
+    const int64_t tokens = uniform(1, 5), sequences = uniform(1, tokens);
+    for (int64_t t = 0; t < tokens; ++t)
+      c.tokens.push_back({static_cast<int32_t>(t % sequences), static_cast<int32_t>(uniform(0, 1500))});
+    c.first_window_page.assign(static_cast<size_t>(sequences), 0);
+    c.seed = static_cast<uint32_t>(rng());
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + std::to_string(c.heads) + " heads, window " +
+                 std::to_string(c.window) + " (" + kv_row_format_name(c.window_format) + "), " +
+                 (c.compressed_format ? std::to_string(c.num_picks) + " picks (" +
+                                            kv_row_format_name(*c.compressed_format) + ", ratio " +
+                                            std::to_string(c.ratio) + ")"
+                                      : std::string("no picks")) +
+                 ", " + std::to_string(tokens) + " tokens, " + (c.bf16_rounding ? "rounding" : "fp32"));
     check_attention(c);
   }
 }
