@@ -4,12 +4,13 @@
 //
 // One block per (token, 64 heads, split of rows), three warpgroups:
 //   * the producer warpgroup gathers the raw bytes of the rows (window rows, then picks, as
-//     TokenRows orders them) with 8-byte cp.async into a ring of three 16-row slots, two slots
-//     ahead of the decode (the pick and block-table loads of later slots one and two iterations
-//     earlier, so that no load waits for another), and decodes each landed slot exactly to bf16
-//     (row_decode.cuh) into one of two 64-row tiles in the SW128 layout the MMAs read (zeros for
-//     invalid rows). Warp w of the producer copies and decodes rows 4w … 4w + 3 of every slot, so
-//     a warp waits only for its own copies.
+//     TokenRows orders them) with cp.async into a ring of 16-row slots (Ring: four for the V4.1
+//     native pair, three for fp8_ds_mla), all but one in flight, and decodes each landed slot
+//     exactly to bf16 (row_decode.cuh) into one of two 64-row tiles in the SW128 layout the MMAs
+//     read (invalid rows are zero-filled by the copy, so they decode to zeros). Warp w copies and
+//     decodes rows 4w … 4w + 3 of every slot, so a warp waits only for its own copies; its lanes
+//     look those rows up for eight slots at a time (the pick, the block-table entry and the address
+//     each a batch apart, so that no load waits for another).
 //   * two consumer warpgroups, one per half of the 512 output channels: each computes the scores
 //     of all 64 heads over the tile's 64 rows (32 SS wgmma m64n64k16, Q and the tile both in shared
 //     memory; the two get the same bits), the online softmax in fp32, and P·V for its 256 channels
@@ -62,7 +63,7 @@ inline constexpr int kPvSteps = kTileRows / 16;
 constexpr size_t kQBytes = size_t{kHeadsPerBlock} * mma::kRowBytes;
 constexpr size_t kTileBytes = size_t{kTileRows} * mma::kRowBytes;
 constexpr size_t kValidBytes = 2 * kSlotsPerTile * kProducerWarps;  // [tile stage][slot][producer warp]
-// What the H100 / H200 give a block, less Q, the two bf16 tiles, the valid nibbles and the slack
+// What the H100 / H200 give a block, less Q, the two bf16 tiles, the valid bits and the slack
 // that aligns the dynamic shared memory to 1024 bytes: the raw ring's share.
 constexpr size_t kSharedLimit = 232448;
 constexpr size_t kRingLimit = kSharedLimit - kQBytes - 2 * kTileBytes - kValidBytes - 1024;
@@ -96,8 +97,8 @@ inline constexpr int kConsumerBarrier = 5;
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
 // within its setmaxnreg bound: a consumer holds 128 accumulators, 32 scores or 16 exp-score registers
-// and its addresses (within 168 it spills), the producer's row pipeline about 100 (it keeps four
-// rows' decodes in flight with more). 128 x (168 - 120) released = 256 x (192 - 168) claimed.
+// and its addresses (without the hand-over ptxas spills), the producer's row pipeline about 100 (it
+// keeps four rows' decodes in flight with more). 128 x (168 - 120) released = 256 x (192 - 168) claimed.
 inline constexpr int kLaunchRegisters = 168;
 inline constexpr int kProducerRegisters = 120;
 inline constexpr int kConsumerRegisters = 192;
@@ -344,7 +345,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     wgmma::wait<0>();
     wgmma::pin(s);
 
-    uint64_t valid_rows = 0;  // row slot·16 + warp·2 + r of the tile
+    uint64_t valid_rows = 0;  // bit slot·16 + warp·4 + r: row r of producer warp `warp` in the slot
 #pragma unroll
     for (int b = 0; b < kSlotsPerTile * kProducerWarps; ++b)
       valid_rows |= static_cast<uint64_t>(valid_bits[stage * kSlotsPerTile * kProducerWarps + b])
