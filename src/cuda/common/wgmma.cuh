@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace dsv4::cuda::wgmma {
 
@@ -57,19 +58,16 @@ __device__ __forceinline__ void fence_shared_for_async_proxy() {
 
 // Keeps the compiler from moving accesses of x across the point (the MMAs write their registers
 // asynchronously: reads after wait() must stay after it, A fragments must live until then).
-template <int kRows, int kCols>
-__device__ __forceinline__ void pin(float (&x)[kRows][kCols]) {
+template <class T, int kRows, int kCols>
+__device__ __forceinline__ void pin(T (&x)[kRows][kCols]) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint32_t>);
 #pragma unroll
   for (int i = 0; i < kRows; ++i)
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) asm volatile("" : "+f"(x[i][j])::"memory");
-}
-template <int kRows, int kCols>
-__device__ __forceinline__ void pin(uint32_t (&x)[kRows][kCols]) {
-#pragma unroll
-  for (int i = 0; i < kRows; ++i)
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+    for (int j = 0; j < kCols; ++j) {
+      if constexpr (std::is_same_v<T, float>) asm volatile("" : "+f"(x[i][j])::"memory");
+      else asm volatile("" : "+r"(x[i][j])::"memory");
+    }
 }
 
 // d (64 x 64, f32) = a·bᵀ + (accumulate ? d : 0): a 64 x 16 and b 64 x 16 bf16, both K-major in shared memory.
