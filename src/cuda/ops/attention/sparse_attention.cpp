@@ -102,6 +102,27 @@ int64_t max_attended_rows(const SparseAttentionParams& p) {
   return window + (is_present(p.compressed.pages) ? p.picks.shape[1] : 0);
 }
 
+SplitKvPlan SparseAttentionImplementation::plan(int64_t tokens, int64_t heads, int64_t max_rows,
+                                                bool split_allowed) const {
+  const int64_t blocks = tokens * ((heads + blocking.heads_per_block - 1) / blocking.heads_per_block);
+  const int64_t tiles = (max_rows + blocking.tile_rows - 1) / blocking.tile_rows;
+  return blocking.one_block_per_sm ? plan_split_kv_one_wave(blocks, tiles, split_allowed)
+                                   : plan_split_kv(blocks, tiles, split_allowed);
+}
+
+SplitKvPlan SparseAttentionImplementation::plan(const SparseAttentionParams& p, bool split_allowed) const {
+  return plan(p.q.shape[0], p.q.shape[1], max_attended_rows(p), split_allowed);
+}
+
+size_t SparseAttentionImplementation::workspace_bytes(const SparseAttentionParams& p) const {
+  return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], blocking.head_dim, plan(p, true).splits);
+}
+
+size_t SparseAttentionImplementation::max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) const {
+  return split_kv_max_workspace_bytes(max_tokens, heads, blocking.head_dim,
+                                      [&](int64_t tokens) { return plan(tokens, heads, max_rows, true).splits; });
+}
+
 std::span<const SparseAttentionImplementation* const> sparse_attention_implementations() { return kImplementations; }
 
 const SparseAttentionImplementation& choose_sparse_attention(const SparseAttentionParams& p, const DeviceInfo& device) {

@@ -9,21 +9,38 @@
 #include <string>
 
 #include "cuda/common/dispatch.h"
+#include "cuda/ops/attention/split_kv.h"
 #include "dsv4/cuda/attention.h"
 
 namespace dsv4::cuda {
+
+// How an implementation blocks a step, which decides its row split (split_kv.h): a block per
+// (token, heads_per_block heads, split), the rows in tiles of tile_rows; one block per SM (the
+// tensor-core kernels: split to fill one wave) or several.
+struct AttentionBlocking {
+  int64_t heads_per_block = 1;
+  int64_t tile_rows = 1;
+  int64_t head_dim = 512;
+  bool one_block_per_sm = false;
+};
 
 struct SparseAttentionImplementation {
   const char* name;
   // "" when the implementation runs this (validated) call on `device`, else why not.
   std::string (*supports)(const SparseAttentionParams& p, const DeviceInfo& device);
-  // Workspace the call may use (0: none); callable for any validated call, no device needed.
-  size_t (*workspace_bytes)(const SparseAttentionParams& p);
-  // The largest workspace_bytes of any call of at most max_tokens tokens of `heads` heads
-  // attending at most max_rows rows per token.
-  size_t (*max_workspace_bytes)(int64_t max_tokens, int64_t heads, int64_t max_rows);
+  AttentionBlocking blocking;
   // workspace: null (then nothing may be split) or at least workspace_bytes(p) bytes, 256-aligned.
   void (*run)(const SparseAttentionParams& p, void* workspace, cudaStream_t stream);
+
+  // The row split of a call of `tokens` tokens of `heads` heads attending at most max_rows rows each.
+  SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_allowed) const;
+  // The split of a validated call (split_allowed: a workspace is given).
+  SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) const;
+  // Workspace the call may use (0: none); callable for any validated call, no device needed.
+  size_t workspace_bytes(const SparseAttentionParams& p) const;
+  // The largest workspace_bytes of any call of at most max_tokens tokens of `heads` heads
+  // attending at most max_rows rows per token.
+  size_t max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) const;
 };
 
 // Hopper warpgroup MMAs (wgmma, sm_90a) with the row gathers and decodes on their own warpgroup, for

@@ -132,6 +132,19 @@ struct TokenRows {
     return row_of_sequence(i < n_window ? a.window : a.compressed, sequence, number);
   }
 
+  // The rows [first, end) block blockIdx.z of a split covers, n_tiles tiles of tile_rows.
+  struct BlockRows {
+    int64_t first = 0, end = 0;
+    int n_tiles = 0;
+  };
+  __device__ BlockRows block_rows(const SparseAttentionLaunch& a, int tile_rows) const {
+    BlockRows b;
+    b.first = int64_t{blockIdx.z} * a.tiles_per_split * tile_rows;
+    b.end = min(n_rows, b.first + a.tiles_per_split * tile_rows);
+    b.n_tiles = b.end > b.first ? static_cast<int>((b.end - b.first + tile_rows - 1) / tile_rows) : 0;
+    return b;
+  }
+
   // How many of the tile's rows [base, base + tile_rows) are window rows.
   __device__ int window_rows_in_tile(int64_t base, int tile_rows) const {
     const int64_t n = n_window - base;

@@ -18,15 +18,8 @@ extern template void launch_sparse_attention_decode<float>(const SparseAttention
 namespace {
 
 // One block per SM (the accumulators of 64 heads x 512 channels take half the register file).
-SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_allowed) {
-  const int64_t head_groups = (heads + decode_mma::kHeadsPerBlock - 1) / decode_mma::kHeadsPerBlock;
-  return plan_split_kv_one_wave(tokens * head_groups, (max_rows + decode_mma::kTileRows - 1) / decode_mma::kTileRows,
-                                split_allowed);
-}
-
-SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
-  return plan(p.q.shape[0], p.q.shape[1], max_attended_rows(p), split_allowed);
-}
+constexpr AttentionBlocking kBlocking{.heads_per_block = decode_mma::kHeadsPerBlock, .tile_rows = decode_mma::kTileRows,
+                                      .head_dim = decode_mma::kHeadDim, .one_block_per_sm = true};
 
 // The rows go to the tensor cores as bf16: formats whose decoded values are exact in bf16 (bf16;
 // e4m3 codes times ue8m0 scales; e2m1 codes times e4m3 scales), copied 8 bytes at a time.
@@ -44,19 +37,10 @@ std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
   return gathered_caches_supported(p, kFormats, "whose values need not be exact in bf16", 8);  // any head count, bf16 | f32 out
 }
 
-size_t workspace_bytes(const SparseAttentionParams& p) {
-  return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], decode_mma::kHeadDim, plan(p, true).splits);
-}
-
-size_t max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) {
-  return split_kv_max_workspace_bytes(max_tokens, heads, decode_mma::kHeadDim,
-                                      [&](int64_t tokens) { return plan(tokens, heads, max_rows, true).splits; });
-}
-
 void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
   if (p.q.shape[0] == 0 || p.q.shape[1] == 0) return;
   const SparseAttentionLaunch a =
-      make_sparse_attention_launch(p, plan(p, workspace != nullptr), workspace, decode_mma::kHeadDim);
+      make_sparse_attention_launch(p, kSparseAttentionDecodeMma.plan(p, workspace != nullptr), workspace, decode_mma::kHeadDim);
   if (p.out.dtype == DType::bf16) launch_sparse_attention_decode<uint16_t>(a, stream);
   else launch_sparse_attention_decode<float>(a, stream);
   check_launch("sparse_attention (decode_mma)");
@@ -65,7 +49,6 @@ void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
 
 }  // namespace
 
-const SparseAttentionImplementation kSparseAttentionDecodeMma = {"decode_mma", &supports, &workspace_bytes,
-                                                                 &max_workspace_bytes, &run};
+const SparseAttentionImplementation kSparseAttentionDecodeMma = {"decode_mma", &supports, kBlocking, &run};
 
 }  // namespace dsv4::cuda

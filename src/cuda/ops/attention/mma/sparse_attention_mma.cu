@@ -14,14 +14,8 @@ extern template void launch_sparse_attention_mma<float>(const SparseAttentionLau
 
 namespace {
 
-SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_allowed) {
-  const int64_t head_groups = (heads + kMmaHeadsPerBlock - 1) / kMmaHeadsPerBlock;
-  return plan_split_kv(tokens * head_groups, (max_rows + kMmaTileRows - 1) / kMmaTileRows, split_allowed);
-}
-
-SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
-  return plan(p.q.shape[0], p.q.shape[1], max_attended_rows(p), split_allowed);
-}
+constexpr AttentionBlocking kBlocking{.heads_per_block = kMmaHeadsPerBlock, .tile_rows = kMmaTileRows,
+                                      .head_dim = kMmaHeadDim};
 
 // The rows go to the tensor cores as bf16: formats whose decoded values are exact in bf16 (bf16;
 // e4m3 codes times ue8m0 scales; e2m1 codes times e4m3 scales), not fp8_per_tensor (any f32 scale).
@@ -48,18 +42,10 @@ std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
   return "";  // any head count, bf16 | f32 out
 }
 
-size_t workspace_bytes(const SparseAttentionParams& p) {
-  return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], kMmaHeadDim, plan(p, true).splits);
-}
-
-size_t max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) {
-  return split_kv_max_workspace_bytes(max_tokens, heads, kMmaHeadDim,
-                                      [&](int64_t tokens) { return plan(tokens, heads, max_rows, true).splits; });
-}
-
 void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
   if (p.q.shape[0] == 0 || p.q.shape[1] == 0) return;
-  const SparseAttentionLaunch a = make_sparse_attention_launch(p, plan(p, workspace != nullptr), workspace, kMmaHeadDim);
+  const SparseAttentionLaunch a =
+      make_sparse_attention_launch(p, kSparseAttentionMmaBf16.plan(p, workspace != nullptr), workspace, kMmaHeadDim);
   if (p.out.dtype == DType::bf16) launch_sparse_attention_mma<uint16_t>(a, stream);
   else launch_sparse_attention_mma<float>(a, stream);
   check_launch("sparse_attention (mma_bf16)");
@@ -68,7 +54,6 @@ void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
 
 }  // namespace
 
-const SparseAttentionImplementation kSparseAttentionMmaBf16 = {"mma_bf16", &supports, &workspace_bytes,
-                                                               &max_workspace_bytes, &run};
+const SparseAttentionImplementation kSparseAttentionMmaBf16 = {"mma_bf16", &supports, kBlocking, &run};
 
 }  // namespace dsv4::cuda

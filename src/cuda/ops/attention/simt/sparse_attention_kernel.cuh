@@ -77,8 +77,8 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
     running_sum[h] = 0.0f;
   }
 
-  const int64_t first_row = int64_t{blockIdx.z} * a.tiles_per_split * kAttentionTileRows;
-  const int64_t end_row = min(rows.n_rows, first_row + a.tiles_per_split * kAttentionTileRows);
+  const TokenRows::BlockRows block = rows.block_rows(a, kAttentionTileRows);
+  const int64_t first_row = block.first, end_row = block.end;
   for (int64_t base = first_row; base < end_row; base += kAttentionTileRows) {
     __syncthreads();  // the previous tile is consumed
     if (threadIdx.x < kAttentionTileRows) refs[threadIdx.x] = rows.row(a, t, base + threadIdx.x, end_row);

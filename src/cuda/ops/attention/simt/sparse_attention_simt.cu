@@ -13,33 +13,18 @@ namespace {
 
 constexpr int64_t kHeadDim = 512;  // the head size the kernels are instantiated for
 
-// max_rows: the most rows a token can attend (window + picks per token).
-SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_allowed) {
-  const int64_t head_groups = (heads + kAttentionHeadsPerBlock - 1) / kAttentionHeadsPerBlock;
-  return plan_split_kv(tokens * head_groups, (max_rows + kAttentionTileRows - 1) / kAttentionTileRows, split_allowed);
-}
-
-SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
-  return plan(p.q.shape[0], p.q.shape[1], max_attended_rows(p), split_allowed);
-}
+constexpr AttentionBlocking kBlocking{.heads_per_block = kAttentionHeadsPerBlock, .tile_rows = kAttentionTileRows,
+                                      .head_dim = kHeadDim};
 
 std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
   if (std::string why_not = needs_compute_capability_at_least(80, device); !why_not.empty()) return why_not;
   return needs_value("head_dim", kHeadDim, p.q.shape[2]);  // every cache format, bf16 | f32 q and out, any head count
 }
 
-size_t workspace_bytes(const SparseAttentionParams& p) {
-  return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], kHeadDim, plan(p, true).splits);
-}
-
-size_t max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) {
-  return split_kv_max_workspace_bytes(max_tokens, heads, kHeadDim,
-                                      [&](int64_t tokens) { return plan(tokens, heads, max_rows, true).splits; });
-}
-
 void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
   if (p.q.shape[0] == 0 || p.q.shape[1] == 0) return;
-  const SparseAttentionLaunch a = make_sparse_attention_launch(p, plan(p, workspace != nullptr), workspace, kHeadDim);
+  const SparseAttentionLaunch a =
+      make_sparse_attention_launch(p, kSparseAttentionSimt.plan(p, workspace != nullptr), workspace, kHeadDim);
   if (p.out.dtype == DType::bf16) launch_sparse_attention<kHeadDim, uint16_t>(a, stream);
   else launch_sparse_attention<kHeadDim, float>(a, stream);
   check_launch("sparse_attention");
@@ -48,7 +33,6 @@ void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
 
 }  // namespace
 
-const SparseAttentionImplementation kSparseAttentionSimt = {"simt", &supports, &workspace_bytes, &max_workspace_bytes,
-                                                            &run};
+const SparseAttentionImplementation kSparseAttentionSimt = {"simt", &supports, kBlocking, &run};
 
 }  // namespace dsv4::cuda

@@ -23,15 +23,10 @@ namespace {
 
 using attention_wgmma::kHeadDim;
 
-SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_allowed) {
-  const int64_t head_groups = (heads + attention_wgmma::kHeadsPerBlock - 1) / attention_wgmma::kHeadsPerBlock;
-  return plan_split_kv_one_wave(tokens * head_groups, (max_rows + attention_wgmma::kTileRows - 1) / attention_wgmma::kTileRows,
-                                split_allowed);
-}
-
-SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) {
-  return plan(p.q.shape[0], p.q.shape[1], max_attended_rows(p), split_allowed);
-}
+// One block per SM (the accumulators of 64 heads x 512 channels take half the register file).
+constexpr AttentionBlocking kBlocking{.heads_per_block = attention_wgmma::kHeadsPerBlock,
+                                      .tile_rows = attention_wgmma::kTileRows, .head_dim = kHeadDim,
+                                      .one_block_per_sm = true};
 
 // The format pairs the kernel is built for (decoded exactly to bf16: e4m3 codes times ue8m0 scales,
 // e2m1 codes times e4m3 scales): the V4.1 native caches and FlashMLA's fp8_ds_mla rows for both.
@@ -72,18 +67,10 @@ std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
   return "";
 }
 
-size_t workspace_bytes(const SparseAttentionParams& p) {
-  return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], kHeadDim, plan(p, true).splits);
-}
-
-size_t max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) {
-  return split_kv_max_workspace_bytes(max_tokens, heads, kHeadDim,
-                                      [&](int64_t tokens) { return plan(tokens, heads, max_rows, true).splits; });
-}
-
 void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
   if (p.q.shape[0] == 0 || p.q.shape[1] == 0) return;
-  const SparseAttentionLaunch a = make_sparse_attention_launch(p, plan(p, workspace != nullptr), workspace, kHeadDim);
+  const SparseAttentionLaunch a =
+      make_sparse_attention_launch(p, kSparseAttentionWgmma.plan(p, workspace != nullptr), workspace, kHeadDim);
   const bool bf16_out = p.out.dtype == DType::bf16;
   if (format_pair(p) == FormatPair::v41_native)
     bf16_out ? launch_sparse_attention_wgmma<uint16_t, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4>(a, stream)
@@ -97,7 +84,6 @@ void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
 
 }  // namespace
 
-const SparseAttentionImplementation kSparseAttentionWgmma = {"wgmma", &supports, &workspace_bytes, &max_workspace_bytes,
-                                                             &run};
+const SparseAttentionImplementation kSparseAttentionWgmma = {"wgmma", &supports, kBlocking, &run};
 
 }  // namespace dsv4::cuda

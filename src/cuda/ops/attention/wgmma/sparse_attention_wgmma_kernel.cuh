@@ -148,9 +148,9 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int head0 = static_cast<int>(blockIdx.y) * kHeadsPerBlock;
   const TokenRows rows(a, t);
-  const int64_t first_row = int64_t{blockIdx.z} * a.tiles_per_split * kTileRows;
-  const int64_t end_row = min(rows.n_rows, first_row + a.tiles_per_split * kTileRows);
-  const int n_tiles = end_row > first_row ? static_cast<int>((end_row - first_row + kTileRows - 1) / kTileRows) : 0;
+  const TokenRows::BlockRows block = rows.block_rows(a, kTileRows);
+  const int64_t first_row = block.first, end_row = block.end;
+  const int n_tiles = block.n_tiles;
 
   if (threadIdx.x >= kConsumerThreads) {
     release_registers<kProducerRegisters>();
