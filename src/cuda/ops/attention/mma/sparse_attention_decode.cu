@@ -34,13 +34,15 @@ std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
   if (std::string why_not = needs_value("head_dim", decode_mma::kHeadDim, p.q.shape[2]); !why_not.empty()) return why_not;
   if (!p.bf16_rounding) return "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)";
   if (p.q.dtype != DType::bf16) return "needs bf16 q (the tensor cores read q as bf16)";
-  return gathered_caches_supported(p, kFormats, "whose values need not be exact in bf16", 8);  // any head count, bf16 | f32 out
+  // Any head count, bf16 | f32 out.
+  return gathered_caches_supported(p, kFormats, "whose values need not be exact in bf16", 8);
 }
 
 void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
   if (p.q.shape[0] == 0 || p.q.shape[1] == 0) return;
   const SparseAttentionLaunch a =
-      make_sparse_attention_launch(p, kSparseAttentionDecodeMma.plan(p, workspace != nullptr), workspace, decode_mma::kHeadDim);
+      make_sparse_attention_launch(p, kSparseAttentionDecodeMma.plan(p, workspace != nullptr), workspace,
+                                   decode_mma::kHeadDim);
   if (p.out.dtype == DType::bf16) launch_sparse_attention_decode<uint16_t>(a, stream);
   else launch_sparse_attention_decode<float>(a, stream);
   check_launch("sparse_attention (decode_mma)");

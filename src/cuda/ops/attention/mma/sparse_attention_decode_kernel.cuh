@@ -81,8 +81,6 @@ inline constexpr int kMmaRegisters = 224;
 static_assert(kLaunchRegisters * kThreads <= 65536);
 static_assert(kLoaderRegisters * kLoaderThreads + kMmaRegisters * kMmaThreads <= kLaunchRegisters * kThreads);
 
-
-
 }  // namespace decode_mma
 
 template <class Out>

@@ -50,13 +50,12 @@ std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
   if (std::string why_not = needs_compute_capability(90, device); !why_not.empty()) return why_not;
   using Native = attention_wgmma::Ring<KvRowFormat::v41_fp8, KvRowFormat::v41_fp4>;
   using DsMla = attention_wgmma::Ring<KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla>;
-  const size_t shared = format_pair(p) == FormatPair::fp8_ds_mla ? DsMla::kSharedBytes : Native::kSharedBytes;
-  static_assert(Native::kCopyBytes == 16 && DsMla::kCopyBytes == 8);
+  const FormatPair pair = format_pair(p);
+  const size_t shared = pair == FormatPair::fp8_ds_mla ? DsMla::kSharedBytes : Native::kSharedBytes;
   if (std::string why_not = needs_shared_memory(static_cast<long long>(shared), device); !why_not.empty()) return why_not;
   if (std::string why_not = needs_value("head_dim", kHeadDim, p.q.shape[2]); !why_not.empty()) return why_not;
   if (!p.bf16_rounding) return "needs bf16_rounding (the exp-scores are bf16 on the tensor cores)";
   if (p.q.dtype != DType::bf16) return "needs bf16 q (the tensor cores read q as bf16)";
-  const FormatPair pair = format_pair(p);
   // The raw rows are copied 16 bytes at a time where the pair's rows allow (Ring::kCopyBytes).
   const int copy_bytes = pair == FormatPair::v41_native ? Native::kCopyBytes : DsMla::kCopyBytes;
   if (std::string why_not = gathered_caches_supported(
