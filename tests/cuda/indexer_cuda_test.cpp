@@ -5,9 +5,10 @@
 // same, ties included).
 //
 // Score tolerance (fp32): a different summation order over the channels and the heads. -inf
-// entries must match exactly. The mma_f16 implementation (FP4 queries, sm_90) runs the cases with
-// fp4_queries: bit for bit in bf16_rounding, its exact MXFP4 dots within the same fp32 tolerance,
-// its index_fp8 block sums within the fp8 MMA's accumulation bound.
+// entries must match exactly. Every implementation that supports a case on the device runs it: the
+// tensor-core ones (wgmma, mma_f16: FP4 queries, sm_90) bit for bit in bf16_rounding, their exact
+// MXFP4 dots within the same fp32 tolerance, mma_f16's index_fp8 block sums within the fp8 MMA's
+// accumulation bound.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -46,6 +47,11 @@ struct ScoresCase {
   DType q_dtype = DType::bf16;                      // f32: Precision::fp32's queries, not rounded
   const char* implementation = nullptr;             // the expected pick on an sm_90 device
 };
+
+// The tensor-core implementation the chooser takes on sm_90 for FP4 queries.
+const char* fp4_pick(KvRowFormat keys, int64_t heads) {
+  return keys == KvRowFormat::index_mxfp4 && heads <= 32 ? "wgmma" : "mma_f16";
+}
 
 // x [n, dim] with channel block b (32 channels) scaled by 2^(step·b).
 void scale_blocks(std::vector<float>& x, int64_t dim, int step) {
@@ -133,10 +139,10 @@ void check_index_scores(const ScoresCase& c) {
   DeviceTensor dw = testing::device_tensor(weights, DType::f32, {tokens, c.heads});
   DeviceTensor dseq = testing::device_array(sequence, DType::i32, {tokens});
   DeviceTensor dpos = testing::device_array(position, DType::i32, {tokens});
-  DeviceTensor dscores = testing::poisoned_tensor(DType::f32, {tokens, entries});
   testing::DevicePagedCache dkeys = testing::to_device_cache(keys);
   IndexScoresParams p{.q = dq.view, .weights = dw.view, .keys = dkeys.view, .token_sequence = dseq.view,
-                      .token_position = dpos.view, .compress_ratio = c.ratio, .scores = dscores.view,
+                      .token_position = dpos.view, .compress_ratio = c.ratio,
+                      .scores = testing::fake_device_view(DType::f32, {tokens, entries}),
                       .bf16_rounding = c.bf16_rounding, .partial = c.partial, .fp4_queries = c.fp4_queries};
   DeviceTensor dcandidates;
   if (c.candidate_block_size > 0) {
@@ -146,26 +152,37 @@ void check_index_scores(const ScoresCase& c) {
   }
   if (c.implementation && device_info().compute_capability == 90)
     EXPECT_STREQ(index_scores_implementation(p), c.implementation);
+  validate_index_scores(p);
+  // Every implementation that takes the call on this device, each into freshly poisoned scores.
   Stream stream;
-  run_index_scores(p, stream.get());
-  stream.synchronize("index scores test");
-  const std::vector<float> got = testing::download_floats(dscores.view);
-  if (c.bf16_rounding) {
-    // The reference's rounding sequence, bit for bit (the inputs are NaN-free).
-    int64_t differ = 0, first = -1;
-    for (size_t i = 0; i < got.size(); ++i)
-      if (float_bits(got[i]) != float_bits(expected[i]) && !(std::isnan(got[i]) && std::isnan(expected[i])) &&
-          differ++ == 0)
-        first = static_cast<int64_t>(i);
-    EXPECT_EQ(differ, 0) << differ << " of " << got.size() << " bf16 scores differ (dim " << dim << ", heads "
-                         << c.heads << ", partial " << c.partial << ", fp4 queries " << c.fp4_queries << "); first: token " << first / entries << " entry "
-                         << first % entries << ": got " << (first < 0 ? 0.0f : got[first]) << ", expected "
-                         << (first < 0 ? 0.0f : expected[first]);
-    return;
+  for (const IndexScoresImplementation* implementation : index_scores_implementations()) {
+    if (!implementation->supports(p, device_info()).empty()) continue;
+    // A query that is not FP4 breaks fp4_queries' promise: only the implementations that read the
+    // codes (the tensor-core ones) turn it into NaN; SIMT computes with the values it was given.
+    if (c.spoil_query && implementation == &kIndexScoresSimt) continue;
+    DeviceTensor out = testing::poisoned_tensor(DType::f32, {tokens, entries});
+    p.scores = out.view;
+    implementation->run(p, stream.get());
+    stream.synchronize("index scores test");
+    const std::vector<float> got = testing::download_floats(out.view);
+    SCOPED_TRACE(implementation->name);
+    if (c.bf16_rounding) {
+      // The reference's rounding sequence, bit for bit (the inputs are NaN-free).
+      int64_t differ = 0, first = -1;
+      for (size_t i = 0; i < got.size(); ++i)
+        if (float_bits(got[i]) != float_bits(expected[i]) && !(std::isnan(got[i]) && std::isnan(expected[i])) &&
+            differ++ == 0)
+          first = static_cast<int64_t>(i);
+      EXPECT_EQ(differ, 0) << differ << " of " << got.size() << " bf16 scores differ (dim " << dim << ", heads "
+                           << c.heads << ", partial " << c.partial << ", fp4 queries " << c.fp4_queries
+                           << "); first: token " << first / entries << " entry " << first % entries << ": got "
+                           << (first < 0 ? 0.0f : got[first]) << ", expected " << (first < 0 ? 0.0f : expected[first]);
+      continue;
+    }
+    // fp32 on both sides, other summation orders: measured on an H200 |Δ| <= 1.9e-6, |Δ| / |score|
+    // <= 2.2e-7 (0.2 of this bound).
+    testing::expect_close(got, expected, 1e-5f, 1e-6f, "index scores", extra);
   }
-  // fp32 on both sides, other summation orders: measured on an H200 |Δ| <= 1.9e-6, |Δ| / |score|
-  // <= 2.2e-7 (0.2 of this bound).
-  testing::expect_close(got, expected, 1e-5f, 1e-6f, "index scores", extra);
 }
 
 TEST_F(CudaTest, IndexScoresMxfp4Ratio2) {
@@ -224,52 +241,52 @@ TEST_F(CudaTest, IndexScoresBf16RoundingEqualsReferenceBitForBit) {
   check_index_scores({.heads = 40, .dim = 512, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 129}}, .seed = 302});
 }
 
-// mma_f16 (FP4 queries on f16 tensor cores): the reference's bf16 scores bit for bit over index
-// dims, head counts (5: a padded n tile; 64: two head-sum passes), tokens that see nothing
-// (positions 0-2 at ratio 4), entries past one 1024-entry chunk and not a multiple of 16, candidates,
-// partial sums, and block exponents up to 6, 18 and 30 octaves apart (up to 9: fp32 block sums; beyond:
-// the dot's double path).
-TEST_F(CudaTest, IndexScoresMmaF16Bf16RoundingEqualsReferenceBitForBit) {
+// The tensor-core implementations (FP4 queries; wgmma up to 32 heads, mma_f16 every count): the
+// reference's bf16 scores bit for bit over index dims, head counts (5: a padded n tile; 64: two
+// head-sum passes of mma_f16), tokens that see nothing (positions 0-2 at ratio 4), entries past one
+// 1024-entry chunk and not a multiple of 16, candidates, partial sums, and block exponents up to 6,
+// 18 and 30 octaves apart (up to 9: fp32 block sums; beyond: the dot's double path).
+TEST_F(CudaTest, IndexScoresTensorCoresBf16RoundingEqualsReferenceBitForBit) {
   const std::vector<std::pair<int32_t, int32_t>> decode = {{0, 0}, {0, 3}, {1, 4400}, {0, 1259}, {1, 4401}, {2, 2}};
   for (const int64_t dim : {64, 128})
     for (const int64_t heads : {5, 32, 64}) {
       const uint32_t seed = static_cast<uint32_t>(500 + dim + heads);
       check_index_scores({.heads = heads, .dim = dim, .bf16_rounding = true, .ratio = 4, .tokens = decode, .seed = seed,
-                          .fp4_queries = true, .implementation = "mma_f16"});
+                          .fp4_queries = true, .implementation = fp4_pick(KvRowFormat::index_mxfp4, heads)});
       check_index_scores({.heads = heads, .dim = dim, .bf16_rounding = true, .ratio = 4, .tokens = decode,
                           .candidate_block_size = 8, .candidate_blocks = 40, .seed = seed + 1, .fp4_queries = true,
-                          .implementation = "mma_f16"});
+                          .implementation = fp4_pick(KvRowFormat::index_mxfp4, heads)});
       check_index_scores({.heads = heads, .dim = dim, .bf16_rounding = true, .partial = true, .ratio = 2,
                           .tokens = {{0, 1301}, {1, 20}}, .seed = seed + 2, .fp4_queries = true,
-                          .implementation = "mma_f16"});
+                          .implementation = fp4_pick(KvRowFormat::index_mxfp4, heads)});
     }
   for (const int step : {1, 3, 5})  // fp32 block sums (rows with several scales), double, double
     check_index_scores({.heads = 32, .dim = 128, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 700}, {1, 1500}},
                         .seed = static_cast<uint32_t>(600 + step), .fp4_queries = true, .block_exponent_step = step,
-                        .implementation = "mma_f16"});
+                        .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)});
 }
 
-// mma_f16 in fp32 precision: exact MXFP4 dots (the reference's tolerance), index_fp8 keys within
+// The tensor-core implementations in fp32 precision: exact MXFP4 dots (the reference's tolerance), index_fp8 keys within
 // the fp8 accumulation bound; index_fp8 with bf16_rounding goes to the SIMT kernel.
-TEST_F(CudaTest, IndexScoresMmaF16Fp32) {
+TEST_F(CudaTest, IndexScoresTensorCoresFp32) {
   for (const int64_t dim : {64, 128}) {
     const uint32_t seed = static_cast<uint32_t>(700 + dim);
     check_index_scores({.heads = 32, .dim = dim, .ratio = 2, .tokens = {{0, 0}, {0, 1}, {1, 1040}, {2, 299}, {1, 41}},
-                        .seed = seed, .fp4_queries = true, .implementation = "mma_f16"});
+                        .seed = seed, .fp4_queries = true, .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)});
     check_index_scores({.key_format = KvRowFormat::index_fp8, .heads = 5, .dim = dim, .ratio = 1,
                         .tokens = {{0, 530}, {0, 531}, {1, 7}}, .candidate_block_size = 8, .candidate_blocks = 30,
-                        .seed = seed + 1, .fp4_queries = true, .implementation = "mma_f16"});
+                        .seed = seed + 1, .fp4_queries = true, .implementation = fp4_pick(KvRowFormat::index_fp8, 5)});
     check_index_scores({.key_format = KvRowFormat::index_fp8, .heads = 32, .dim = dim, .bf16_rounding = true,
                         .ratio = 1, .tokens = {{0, 150}, {1, 151}}, .seed = seed + 2, .fp4_queries = true,
                         .implementation = "simt"});
   }
 }
 
-// Prefill chunks: a CTA takes one token per 64 of the step (up to 8; 151 tokens: 2, 200: 3, 520:
+// Prefill chunks (both tensor-core implementations): a CTA takes one token per 64 of the step (up to 8; 151 tokens: 2, 200: 3, 520:
 // 8), and consecutive tokens of one sequence share its key loads: runs of one sequence that do not
 // align with the CTAs' tokens, and alternating sequences.
-TEST_F(CudaTest, IndexScoresMmaF16PrefillChunks) {
-  ScoresCase runs{.heads = 32, .ratio = 1, .seed = 801, .fp4_queries = true, .implementation = "mma_f16"};
+TEST_F(CudaTest, IndexScoresTensorCoresPrefillChunks) {
+  ScoresCase runs{.heads = 32, .ratio = 1, .seed = 801, .fp4_queries = true, .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)};
   for (int32_t p = 600; p < 675; ++p) runs.tokens.push_back({0, p});
   for (int32_t p = 1000; p < 1076; ++p) runs.tokens.push_back({1, p});
   check_index_scores(runs);
@@ -280,22 +297,22 @@ TEST_F(CudaTest, IndexScoresMmaF16PrefillChunks) {
   runs.seed = 802;
   check_index_scores(runs);
   ScoresCase eight{.heads = 8, .dim = 64, .bf16_rounding = true, .ratio = 1, .seed = 803, .fp4_queries = true,
-                   .implementation = "mma_f16"};
+                   .implementation = fp4_pick(KvRowFormat::index_mxfp4, 8)};
   for (int32_t p = 300; p < 473; ++p) eight.tokens.push_back({0, p});
   for (int32_t p = 900; p < 1100; ++p) eight.tokens.push_back({1, p});
   for (int32_t p = 50; p < 197; ++p) eight.tokens.push_back({2, p});
   check_index_scores(eight);
   ScoresCase alternating{.heads = 16, .dim = 64, .bf16_rounding = true, .ratio = 2, .seed = 804, .fp4_queries = true,
-                         .implementation = "mma_f16"};
+                         .implementation = fp4_pick(KvRowFormat::index_mxfp4, 16)};
   for (int32_t t = 0; t < 200; ++t) alternating.tokens.push_back({t % 3, 900 + 17 * t});
   check_index_scores(alternating);
 }
 
 // fp4_queries promises FP4 values: a head with a block that is not FP4 gets NaN dots (every score
 // of its token is NaN) rather than silently wrong ones.
-TEST_F(CudaTest, IndexScoresMmaF16QueryThatIsNotFp4GivesNaN) {
+TEST_F(CudaTest, IndexScoresTensorCoresQueryThatIsNotFp4GivesNaN) {
   check_index_scores({.heads = 32, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 300}, {1, 40}}, .seed = 901,
-                      .fp4_queries = true, .spoil_query = true, .implementation = "mma_f16"});
+                      .fp4_queries = true, .spoil_query = true, .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)});
 }
 
 // Rows of scores with many ties (few distinct values), NaN and -inf, as in bf16 reference scores.
@@ -573,34 +590,44 @@ TEST(IndexerCudaDispatch, IndexDimsNameTheLimit) {
   p.q = fake_device_view(DType::bf16, {3, 1000, 48});
   validate_index_scores(p);
   EXPECT_EQ(testing::error_of([&] { choose_index_scores(p, DeviceInfo{90}); }),
-            "dsv4: index_scores: no implementation supports this call: mma_f16: needs fp4_queries (q read as e2m1 "
-            "codes); simt: index_dim 48, supports multiples of 32 up to 16384");
+            "dsv4: index_scores: no implementation supports this call: wgmma: needs fp4_queries (q read as e2m1 "
+            "codes); mma_f16: needs fp4_queries (q read as e2m1 codes); simt: index_dim 48, supports multiples of 32 "
+            "up to 16384");
 }
 
-// mma_f16 takes FP4 queries against index_mxfp4 keys (any precision) or index_fp8 keys (fp32) of
-// index_dim 64 or 128 and at most 128 heads, on sm_90 (its only machine code); else the SIMT kernel.
-TEST(IndexerCudaDispatch, ChoosesMmaF16ForFp4QueriesOnSm90) {
+// wgmma takes FP4 queries of at most 32 heads against index_mxfp4 keys of index_dim 64 or 128;
+// mma_f16 those of up to 128 heads and index_fp8 keys in fp32 precision, both on sm_90 (their only
+// machine code); else the SIMT kernel.
+TEST(IndexerCudaDispatch, ChoosesTensorCoresForFp4QueriesOnSm90) {
   using testing::fake_device_view;
   const DeviceInfo h200{90, 232448};
   IndexScoresParams p = fake_index_scores_params();
   p.fp4_queries = true;
-  EXPECT_STREQ(choose_index_scores(p, h200).name, "mma_f16");
+  EXPECT_STREQ(choose_index_scores(p, h200).name, "wgmma");
   p.bf16_rounding = true;
-  EXPECT_STREQ(choose_index_scores(p, h200).name, "mma_f16");
+  EXPECT_STREQ(choose_index_scores(p, h200).name, "wgmma");
   for (const int compute_capability : {80, 86, 89, 100, 120})
     EXPECT_STREQ(choose_index_scores(p, DeviceInfo{compute_capability, 232448}).name, "simt") << compute_capability;
-  EXPECT_EQ(kIndexScoresMmaF16.supports(p, DeviceInfo{89, 101376}), "needs compute capability 9.0, the device has 8.9");
+  for (const IndexScoresImplementation* tensor_cores : {&kIndexScoresWgmma, &kIndexScoresMmaF16})
+    EXPECT_EQ(tensor_cores->supports(p, DeviceInfo{89, 101376}), "needs compute capability 9.0, the device has 8.9");
 
-  auto with_keys = [&](KvRowFormat format, int64_t dim) {
+  auto with_keys = [&](KvRowFormat format, int64_t dim, int64_t heads = 32) {
     IndexScoresParams q = p;
     const PageGeometry g = page_geometry(format, dim, 64);
     q.keys = {.pages = fake_device_view(DType::u8, {2, g.page_stride}),
               .block_table = fake_device_view(DType::i32, {1, 2}), .geometry = g};
-    q.q = fake_device_view(DType::bf16, {3, 32, dim});
+    q.q = fake_device_view(DType::bf16, {3, heads, dim});
+    q.weights = fake_device_view(DType::f32, {3, heads});
     validate_index_scores(q);
     return q;
   };
+  EXPECT_STREQ(choose_index_scores(with_keys(KvRowFormat::index_mxfp4, 64), h200).name, "wgmma");
+  EXPECT_STREQ(choose_index_scores(with_keys(KvRowFormat::index_mxfp4, 128, 5), h200).name, "wgmma");
+  const IndexScoresParams heads_33 = with_keys(KvRowFormat::index_mxfp4, 128, 33);
+  EXPECT_EQ(kIndexScoresWgmma.supports(heads_33, h200), "33 index heads, supports at most 32");
+  EXPECT_STREQ(choose_index_scores(heads_33, h200).name, "mma_f16");
   IndexScoresParams fp8 = with_keys(KvRowFormat::index_fp8, 64);
+  EXPECT_EQ(kIndexScoresWgmma.supports(fp8, h200), "keys have format index_fp8, supports index_mxfp4");
   EXPECT_EQ(kIndexScoresMmaF16.supports(fp8, h200),
             "index_fp8 keys with bf16_rounding (e4m3 x e2m1 block sums are not exact in the fp8 MMA)");
   EXPECT_STREQ(choose_index_scores(fp8, h200).name, "simt");
@@ -613,14 +640,13 @@ TEST(IndexerCudaDispatch, ChoosesMmaF16ForFp4QueriesOnSm90) {
   IndexScoresParams f32_q = p;
   f32_q.q = fake_device_view(DType::f32, {3, 32, kIndexDim});
   validate_index_scores(f32_q);
-  EXPECT_EQ(kIndexScoresMmaF16.supports(f32_q, h200), "needs bf16 q (the FP4 values are read from bf16 bits)");
+  for (const IndexScoresImplementation* tensor_cores : {&kIndexScoresWgmma, &kIndexScoresMmaF16})
+    EXPECT_EQ(tensor_cores->supports(f32_q, h200), "needs bf16 q (the FP4 values are read from bf16 bits)");
   EXPECT_STREQ(choose_index_scores(f32_q, h200).name, "simt");
-  EXPECT_EQ(kIndexScoresMmaF16.supports(with_keys(KvRowFormat::index_mxfp4, 96), h200),
-            "index_dim 96, supports 64 and 128");
-  IndexScoresParams many_heads = p;
-  many_heads.q = fake_device_view(DType::bf16, {3, 129, kIndexDim});
-  many_heads.weights = fake_device_view(DType::f32, {3, 129});
-  EXPECT_EQ(kIndexScoresMmaF16.supports(many_heads, h200), "129 index heads, supports at most 128");
+  for (const IndexScoresImplementation* tensor_cores : {&kIndexScoresWgmma, &kIndexScoresMmaF16})
+    EXPECT_EQ(tensor_cores->supports(with_keys(KvRowFormat::index_mxfp4, 96), h200), "index_dim 96, supports 64 and 128");
+  EXPECT_EQ(kIndexScoresMmaF16.supports(with_keys(KvRowFormat::index_mxfp4, 128, 129), h200),
+            "129 index heads, supports at most 128");
   p.fp4_queries = false;
   EXPECT_STREQ(choose_index_scores(p, h200).name, "simt");
 }

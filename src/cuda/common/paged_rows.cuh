@@ -45,16 +45,31 @@ __device__ __forceinline__ RowRef row_at_slot(const DeviceRows& r, int64_t slot)
   return row_in_page(r, s.block, s.row);
 }
 
-// Row `row` (a position or an entry index) of sequence `sequence`, through the block table; a
-// cache without one is flat (FlashMLA's addressing): `row` is the slot, whatever the sequence.
+// The rows of one sequence, by (logical page, row in page): a kernel that walks a sequence's rows
+// in order looks the sequence up once and splits each row itself. A cache without a block table
+// is flat (FlashMLA's addressing): the split row is the slot, whatever the sequence.
+struct SequenceRows {
+  const DeviceRows& r;
+  const int32_t* table = nullptr;  // the sequence's block table row; null: no such sequence
+  int64_t first = 0;               // its first logical page
+  __device__ SequenceRows(const DeviceRows& rows, int64_t sequence) : r(rows) {
+    if (r.block_table == nullptr || sequence < 0 || sequence >= r.num_sequences) return;
+    table = r.block_table + sequence * r.blocks_per_sequence;
+    first = r.first_logical_page ? r.first_logical_page[sequence] : 0;
+  }
+  __device__ RowRef at(RowSplit s) const {
+    if (r.block_table == nullptr) return row_in_page(r, s.block, s.row);
+    const int64_t block = s.block - first;
+    if (table == nullptr || block < 0 || block >= r.blocks_per_sequence) return {};
+    return row_in_page(r, table[block], s.row);
+  }
+};
+
+// Row `row` (a position or an entry index) of sequence `sequence`, through the block table (flat
+// caches: SequenceRows).
 __device__ __forceinline__ RowRef row_of_sequence(const DeviceRows& r, int64_t sequence, int64_t row) {
-  if (r.block_table == nullptr) return row_at_slot(r, row);
-  if (sequence < 0 || sequence >= r.num_sequences || row < 0) return {};
-  const int64_t first = r.first_logical_page ? r.first_logical_page[sequence] : 0;
-  const RowSplit s = split_rows(row, r.rows_per_page);
-  const int64_t block = s.block - first;
-  if (block < 0 || block >= r.blocks_per_sequence) return {};
-  return row_in_page(r, r.block_table[sequence * r.blocks_per_sequence + block], s.row);
+  if (row < 0) return {};
+  return SequenceRows(r, sequence).at(split_rows(row, r.rows_per_page));
 }
 
 // The exact dequantized value of channel c (code x scale) of a row in format F. f32 channels are

@@ -1,6 +1,7 @@
-// Hopper warpgroup MMAs (wgmma, sm_90a) for the attention kernels: shared-memory matrix
-// descriptors of the 128-byte-swizzled layout, the fences, and the two bf16 -> f32 shapes the
-// sparse attention uses (S = Q·Kᵀ from shared memory, O += P·V with P in registers).
+// Hopper warpgroup MMAs (wgmma, sm_90a): shared-memory matrix descriptors of the 128- and
+// 32-byte-swizzled layouts, the fences, the two bf16 -> f32 shapes the sparse attention uses
+// (S = Q·Kᵀ from shared memory, O += P·V with P in registers) and the e4m3 one of the index scores
+// (keys in registers times the queries).
 //
 // Accumulator layout (PTX "wgmma .m64nNk16 D"): warp w of the warpgroup holds rows 16w … 16w+15;
 // lane l, g = l / 4, c = l % 4 holds d[j][0..1] = (16w + g, 8j + 2c … +1), d[j][2..3] = (16w + g + 8, 8j
@@ -41,6 +42,17 @@ __device__ __forceinline__ uint64_t k_major(uint32_t address) { return sw128_des
 // MN-major over a tile of `rows` rows: 64-channel blocks rows·128 bytes apart, 8-row groups 1024.
 __device__ __forceinline__ uint64_t mn_major(uint32_t address, int rows) {
   return sw128_descriptor(address, static_cast<uint32_t>(rows) * 128, 1024);
+}
+
+// The 32-byte-swizzled K-major layout ("SW32") of a [rows x 32] 8-bit tile (one K = 32 step of an
+// e4m3 MMA): row r at 32·r, its 16-byte unit u at unit u ^ ((r / 4) % 2); 256-byte aligned.
+__host__ __device__ constexpr uint32_t sw32_offset(int row, int unit) {
+  return static_cast<uint32_t>(row * 32 + ((unit ^ ((row / 4) % 2)) * 16));
+}
+// Its descriptor: 8-row groups 256 bytes apart, swizzle mode 3 (32 B).
+__device__ __forceinline__ uint64_t sw32_k_major(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFFu) >> 4) | uint64_t{1} << 16 | uint64_t{256 >> 4} << 32 |
+         uint64_t{3} << 62;
 }
 
 // Orders the warpgroup's earlier register writes (accumulators, A fragments) before the MMAs that follow.
@@ -125,6 +137,20 @@ __device__ __forceinline__ void m64n256k16_rs(float (&d)[32][4], const uint32_t 
         "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
         "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+// d (64 x 32, f32) = a·bᵀ (fresh: the accumulators' previous values are ignored): a 64 x 32 e4m3
+// in registers (per warp the mma.sync m16n8k32 A fragment of its 16 rows: a[0] (g, 4c … 4c+3),
+// a[1] (g+8, 4c …), a[2] (g, 16+4c …), a[3] (g+8, 16+4c …)), b 32 x 32 e4m3 K-major SW32.
+__device__ __forceinline__ void m64n32k32_e4m3_rs(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
+        "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]),
+        "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]),
+        "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
 }  // namespace dsv4::cuda::wgmma

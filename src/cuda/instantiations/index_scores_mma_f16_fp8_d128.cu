@@ -2,5 +2,5 @@
 #include "cuda/ops/indexer/mma/index_scores_mma_kernel.cuh"
 
 namespace dsv4::cuda::index_mma {
-template void launch_index_scores_mma<4, true>(const IndexScoresMmaLaunch&, cudaStream_t);
+template void launch_index_scores_mma<4, true>(const IndexScoresRangeLaunch&, cudaStream_t);
 }  // namespace dsv4::cuda::index_mma

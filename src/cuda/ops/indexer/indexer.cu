@@ -1,5 +1,7 @@
 // Indexer ops: validation and the choosers of index scores and top-k (their implementations:
 // indexer_implementations.h), and the candidate block scores (one implementation, here).
+#include <algorithm>
+
 #include "cuda/common/check_args.h"
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.h"
@@ -16,7 +18,8 @@ constexpr int kBlockScoreThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 
 // In order of preference (indexer_implementations.h); the SIMT fallbacks last.
-constexpr const IndexScoresImplementation* kIndexScoresImplementations[] = {&kIndexScoresMmaF16, &kIndexScoresSimt};
+constexpr const IndexScoresImplementation* kIndexScoresImplementations[] = {&kIndexScoresWgmma, &kIndexScoresMmaF16,
+                                                                                &kIndexScoresSimt};
 constexpr const TopkImplementation* kTopkImplementations[] = {&kTopkRadix, &kTopkSimt};
 
 __global__ void candidate_block_scores_kernel(const float* scores, const int32_t* token_position, int ratio,
@@ -69,6 +72,18 @@ void validate_index_scores(const IndexScoresParams& p) {
   DSV4_CHECK(p.compress_ratio >= 1, op, ": compress_ratio is ", p.compress_ratio, ", expected >= 1");
   DSV4_CHECK(!is_present(p.candidates) || p.candidate_block_size >= 1, op, ": candidate_block_size is ",
              p.candidate_block_size, ", expected >= 1 with candidates");
+}
+
+int64_t index_keys_per_cta(int64_t entries, int64_t token_groups, size_t shared_bytes, int max_resident, int64_t granule,
+                           int64_t min_keys, const DeviceInfo& device) {
+  constexpr int64_t kWaves = 2;
+  const int64_t resident = std::clamp<int64_t>(device.max_shared_bytes_per_sm / static_cast<int64_t>(shared_bytes + 1024),
+                                               1, max_resident);
+  const int64_t target = kWaves * std::max(device.multiprocessors, 1) * resident;
+  const int64_t splits = std::clamp<int64_t>((target + token_groups - 1) / token_groups, 1,
+                                             std::max<int64_t>(1, entries / min_keys));
+  const int64_t keys = (entries + splits - 1) / splits;
+  return (keys + granule - 1) / granule * granule;
 }
 
 IndexScoresLaunch index_scores_launch(const IndexScoresParams& p) {

@@ -24,6 +24,8 @@ struct TopkImplementation {
   void (*run)(const TopkParams& p, cudaStream_t stream);
 };
 
+// fp8 warpgroup MMAs (wgmma/): FP4 queries of at most 32 heads against index_mxfp4 keys, sm_90a.
+extern const IndexScoresImplementation kIndexScoresWgmma;
 // f16 tensor cores (mma/): FP4 queries against index_mxfp4 (exact) or index_fp8 keys, sm_90.
 extern const IndexScoresImplementation kIndexScoresMmaF16;
 // The portable fallbacks (simt/): one thread per entry for the scores, a radix select per row.

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/dispatch.h"
 #include "cuda/common/paged_rows.h"
 #include "dsv4/cuda/indexer.h"
 
@@ -30,6 +31,29 @@ struct IndexScoresLaunch {
 };
 
 IndexScoresLaunch index_scores_launch(const IndexScoresParams& p);
+
+// The tensor-core implementations' geometry: a CTA scores a run of tokens (consecutive tokens of
+// one sequence share its key loads) against a range of keys.
+struct IndexScoresRangeLaunch : IndexScoresLaunch {
+  int tokens_per_cta = 1;
+  int64_t keys_per_cta = 0;  // a multiple of the implementation's stage rows
+};
+
+// Tokens per CTA for `tokens` tokens: one per 64 tokens of the call (a decode batch of 64: one;
+// tokens of different sequences run one after the other in a CTA), at most max_tokens and as many
+// as fit shared_budget (shared_bytes(n): a CTA's bytes for n tokens).
+template <class SharedBytes>
+int index_tokens_per_cta(int64_t tokens, int max_tokens, size_t shared_budget, SharedBytes shared_bytes) {
+  int64_t n = tokens / 64;
+  n = n < 1 ? 1 : n > max_tokens ? max_tokens : n;
+  while (n > 1 && shared_bytes(static_cast<int>(n)) > shared_budget) --n;
+  return static_cast<int>(n);
+}
+// Keys per CTA: enough CTAs for two waves of `resident` CTAs per SM (at most max_resident, as the
+// CTA's shared bytes allow), each at least min_keys keys so that the query staging and the
+// pipeline's start are amortized; a multiple of granule.
+int64_t index_keys_per_cta(int64_t entries, int64_t token_groups, size_t shared_bytes, int max_resident, int64_t granule,
+                           int64_t min_keys, const DeviceInfo& device);
 
 struct TopkLaunch {
   const float* scores = nullptr;            // [tokens, n]

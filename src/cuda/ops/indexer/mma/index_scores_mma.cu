@@ -12,29 +12,21 @@
 namespace dsv4::cuda {
 
 namespace index_mma {
-extern template void launch_index_scores_mma<2, false>(const IndexScoresMmaLaunch&, cudaStream_t);
-extern template void launch_index_scores_mma<4, false>(const IndexScoresMmaLaunch&, cudaStream_t);
-extern template void launch_index_scores_mma<2, true>(const IndexScoresMmaLaunch&, cudaStream_t);
-extern template void launch_index_scores_mma<4, true>(const IndexScoresMmaLaunch&, cudaStream_t);
+extern template void launch_index_scores_mma<2, false>(const IndexScoresRangeLaunch&, cudaStream_t);
+extern template void launch_index_scores_mma<4, false>(const IndexScoresRangeLaunch&, cudaStream_t);
+extern template void launch_index_scores_mma<2, true>(const IndexScoresRangeLaunch&, cudaStream_t);
+extern template void launch_index_scores_mma<4, true>(const IndexScoresRangeLaunch&, cudaStream_t);
 }  // namespace index_mma
 
 namespace {
 
-using index_mma::IndexScoresMmaLaunch;
 using index_mma::launch_index_scores_mma;
 
 constexpr int64_t kMaxGridY = 65535;
-// Tokens per CTA: consecutive tokens of one sequence (a prefill chunk) share the CTA's key loads,
-// but tokens of different sequences (a decode batch) run one after the other in it, so a CTA
-// takes one token per 64 of the step (a decode batch of 64: one), at most kMaxTokensPerCta and
-// as many as kSharedBudget bytes allow (three CTAs per SM: 12 warps hide the MMA and shared
-// memory latencies better than 8 with twice the tokens).
-constexpr int64_t kTokensPerExtraCtaToken = 64;
+// Three CTAs per SM: 12 warps hide the MMA and shared memory latencies better than 8 with twice
+// the tokens.
 constexpr size_t kSharedBudget = 75 * 1024;
-// Keys per CTA: enough CTAs for kWaves waves, each CTA at least kMinKeysPerCta keys (8 stages per
-// warp) so that the query staging and the pipeline's start are amortized.
-constexpr int64_t kWaves = 2;
-constexpr int64_t kMinKeysPerCta = 1024;
+constexpr int64_t kMinKeysPerCta = 1024;  // 8 stages per warp
 
 size_t shared_bytes(int blocks, bool fp8, int tokens_per_cta, int heads) {
   using index_mma::SharedLayout;
@@ -43,19 +35,13 @@ size_t shared_bytes(int blocks, bool fp8, int tokens_per_cta, int heads) {
 }
 
 int tokens_per_cta(int64_t tokens, int heads, int blocks, bool fp8) {
-  int n = static_cast<int>(std::clamp<int64_t>(tokens / kTokensPerExtraCtaToken, 1, index_mma::kMaxTokensPerCta));
-  while (n > 1 && shared_bytes(blocks, fp8, n, heads) > kSharedBudget) --n;
-  return n;
+  return index_tokens_per_cta(tokens, index_mma::kMaxTokensPerCta, kSharedBudget,
+                              [&](int n) { return shared_bytes(blocks, fp8, n, heads); });
 }
 
 int64_t keys_per_cta(int64_t entries, int64_t token_groups, size_t shared, const DeviceInfo& device) {
-  const int64_t resident = std::clamp<int64_t>(device.max_shared_bytes_per_sm / static_cast<int64_t>(shared + 1024), 1,
-                                               index_mma::kMinBlocksPerSm);
-  const int64_t target = kWaves * std::max(device.multiprocessors, 1) * resident;
-  const int64_t splits = std::clamp<int64_t>((target + token_groups - 1) / token_groups, 1,
-                                             std::max<int64_t>(1, entries / kMinKeysPerCta));
-  const int64_t keys = (entries + splits - 1) / splits;
-  return (keys + index_mma::kKeyGranule - 1) / index_mma::kKeyGranule * index_mma::kKeyGranule;
+  return index_keys_per_cta(entries, token_groups, shared, index_mma::kMinBlocksPerSm, index_mma::kKeyGranule,
+                            kMinKeysPerCta, device);
 }
 
 std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
@@ -89,7 +75,7 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
 }
 
 void run(const IndexScoresParams& p, cudaStream_t stream) {
-  IndexScoresMmaLaunch a{index_scores_launch(p)};
+  IndexScoresRangeLaunch a{index_scores_launch(p)};
   if (a.tokens == 0 || a.entries == 0) return;
   const bool fp8 = p.keys.geometry.format == KvRowFormat::index_fp8;
   const int blocks = static_cast<int>(p.q.shape[2] / 32);

@@ -17,29 +17,8 @@
 // 32-channel block two K = 16 steps accumulated from zero. Consecutive tokens of the CTA that read the same sequence (a
 // prefill chunk) share the stage's loads and conversions.
 //
-// Exactness (index_mxfp4). q[h] block b is v·2^eq_b (v e2m1), key j block b is u·2^ek_b (u e2m1,
-// ek_b its ue8m0 exponent). The queries are staged once per CTA as e4m3 codes of v·2^(d_b − 6)
-// with d_b = eq_b − eqmin_h (the head's blocks folded onto its smallest exponent; exact in e4m3
-// for d_b <= kMaxFoldShift) and held as f16 (exact), the keys as e4m3 codes of u·2^-6 (the bit
-// move of HOPPER_DESIGN §3.2: ((n & 8) << 4) | ((n & 7) << 2)) widened to f16 (exact). The MMAs'
-// block sum from a zeroed accumulator is then acc_b = 2^(d_b − 12) Σ v·u: the products are exact
-// multiples of 2^(d_b − 14), the 32-term sum below 2^(d_b − 1), so every partial sum has at most
-// 13 significant bits and the fp32 accumulation adds them exactly. The dot is
-//     dot = 2^(12 + eqmin_h) · Σ_b acc_b·2^ek_b,
-// each term acc_b·2^ek_b exact. The four (two for dim 64) fp32 terms are multiples of
-// 2^(min E_b − eqmin_h − 14) below 2^(max E_b − eqmin_h + 1) with E_b = eq_b + ek_b, so their fp32
-// sum is exact when max E_b − min E_b <= 9 (24 bits), and so is the product with the head's
-// power of two when min E_b >= -147 (no bits below 2^-149), max E_b <= 114 and the partial sum
-// does not overflow (max d_b + max ek_b <= 126): the fast path, checked per (token, key row) with
-// bounds over the token's heads (fast_row). Otherwise the same terms are added in double
-// (acc_b · 2^ek_b · 2^(12 + eq_b − d_b), exact while max E_b − min E_b <= 38; a head whose blocks
-// span more than kMaxFoldShift octaves is staged unfolded, d_b = 0). Either way the dot is the
-// exact dot rounded once to fp32 — what the reference computes (reference/ops.cpp `dot`: eight
-// double sums of exact products, exact under the same condition, then one rounding to fp32). So
-// the bf16_rounding scores equal the reference's bit for bit, and the fp32 scores differ only by
-// the reference's fp32 head sum order (here also in head order: equal unless the host contracts
-// multiply-adds). Blocks whose exponents lie more than 38 octaves apart could differ in the last
-// bit of the dot's fp32 rounding (neither side sums exactly then).
+// Exactness (index_mxfp4): fp4_dots.cuh; the e4m3 codes of queries and keys are widened to f16
+// (exact) for the f16 MMAs.
 //
 // index_fp8 keys: the e4m3 × e2m1 block sums are fp32 sums of exact products, rounded where they
 // need more than 24 bits, and the block terms are always added in fp32: fp32 precision only; the
@@ -61,11 +40,11 @@
 #include "cuda/common/async_copy.cuh"
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.cuh"
-#include "cuda/ops/indexer/indexer_launch.h"
-#include "cuda/ops/indexer/visible_entries.cuh"
-#include "dsv4/numeric.h"
+#include "cuda/ops/indexer/fp4_dots.cuh"
 
 namespace dsv4::cuda::index_mma {
+
+using namespace index_fp4;
 
 inline constexpr int kWarps = 4;
 inline constexpr int kThreads = kWarps * 32;
@@ -73,41 +52,22 @@ inline constexpr int kFragmentKeys = 16;  // the MMA's M
 inline constexpr int kStageRows = 32;     // rows a warp copies and scores per stage: one per lane
 inline constexpr int kStages = 3;         // a warp's stages in its pipeline
 inline constexpr int kKeyGranule = kWarps * kStageRows;  // keys_per_cta is a multiple of it
-inline constexpr int kBlockChannels = 32;  // the MMA's K; the MXFP4 scale tile
 inline constexpr int kSumHeads = 32;       // heads per pass of the ordered head sum
 inline constexpr int kTermsStride = kSumHeads + 4;  // 16-byte rows: a lane's float4 reads of its row do not conflict
 inline constexpr int kMaxTokensPerCta = 8;
 inline constexpr int kMinBlocksPerSm = 4;
 inline constexpr int kMaxHeads = 128;
-inline constexpr int kFastSpread = 9;      // see "Exactness" above
-inline constexpr int kFastMinExponent = -147;
-inline constexpr int kFastMaxExponent = 114;
-inline constexpr int kMaxPartialExponent = 126;
-inline constexpr int kMaxFoldShift = 12;     // 6 · 2^(12 − 6) = 384 <= 448, the e4m3 maximum
-inline constexpr int kMaxQueryExponent = 115;  // 2^(12 + eq) stays a finite fp32
-inline constexpr int16_t kNoExponent = INT16_MIN;  // an all-zero block
-inline constexpr int16_t kNotFp4 = INT16_MAX;      // a block that is not e2m1 times a power of two
-
-struct IndexScoresMmaLaunch : IndexScoresLaunch {
-  int tokens_per_cta = 1;              // 1 … kMaxTokensPerCta
-  int64_t keys_per_cta = kKeyGranule;  // a multiple of kKeyGranule
-};
 
 __host__ __device__ constexpr int head_tiles(int heads) { return (heads + 7) / 8; }
 
-// A key row in shared memory: kChunks 16-byte chunks, chunk q of row r at slot
-// q ^ ((r · kChunks / 8) % kChunks), so that the 8 rows of an ldmatrix matrix (one chunk each)
-// fall on 8 different groups of 4 banks.
+// A warp's stage of key rows (SwizzledKeyRows).
 template <int kBlocks, bool kFp8>
-struct KeyRows {
+struct KeyRows : SwizzledKeyRows<kFp8 ? kBlocks * kBlockChannels : kBlocks * kBlockChannels / 2> {
   static constexpr int kRowBytes = kFp8 ? kBlocks * kBlockChannels : kBlocks * kBlockChannels / 2;
   static constexpr int kChunks = kRowBytes / 16;  // 2, 4 or 8
   static constexpr int kStageBytes = kStageRows * kRowBytes;
   // ldmatrix.x4 per 16-row fragment, each covering chunks 2m and 2m + 1: two MXFP4 blocks, one fp8 block
   static constexpr int kLoads = kChunks / 2;
-  __device__ static int offset(int row, int chunk) {
-    return row * kRowBytes + ((chunk ^ ((row * kChunks / 8) % kChunks)) << 4);
-  }
 };
 
 // Shared memory of a CTA: the tokens' query fragments, scales, weights and ranges, then per warp
@@ -118,24 +78,16 @@ struct SharedLayout {
   using Keys = KeyRows<kBlocks, kFp8>;
   int tokens, tiles;
   __host__ __device__ SharedLayout(int tokens_per_cta, int heads) : tokens(tokens_per_cta), tiles(head_tiles(heads)) {}
-  __host__ __device__ static size_t align16(size_t n) { return (n + 15) / 16 * 16; }
   __host__ __device__ int padded_heads() const { return tiles * 8; }
   // uint4 [tokens][tiles][kBlocks][32 lanes]: a lane's f16 B fragments of one n tile and block,
   // (b0, b1) of K step 0, then of K step 1.
   __host__ __device__ size_t query_bytes() const { return size_t(tokens) * tiles * kBlocks * 32 * 16; }
-  // float [tokens][heads]: 2^(12 + eqmin_h), NaN for a head with a block that is not FP4.
-  __host__ __device__ size_t head_scale_offset() const { return query_bytes(); }
-  // float [tokens][heads][kBlocks]: 2^(12 + eq_b − d_b), the slow path's block factors.
-  __host__ __device__ size_t block_scale_offset() const { return head_scale_offset() + size_t(tokens) * padded_heads() * 4; }
-  __host__ __device__ size_t weight_offset() const { return block_scale_offset() + size_t(tokens) * padded_heads() * kBlocks * 4; }
-  // int16 [tokens][heads][kBlocks]: eq_b, kNoExponent (zero block) or kNotFp4.
-  __host__ __device__ size_t exponent_offset() const { return weight_offset() + size_t(tokens) * padded_heads() * 4; }
-  // int [tokens][4]: eq low, eq high, largest per-head eq spread, sequence.
-  __host__ __device__ size_t stats_offset() const {
-    return align16(exponent_offset() + size_t(tokens) * padded_heads() * kBlocks * 2);
+  // The tokens' scales, weights, exponents and ranges (TokenQueries).
+  __host__ __device__ TokenArrays token_arrays() const {
+    return {size_t(tokens), size_t(padded_heads()), size_t(kBlocks)};
   }
-  __host__ __device__ size_t visible_offset() const { return stats_offset() + size_t(tokens) * 4 * 4; }  // int64 [tokens]
-  __host__ __device__ size_t warps_offset() const { return align16(visible_offset() + size_t(tokens) * 8); }
+  __host__ __device__ size_t tokens_offset() const { return query_bytes(); }
+  __host__ __device__ size_t warps_offset() const { return tokens_offset() + token_arrays().bytes(); }
   // Per warp: [kStages][kStageBytes] key rows, uint32 [kStages][32] scale words, uint32
   // [kStages][2] row masks (addressable; MXFP4 dim 64: scale in the word's high half), float
   // [32][kBlocks] the stage's key scales 2^ek_b, float [16][kTermsStride] a fragment's weighted
@@ -147,15 +99,6 @@ struct SharedLayout {
   static constexpr size_t kWarpBytes = kTermsOffset + size_t(kFragmentKeys) * kTermsStride * 4;
   __host__ __device__ size_t bytes() const { return warps_offset() + kWarps * kWarpBytes; }
 };
-
-// e2m1 codes in the low nibbles of the 4 bytes -> e4m3 bytes of the values times 2^-6; the high
-// nibbles likewise.
-__device__ __forceinline__ uint32_t low_e2m1x4_to_e4m3x4(uint32_t w) {
-  return ((w & 0x08080808u) << 4) | ((w & 0x07070707u) << 2);
-}
-__device__ __forceinline__ uint32_t high_e2m1x4_to_e4m3x4(uint32_t w) {
-  return (w & 0x80808080u) | ((w >> 2) & 0x1c1c1c1cu);
-}
 
 // Four e4m3 codes -> two f16 pairs (bytes 0, 1 and 2, 3; exact).
 __device__ __forceinline__ uint2 e4m3x4_to_f16x4(uint32_t codes) {
@@ -206,80 +149,6 @@ __host__ __device__ constexpr int query_channel(int s, int k) {
   return kFp8 ? 16 * s + 4 * c + 2 * half + i : 2 * (4 * c + 2 * half + i) + s;
 }
 
-// The range of a key row's MXFP4 block exponents ek = byte − 127 (a NaN scale, 0xff, gives 128,
-// beyond the fast path's bounds: the double path carries the NaN).
-struct ExponentRange {
-  int lo, hi;
-};
-
-template <int kBlocks>
-__device__ __forceinline__ ExponentRange key_exponents(uint32_t scales) {
-  ExponentRange range{INT_MAX, INT_MIN};
-#pragma unroll
-  for (int b = 0; b < kBlocks; ++b) {
-    const int e = static_cast<int>((scales >> (8 * b)) & 0xffu) - 127;
-    range.lo = min(range.lo, e), range.hi = max(range.hi, e);
-  }
-  return range;
-}
-
-// Whether the fp32 sums of a key row's block terms are exact for every head of the token (stats:
-// its query exponent bounds; see "Exactness").
-__device__ __forceinline__ bool fast_row(ExponentRange key, const int* stats) {
-  return stats[2] + (key.hi - key.lo) <= kFastSpread && stats[0] + key.lo >= kFastMinExponent &&
-         stats[1] + key.hi <= kFastMaxExponent && stats[2] + key.hi <= kMaxPartialExponent;
-}
-
-__device__ __forceinline__ float bf16_rounded(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-__device__ __forceinline__ float relu(float x) { return x < 0.0f ? 0.0f : x; }  // keeps NaN, as std::max(x, 0.0f)
-
-// The reference's weighted terms of two dots in bf16_rounding: bf16(relu(bf16(dot)) · w), a pair
-// per conversion. relu keeps NaN (__hmax2_nan); it may turn a -0 into +0, which changes no sum.
-__device__ __forceinline__ float2 bf16_weighted_terms(float dot0, float dot1, float2 w) {
-  const float2 r = __bfloat1622float2(__hmax2_nan(__floats2bfloat162_rn(dot0, dot1), __float2bfloat162_rn(0.0f)));
-  return __bfloat1622float2(__floats2bfloat162_rn(__fmul_rn(r.x, w.x), __fmul_rn(r.y, w.y)));
-}
-
-// x · 2^k, exact whenever the result is a normal fp32 or larger than x in magnitude (|k| <= 252):
-// two power-of-two factors, the first one moving toward the result.
-__device__ __forceinline__ float scaled_by_power_of_two(float x, int k) {
-  const int k1 = k / 2;
-  return __fmul_rn(__fmul_rn(x, __int_as_float((127 + k1) << 23)), __int_as_float((127 + k - k1) << 23));
-}
-
-// Whether y is ±0, ±0.5, ±1, ±1.5, ±2, ±3, ±4 or ±6 (an e2m1 value; NaN is not).
-__device__ __forceinline__ bool is_e2m1_value(float y) {
-  const float t = 2.0f * fabsf(y);
-  return t == rintf(t) && (t <= 4.0f || t == 6.0f || t == 8.0f || t == 12.0f);
-}
-
-// The 32 values of block b of q[t, h] (null: a padding head) as floats.
-__device__ __forceinline__ void load_query_block(const uint16_t* q, float (&x)[kBlockChannels]) {
-#pragma unroll
-  for (int i = 0; i < kBlockChannels; i += 8) {
-    const uint4 v = q ? __ldg(reinterpret_cast<const uint4*>(q + i)) : make_uint4(0, 0, 0, 0);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int k = 0; k < 8; ++k) x[i + k] = bf16_bits_to_float(static_cast<uint16_t>(w[k / 2] >> (16 * (k % 2))));
-  }
-}
-
-// The block's exponent eq = floor(log2(block amax)) − 2, which puts the values on e2m1 codes
-// whenever they are e2m1 times one power of two (the largest is then 4 or 6 times 2^eq);
-// kNoExponent for a zero block, kNotFp4 when the values are not FP4.
-inline __device__ __noinline__ int16_t query_block_exponent(const uint16_t* q) {
-  float x[kBlockChannels];
-  load_query_block(q, x);
-  float amax = 0.0f;  // fmaxf skips NaN: is_e2m1_value rejects it
-#pragma unroll
-  for (int i = 0; i < kBlockChannels; ++i) amax = fmaxf(amax, fabsf(x[i]));
-  const int eq = amax > 0.0f ? ilogbf(amax) - 2 : 0;
-  if (eq > kMaxQueryExponent) return kNotFp4;  // inf: ilogbf gives INT_MAX
-  for (int i = 0; i < kBlockChannels; ++i)
-    if (!is_e2m1_value(scaled_by_power_of_two(x[i], -eq))) return kNotFp4;
-  return amax > 0.0f ? static_cast<int16_t>(eq) : kNoExponent;
-}
 
 // Converts block b of q[t, h] (exponent eq, folded by `shift`) into the f16 B fragments of its n
 // tile: values v·2^(shift − 6) (exact), lane 4·(h % 8) + c holding k = 2c, 2c + 1 and 8 + 2c, 9 + 2c
@@ -300,21 +169,20 @@ __device__ __noinline__ void stage_query_block(const uint16_t* q, int h, int b, 
 }
 
 template <int kBlocks, bool kFp8>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_kernel(IndexScoresMmaLaunch a) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_kernel(IndexScoresRangeLaunch a) {
   using Layout = SharedLayout<kBlocks, kFp8>;
   using Keys = KeyRows<kBlocks, kFp8>;
-  constexpr int kDim = kBlocks * kBlockChannels;
   extern __shared__ float4 shared4[];
   uint8_t* shared = reinterpret_cast<uint8_t*>(shared4);
   const Layout layout(a.tokens_per_cta, a.heads);
   const int tiles = layout.tiles, padded_heads = layout.padded_heads();
   uint4* q_fragments = reinterpret_cast<uint4*>(shared);
-  float* head_scales = reinterpret_cast<float*>(shared + layout.head_scale_offset());
-  float* block_scales = reinterpret_cast<float*>(shared + layout.block_scale_offset());
-  float* w_shared = reinterpret_cast<float*>(shared + layout.weight_offset());
-  int16_t* q_exponents = reinterpret_cast<int16_t*>(shared + layout.exponent_offset());
-  int* stats = reinterpret_cast<int*>(shared + layout.stats_offset());
-  int64_t* visible = reinterpret_cast<int64_t*>(shared + layout.visible_offset());
+  const TokenQueries tq = layout.token_arrays().at(shared + layout.tokens_offset());
+  const float* head_scales = tq.head_scales;
+  const float* block_scales = tq.block_scales;
+  const float* w_shared = tq.weights;
+  const int* stats = tq.stats;
+  const int64_t* visible = tq.visible;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint8_t* warp_shared = shared + layout.warps_offset() + warp * Layout::kWarpBytes;
   uint32_t* scale_words = reinterpret_cast<uint32_t*>(warp_shared + Layout::kScaleWordsOffset);
@@ -326,12 +194,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
   const int count = static_cast<int>(a.tokens - t0 < a.tokens_per_cta ? a.tokens - t0 : a.tokens_per_cta);
   const int64_t k0 = int64_t{blockIdx.x} * a.keys_per_cta;
   const int64_t k1 = k0 + a.keys_per_cta < a.entries ? k0 + a.keys_per_cta : a.entries;
-  for (int i = threadIdx.x; i < count; i += kThreads) {
-    stats[4 * i] = INT_MAX, stats[4 * i + 1] = INT_MIN, stats[4 * i + 2] = 0;
-    stats[4 * i + 3] = a.token_sequence ? a.token_sequence[t0 + i] : 0;
-    const int64_t n_vis = visible_entries(a.token_position[t0 + i], a.compress_ratio);
-    visible[i] = n_vis < a.entries ? n_vis : a.entries;
-  }
+  init_tokens<kThreads>(a, t0, count, tq);
   __syncthreads();
   int64_t cta_visible = 0;
   for (int i = 0; i < count; ++i) cta_visible = max(cta_visible, visible[i]);
@@ -340,46 +203,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
       for (int64_t j = k0 + threadIdx.x; j < k1; j += kThreads) a.scores[(t0 + i) * a.entries + j] = -INFINITY;
     return;
   }
-
-  // The queries: block exponents, then each head folded onto its smallest one.
-  auto query = [&](int i, int h, int b) {
-    return h < a.heads ? a.q + ((t0 + i) * a.heads + h) * kDim + b * kBlockChannels : nullptr;
-  };
-  for (int task = threadIdx.x; task < count * padded_heads * kBlocks; task += kThreads) {
-    const int i = task / (padded_heads * kBlocks), h = task / kBlocks % padded_heads, b = task % kBlocks;
-    q_exponents[task] = query_block_exponent(query(i, h, b));
-    if (b == 0) w_shared[i * padded_heads + h] = h < a.heads ? a.weights[(t0 + i) * a.heads + h] : 0.0f;
-  }
-  __syncthreads();
-  for (int task = threadIdx.x; task < count * padded_heads * kBlocks; task += kThreads) {
-    const int i = task / (padded_heads * kBlocks), h = task / kBlocks % padded_heads, b = task % kBlocks;
-    const int16_t* e = q_exponents + (task - b);
-    bool fp4 = true, nonzero = false;
-    int lo = INT_MAX, hi = INT_MIN;
-    for (int k = 0; k < kBlocks; ++k) {
-      fp4 = fp4 && e[k] != kNotFp4;
-      if (e[k] != kNoExponent && e[k] != kNotFp4) lo = min(lo, int{e[k]}), hi = max(hi, int{e[k]}), nonzero = true;
-    }
-    if (!nonzero) lo = hi = 0;
-    const bool folded = hi - lo <= kMaxFoldShift;
-    const int eq = e[b] == kNotFp4 ? kNoExponent : e[b];  // a head that is not FP4 gets NaN scales
-    const int shift = folded && eq != kNoExponent ? eq - lo : 0;
-    stage_query_block<kBlocks, kFp8>(query(i, h, b), h, b, eq, shift, q_fragments + size_t(i) * tiles * kBlocks * 32);
-    const float nan = __int_as_float(0x7fc00000);
-    block_scales[task] = !fp4 ? nan : ldexpf(1.0f, 12 + (folded ? lo : eq == kNoExponent ? 0 : eq));
-    if (b == 0) {
-      head_scales[i * padded_heads + h] = fp4 ? ldexpf(1.0f, 12 + lo) : nan;
-      if (fp4 && nonzero && h < a.heads) {
-        atomicMin(&stats[4 * i], lo);
-        atomicMax(&stats[4 * i + 1], hi);
-        atomicMax(&stats[4 * i + 2], hi - lo);
-      }
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < count; i += kThreads)
-    if (stats[4 * i] > stats[4 * i + 1]) stats[4 * i] = stats[4 * i + 1] = 0;  // no nonzero FP4 block
-  __syncthreads();
+  prepare_queries<kBlocks, kThreads>(a, t0, count, padded_heads, tq,
+                                     [&](const uint16_t* q, int i, int h, int b, int eq, int shift) {
+                                       stage_query_block<kBlocks, kFp8>(q, h, b, eq, shift,
+                                                                        q_fragments + size_t(i) * tiles * kBlocks * 32);
+                                     });
 
   const int g = lane >> 2, c = lane & 3;
   const int stages = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
@@ -484,7 +312,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
         for (int i = first; i < end; ++i) {
           const int* token_stats = stats + 4 * i;
           // index_fp8: the fp32 path whenever every head is folded (fp32 precision only).
-          const bool own_fast = kFp8 ? token_stats[2] <= kMaxFoldShift : !own_row || fast_row(own_range, token_stats);
+          const bool own_fast =
+              kFp8 ? token_stats[2] <= kMaxFoldShift : !own_row || FastBounds(token_stats, false).holds(own_range);
           const uint32_t fast_rows = __ballot_sync(kFullMask, own_fast) >> (16 * f);
           const bool all_fast = (fast_rows & 0xffffu) == 0xffffu;  // warp-uniform
           const bool fast[2] = {((fast_rows >> g) & 1u) != 0, ((fast_rows >> (g + 8)) & 1u) != 0};
@@ -561,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
 }
 
 template <int kBlocks, bool kFp8>
-void launch_index_scores_mma(const IndexScoresMmaLaunch& a, cudaStream_t stream) {
+void launch_index_scores_mma(const IndexScoresRangeLaunch& a, cudaStream_t stream) {
   const size_t shared = SharedLayout<kBlocks, kFp8>(a.tokens_per_cta, a.heads).bytes();
   auto kernel = index_scores_mma_kernel<kBlocks, kFp8>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));

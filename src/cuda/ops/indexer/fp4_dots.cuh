@@ -1,0 +1,243 @@
+// The FP4 query x MXFP4 key dots both tensor-core index-score implementations compute (mma_f16:
+// mma.sync f16; wgmma: e4m3 warpgroup MMAs), exactly, and what they share: the queries' block
+// exponents and folding, the key codes' bit move to e4m3, the fast path's bounds and the
+// reference's bf16 rounding of the weighted terms.
+//
+// Exactness (index_mxfp4). q[h] block b is v·2^eq_b (v e2m1), key j block b is u·2^ek_b (u e2m1,
+// ek_b its ue8m0 exponent). The queries are staged once per CTA as e4m3 codes of v·2^(d_b − 6)
+// with d_b = eq_b − eqmin_h (the head's blocks folded onto its smallest exponent; exact in e4m3
+// for d_b <= kMaxFoldShift), the keys as e4m3 codes of u·2^-6 (the bit move of HOPPER_DESIGN
+// §3.2: ((n & 8) << 4) | ((n & 7) << 2); e2m1 subnormals land on e4m3 subnormals). The MMAs'
+// block sum from a zeroed accumulator is then acc_b = 2^(d_b − 12) Σ v·u: the products are exact
+// multiples of 2^(d_b − 14), the 32-term sum below 2^(d_b − 1), so every partial sum has at most
+// 13 significant bits and the fp32 accumulation adds them exactly. The dot is
+//     dot = 2^(12 + eqmin_h) · Σ_b acc_b·2^ek_b,
+// each term acc_b·2^ek_b exact. The four (two for dim 64) fp32 terms are multiples of
+// 2^(min E_b − eqmin_h − 14) below 2^(max E_b − eqmin_h + 1) with E_b = eq_b + ek_b, so their fp32
+// sum is exact when max E_b − min E_b <= 9 (24 bits), and so is the product with the head's
+// power of two when min E_b >= -147 (no bits below 2^-149), max E_b <= 114 and the partial sum
+// does not overflow (max d_b + max ek_b <= 126): the fast path, checked per (token, key row) with
+// bounds over the token's heads (fast_row). Otherwise the same terms are added in double
+// (acc_b · 2^ek_b · 2^(12 + eq_b − d_b), exact while max E_b − min E_b <= 38; a head whose blocks
+// span more than kMaxFoldShift octaves is staged unfolded, d_b = 0). Either way the dot is the
+// exact dot rounded once to fp32 — what the reference computes (reference/ops.cpp `dot`: eight
+// double sums of exact products, exact under the same condition, then one rounding to fp32). So
+// the bf16_rounding scores equal the reference's bit for bit, and the fp32 scores differ only by
+// the reference's fp32 head sum order (here also in head order: equal unless the host contracts
+// multiply-adds). Blocks whose exponents lie more than 38 octaves apart could differ in the last
+// bit of the dot's fp32 rounding (neither side sums exactly then).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "cuda/common/device_math.cuh"
+#include "cuda/ops/indexer/indexer_launch.h"
+#include "cuda/ops/indexer/visible_entries.cuh"
+#include "dsv4/numeric.h"
+
+namespace dsv4::cuda::index_fp4 {
+
+inline constexpr int kBlockChannels = 32;  // the MMA's K; the MXFP4 scale tile
+inline constexpr int kFastSpread = 9;      // see "Exactness" above
+inline constexpr int kFastMinExponent = -147;
+inline constexpr int kFastMaxExponent = 114;
+inline constexpr int kMaxPartialExponent = 126;
+inline constexpr int kMaxFoldShift = 12;     // 6 · 2^(12 − 6) = 384 <= 448, the e4m3 maximum
+inline constexpr int kMaxQueryExponent = 115;  // 2^(12 + eq) stays a finite fp32
+inline constexpr int16_t kNoExponent = INT16_MIN;  // an all-zero block
+inline constexpr int16_t kNotFp4 = INT16_MAX;      // a block that is not e2m1 times a power of two
+
+// Key rows of kRowBytes (32, 64 or 128) in shared memory: 16-byte chunk q of row r at chunk
+// q ^ ((r · kChunks / 8) % kChunks), so that the 8 rows of an ldmatrix matrix (one chunk each)
+// fall on 8 different groups of 4 banks.
+template <int kRowBytes>
+struct SwizzledKeyRows {
+  static constexpr int kChunks = kRowBytes / 16;
+  __host__ __device__ static int offset(int row, int chunk) {
+    return row * kRowBytes + ((chunk ^ ((row * kChunks / 8) % kChunks)) << 4);
+  }
+};
+
+// e2m1 codes in the low nibbles of the 4 bytes -> e4m3 bytes of the values times 2^-6; the high
+// nibbles likewise.
+__device__ __forceinline__ uint32_t low_e2m1x4_to_e4m3x4(uint32_t w) {
+  return ((w & 0x08080808u) << 4) | ((w & 0x07070707u) << 2);
+}
+__device__ __forceinline__ uint32_t high_e2m1x4_to_e4m3x4(uint32_t w) {
+  return (w & 0x80808080u) | ((w >> 2) & 0x1c1c1c1cu);
+}
+
+// The range of a key row's MXFP4 block exponents ek = byte − 127 (a NaN scale, 0xff, gives 128,
+// beyond the fast path's bounds: the double path carries the NaN).
+struct ExponentRange {
+  int lo, hi;
+};
+
+template <int kBlocks>
+__device__ __forceinline__ ExponentRange key_exponents(uint32_t scales) {
+  ExponentRange range{INT_MAX, INT_MIN};
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b) {
+    const int e = static_cast<int>((scales >> (8 * b)) & 0xffu) - 127;
+    range.lo = min(range.lo, e), range.hi = max(range.hi, e);
+  }
+  return range;
+}
+
+// The fast path's bounds for one token (stats: its query exponent bounds; see "Exactness") on
+// the key rows' exponent range: holds(range) tells whether the fp32 sums of a row's block terms
+// are exact for every head of the token. normal_scales also excludes the scale bytes 0 (2^-127, a
+// subnormal) and 255 (NaN), so that a kernel may form the fast rows' scales as byte << 23.
+struct FastBounds {
+  int spread, lo, hi;
+  __device__ FastBounds(const int* stats, bool normal_scales)
+      : spread(kFastSpread - stats[2]), lo(kFastMinExponent - stats[0]),
+        hi(min(kFastMaxExponent - stats[1], kMaxPartialExponent - stats[2])) {
+    if (normal_scales) lo = max(lo, -126), hi = min(hi, 127);
+  }
+  __device__ bool holds(ExponentRange key) const {
+    return (key.hi - key.lo <= spread) & (key.lo >= lo) & (key.hi <= hi);
+  }
+};
+
+__device__ __forceinline__ float bf16_rounded(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ float relu(float x) { return x < 0.0f ? 0.0f : x; }  // keeps NaN, as std::max(x, 0.0f)
+
+// The reference's weighted terms of two dots in bf16_rounding: bf16(relu(bf16(dot)) · w), a pair
+// per conversion. relu keeps NaN (__hmax2_nan); it may turn a -0 into +0, which changes no sum.
+__device__ __forceinline__ float2 bf16_weighted_terms(float dot0, float dot1, float2 w) {
+  const float2 r = __bfloat1622float2(__hmax2_nan(__floats2bfloat162_rn(dot0, dot1), __float2bfloat162_rn(0.0f)));
+  return __bfloat1622float2(__floats2bfloat162_rn(__fmul_rn(r.x, w.x), __fmul_rn(r.y, w.y)));
+}
+
+// x · 2^k, exact whenever the result is a normal fp32 or larger than x in magnitude (|k| <= 252):
+// two power-of-two factors, the first one moving toward the result.
+__device__ __forceinline__ float scaled_by_power_of_two(float x, int k) {
+  const int k1 = k / 2;
+  return __fmul_rn(__fmul_rn(x, __int_as_float((127 + k1) << 23)), __int_as_float((127 + k - k1) << 23));
+}
+
+// Whether y is ±0, ±0.5, ±1, ±1.5, ±2, ±3, ±4 or ±6 (an e2m1 value; NaN is not).
+__device__ __forceinline__ bool is_e2m1_value(float y) {
+  const float t = 2.0f * fabsf(y);
+  return t == rintf(t) && (t <= 4.0f || t == 6.0f || t == 8.0f || t == 12.0f);
+}
+
+// The 32 values of block b of q[t, h] (null: a padding head) as floats.
+__device__ __forceinline__ void load_query_block(const uint16_t* q, float (&x)[kBlockChannels]) {
+#pragma unroll
+  for (int i = 0; i < kBlockChannels; i += 8) {
+    const uint4 v = q ? __ldg(reinterpret_cast<const uint4*>(q + i)) : make_uint4(0, 0, 0, 0);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[i + k] = bf16_bits_to_float(static_cast<uint16_t>(w[k / 2] >> (16 * (k % 2))));
+  }
+}
+
+// The block's exponent eq = floor(log2(block amax)) − 2, which puts the values on e2m1 codes
+// whenever they are e2m1 times one power of two (the largest is then 4 or 6 times 2^eq);
+// kNoExponent for a zero block, kNotFp4 when the values are not FP4.
+inline __device__ __noinline__ int16_t query_block_exponent(const uint16_t* q) {
+  float x[kBlockChannels];
+  load_query_block(q, x);
+  float amax = 0.0f;  // fmaxf skips NaN: is_e2m1_value rejects it
+#pragma unroll
+  for (int i = 0; i < kBlockChannels; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  const int eq = amax > 0.0f ? ilogbf(amax) - 2 : 0;
+  if (eq > kMaxQueryExponent) return kNotFp4;  // inf: ilogbf gives INT_MAX
+  for (int i = 0; i < kBlockChannels; ++i)
+    if (!is_e2m1_value(scaled_by_power_of_two(x[i], -eq))) return kNotFp4;
+  return amax > 0.0f ? static_cast<int16_t>(eq) : kNoExponent;
+}
+
+// A CTA's tokens in shared memory (each kernel's layout places the arrays).
+struct TokenQueries {
+  float* head_scales;   // [tokens, padded heads] 2^(12 + eqmin_h); NaN: a head with a block that is not FP4
+  float* block_scales;  // [tokens, padded heads, blocks] 2^(12 + eq_b − d_b), the slow path's block factors
+  float* weights;       // [tokens, padded heads] (0 for padding heads)
+  int16_t* exponents;   // [tokens, padded heads, blocks] eq_b, kNoExponent (zero block) or kNotFp4
+  int* stats;           // [tokens, 4] eq low, eq high, largest per-head eq spread, sequence
+  int64_t* visible;     // [tokens] min(n_vis(p), entries)
+};
+
+// Where the TokenQueries arrays of `tokens` tokens lie in a block of shared memory (16-byte
+// aligned at its start; bytes() a multiple of 16).
+struct TokenArrays {
+  size_t tokens, heads, blocks;  // heads: padded
+  __host__ __device__ static size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+  __host__ __device__ size_t block_scales() const { return tokens * heads * 4; }
+  __host__ __device__ size_t weights() const { return block_scales() + tokens * heads * blocks * 4; }
+  __host__ __device__ size_t exponents() const { return weights() + tokens * heads * 4; }
+  __host__ __device__ size_t stats() const { return align16(exponents() + tokens * heads * blocks * 2); }
+  __host__ __device__ size_t visible() const { return stats() + tokens * 16; }
+  __host__ __device__ size_t bytes() const { return align16(visible() + tokens * 8); }
+  __device__ TokenQueries at(uint8_t* base) const {
+    return {reinterpret_cast<float*>(base), reinterpret_cast<float*>(base + block_scales()),
+            reinterpret_cast<float*>(base + weights()), reinterpret_cast<int16_t*>(base + exponents()),
+            reinterpret_cast<int*>(base + stats()), reinterpret_cast<int64_t*>(base + visible())};
+  }
+};
+
+// Tokens t0 … t0 + count − 1: their sequences and visible lengths, the exponent bounds emptied.
+template <int kThreads>
+__device__ void init_tokens(const IndexScoresLaunch& a, int64_t t0, int count, const TokenQueries& s) {
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    s.stats[4 * i] = INT_MAX, s.stats[4 * i + 1] = INT_MIN, s.stats[4 * i + 2] = 0;
+    s.stats[4 * i + 3] = a.token_sequence ? a.token_sequence[t0 + i] : 0;
+    const int64_t n_vis = visible_entries(a.token_position[t0 + i], a.compress_ratio);
+    s.visible[i] = n_vis < a.entries ? n_vis : a.entries;
+  }
+}
+
+// The tokens' queries (after init_tokens and a barrier): block exponents, then each head folded
+// onto its smallest one (see "Exactness"); stage(q block or null for a padding head, token, head,
+// block, eq, shift) writes the block's codes in the implementation's MMA layout. Ends with a barrier.
+template <int kBlocks, int kThreads, class Stage>
+__device__ void prepare_queries(const IndexScoresLaunch& a, int64_t t0, int count, int padded_heads,
+                                const TokenQueries& s, Stage stage) {
+  auto query = [&](int i, int h, int b) {
+    return h < a.heads ? a.q + ((t0 + i) * a.heads + h) * (kBlocks * kBlockChannels) + b * kBlockChannels : nullptr;
+  };
+  for (int task = threadIdx.x; task < count * padded_heads * kBlocks; task += kThreads) {
+    const int i = task / (padded_heads * kBlocks), h = task / kBlocks % padded_heads, b = task % kBlocks;
+    s.exponents[task] = query_block_exponent(query(i, h, b));
+    if (b == 0) s.weights[i * padded_heads + h] = h < a.heads ? a.weights[(t0 + i) * a.heads + h] : 0.0f;
+  }
+  __syncthreads();
+  for (int task = threadIdx.x; task < count * padded_heads * kBlocks; task += kThreads) {
+    const int i = task / (padded_heads * kBlocks), h = task / kBlocks % padded_heads, b = task % kBlocks;
+    const int16_t* e = s.exponents + (task - b);
+    bool fp4 = true, nonzero = false;
+    int lo = INT_MAX, hi = INT_MIN;
+    for (int k = 0; k < kBlocks; ++k) {
+      fp4 = fp4 && e[k] != kNotFp4;
+      if (e[k] != kNoExponent && e[k] != kNotFp4) lo = min(lo, int{e[k]}), hi = max(hi, int{e[k]}), nonzero = true;
+    }
+    if (!nonzero) lo = hi = 0;
+    const bool folded = hi - lo <= kMaxFoldShift;
+    const int eq = e[b] == kNotFp4 ? kNoExponent : e[b];  // a head that is not FP4 gets NaN scales
+    const int shift = folded && eq != kNoExponent ? eq - lo : 0;
+    stage(query(i, h, b), i, h, b, eq, shift);
+    const float nan = __int_as_float(0x7fc00000);
+    s.block_scales[task] = !fp4 ? nan : ldexpf(1.0f, 12 + (folded ? lo : eq == kNoExponent ? 0 : eq));
+    if (b == 0) {
+      s.head_scales[i * padded_heads + h] = fp4 ? ldexpf(1.0f, 12 + lo) : nan;
+      if (fp4 && nonzero && h < a.heads) {
+        atomicMin(&s.stats[4 * i], lo);
+        atomicMax(&s.stats[4 * i + 1], hi);
+        atomicMax(&s.stats[4 * i + 2], hi - lo);
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < count; i += kThreads)
+    if (s.stats[4 * i] > s.stats[4 * i + 1]) s.stats[4 * i] = s.stats[4 * i + 1] = 0;  // no nonzero FP4 block
+  __syncthreads();
+}
+
+}  // namespace dsv4::cuda::index_fp4

@@ -1,0 +1,81 @@
+// The fp8 warpgroup-MMA implementation of run_index_scores ("wgmma": FP4 queries against
+// index_mxfp4 keys, sm_90a), index_scores_wgmma_kernel.cuh; the kernels are instantiated in
+// src/cuda/instantiations/index_scores_wgmma_*.cu.
+#include <string>
+
+#include "cuda/common/paged_rows.h"
+#include "cuda/ops/indexer/indexer_implementations.h"
+#include "cuda/ops/indexer/wgmma/index_scores_wgmma_kernel.cuh"
+#include "dsv4/kv_format.h"
+
+namespace dsv4::cuda {
+
+namespace index_wgmma {
+extern template void launch_index_scores_wgmma<2, false>(const IndexScoresRangeLaunch&, cudaStream_t);
+extern template void launch_index_scores_wgmma<2, true>(const IndexScoresRangeLaunch&, cudaStream_t);
+extern template void launch_index_scores_wgmma<4, false>(const IndexScoresRangeLaunch&, cudaStream_t);
+extern template void launch_index_scores_wgmma<4, true>(const IndexScoresRangeLaunch&, cudaStream_t);
+}  // namespace index_wgmma
+
+namespace {
+
+using index_wgmma::launch_index_scores_wgmma;
+
+constexpr int64_t kMaxGridY = 65535;
+constexpr size_t kSharedBudget = 56 * 1024;  // four CTAs (warpgroups) per SM
+constexpr int64_t kMinKeysPerCta = 1024;     // 8 stages
+
+size_t shared_bytes(int blocks, int tokens_per_cta) {
+  using index_wgmma::SharedLayout;
+  return blocks == 2 ? SharedLayout<2>{tokens_per_cta}.bytes() : SharedLayout<4>{tokens_per_cta}.bytes();
+}
+
+int tokens_per_cta(int64_t tokens, int blocks) {
+  return index_tokens_per_cta(tokens, index_wgmma::kMaxTokensPerCta, kSharedBudget,
+                              [&](int n) { return shared_bytes(blocks, n); });
+}
+
+std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
+  if (std::string why_not = needs_compute_capability(90, device); !why_not.empty()) return why_not;
+  if (!p.fp4_queries) return "needs fp4_queries (q read as e2m1 codes)";
+  if (p.q.dtype != DType::bf16) return "needs bf16 q (the FP4 values are read from bf16 bits)";
+  const KvRowFormat f = p.keys.geometry.format;
+  if (f != KvRowFormat::index_mxfp4)
+    return std::string("keys have format ") + kv_row_format_name(f) + ", supports index_mxfp4";
+  const int64_t dim = p.q.shape[2], heads = p.q.shape[1], tokens = p.q.shape[0];
+  if (dim != 64 && dim != 128) return "index_dim " + std::to_string(dim) + ", supports 64 and 128";
+  if (heads > index_wgmma::kHeads)
+    return std::to_string(heads) + " index heads, supports at most " + std::to_string(index_wgmma::kHeads);
+  if (reinterpret_cast<uintptr_t>(p.q.data) % 16 != 0) return "q that is not 16-byte aligned";
+  // 16-byte asynchronous copies of key rows, 4-byte ones of the scale words holding a row's
+  // dim / 32 ue8m0 bytes.
+  const PageGeometry& g = p.keys.geometry;
+  const int64_t scale_bytes = dim / 32;
+  if (reinterpret_cast<uintptr_t>(p.keys.pages.data) % 16 != 0 || g.page_stride % 16 != 0 || g.data_offset(0) % 16 != 0 ||
+      g.data_offset(1) % 16 != 0 || g.scale_offset(0) % scale_bytes != 0 || g.scale_offset(1) % scale_bytes != 0)
+    return "key rows that are not 16-byte aligned";
+  const int blocks = static_cast<int>(dim / 32);
+  const int per_cta = tokens_per_cta(tokens, blocks);
+  if ((tokens + per_cta - 1) / per_cta > kMaxGridY)
+    return std::to_string(tokens) + " tokens, supports at most " + std::to_string(kMaxGridY * per_cta);
+  return needs_shared_memory(static_cast<long long>(shared_bytes(blocks, per_cta)), device);
+}
+
+void run(const IndexScoresParams& p, cudaStream_t stream) {
+  IndexScoresRangeLaunch a{index_scores_launch(p)};
+  if (a.tokens == 0 || a.entries == 0) return;
+  const int blocks = static_cast<int>(p.q.shape[2] / 32);
+  a.tokens_per_cta = tokens_per_cta(a.tokens, blocks);
+  a.keys_per_cta = index_keys_per_cta(a.entries, (a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta,
+                                      shared_bytes(blocks, a.tokens_per_cta), index_wgmma::kMinBlocksPerSm,
+                                      index_wgmma::kStageRows, kMinKeysPerCta, device_info());
+  if (blocks == 4) a.bf16_rounding ? launch_index_scores_wgmma<4, true>(a, stream) : launch_index_scores_wgmma<4, false>(a, stream);
+  else a.bf16_rounding ? launch_index_scores_wgmma<2, true>(a, stream) : launch_index_scores_wgmma<2, false>(a, stream);
+  check_launch("index_scores");
+}
+
+}  // namespace
+
+const IndexScoresImplementation kIndexScoresWgmma = {"wgmma", &supports, &run};
+
+}  // namespace dsv4::cuda

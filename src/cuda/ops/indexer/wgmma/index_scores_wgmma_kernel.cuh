@@ -1,0 +1,341 @@
+// Index scores on Hopper's fp8 tensor cores (wgmma m64n32k32 e4m3 -> f32, sm_90a) for FP4 queries
+// (IndexScoresParams::fp4_queries) of at most 32 heads against index_mxfp4 keys, exact in every
+// precision. See include/dsv4/cuda/indexer.h for the contract, fp4_dots.cuh for why the dots are
+// exact: each 32-channel block is one MMA from zeroed accumulators, the e4m3 codes being the
+// e2m1 ones moved bit for bit (the keys' codes times 2^-6, the queries' times 2^(d_b − 6)).
+//
+// Why not mma_f16: Hopper's mma.sync has no fp8 shape, so mma_f16 widens every key code to f16 and
+// issues two f16 MMAs per block and 8 heads; one wgmma takes 64 keys x 32 heads x 32 channels
+// straight from the e4m3 codes, which leaves the CUDA cores the block combine and the weighted
+// head sum.
+//
+// Shape. A CTA is one warpgroup. It takes up to kMaxTokensPerCta tokens and a range of
+// keys_per_cta entries (the host sizes it to fill the GPU) and streams 128-row stages of the range
+// through a kStages-deep cp.async pipeline (thread t copies row t; rows that are not addressable
+// are zero-filled). Per 64-row half of a stage each warp reads its 16 rows with ldmatrix and
+// moves the codes to e4m3 in registers: the A operand (M = keys). The queries are B (N = 32 heads,
+// padded with zero queries; K-major, 32-byte swizzle), staged once per CTA. Consecutive tokens of
+// the CTA that read the same sequence (a prefill chunk) share the loads and the A registers.
+//
+// Epilogue. A lane holds 2 rows x 8 heads of each block's accumulators: it combines the blocks
+// with the rows' scales (in block order, as mma_f16 does), forms the weighted terms and writes
+// them to its warp's [32 rows x 32 heads] buffer (its 16 rows of both halves); each lane then adds
+// one row's terms in head order (the reference's order) and stores the score. A token's two halves
+// share that pass, so every lane sums; the A operand is re-read per token (a prefill chunk's
+// tokens reuse the stage, not the registers).
+//
+// K order. A lane's A register of a block holds the codes of the 4 bytes ldmatrix gives it (bytes
+// 4c … 4c + 3 of the block's 16 bytes): the low nibbles are logical k = 4c … 4c + 3, the high ones
+// k = 16 + 4c …; logical k is channel 2 (k mod 16) + k / 16 (query_channel), and the queries are
+// staged in that order.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "cuda/common/async_copy.cuh"
+#include "cuda/common/device_math.cuh"
+#include "cuda/common/paged_rows.cuh"
+#include "cuda/common/wgmma.cuh"
+#include "cuda/ops/indexer/fp4_dots.cuh"
+#include "cuda/ops/indexer/indexer_launch.h"
+#include "cuda/ops/indexer/visible_entries.cuh"
+#include "dsv4/numeric.h"
+
+namespace dsv4::cuda::index_wgmma {
+
+using namespace index_fp4;
+
+inline constexpr int kThreads = 128;              // one warpgroup
+inline constexpr int kTileRows = 64;              // the MMA's M
+inline constexpr int kWarpRows = 16;              // a warp's rows of a tile
+inline constexpr int kStageRows = 2 * kTileRows;  // one per thread for the copies
+inline constexpr int kStages = 4;
+inline constexpr int kHeads = 32;                 // the MMA's N: the index heads, zero-padded
+inline constexpr int kTermsStride = kHeads + 4;   // a lane's float4 reads of its row do not conflict
+inline constexpr int kMaxTokensPerCta = 8;
+inline constexpr int kMinBlocksPerSm = 4;
+
+__host__ __device__ constexpr int query_channel(int k) { return 2 * (k % 16) + k / 16; }
+
+// Shared memory of a CTA (256-byte aligned): the tokens' queries ([tokens][blocks] SW32 [32 heads
+// x 32] e4m3), their TokenQueries, then the stages (key rows, scale words, row masks) and per
+// warp its buffer of weighted terms.
+template <int kBlocks>
+struct SharedLayout {
+  using Keys = SwizzledKeyRows<kBlocks * kBlockChannels / 2>;
+  static constexpr int kRowBytes = kBlocks * kBlockChannels / 2;
+  static constexpr int kStageBytes = kStageRows * kRowBytes;
+  static constexpr int kQueryBlockBytes = kHeads * kBlockChannels;
+  static constexpr int kMaskWords = kStageRows / 32;  // per stage: addressable rows, then (dim 64) scale in the high half
+  int tokens;
+  __host__ __device__ size_t query_bytes() const { return size_t(tokens) * kBlocks * kQueryBlockBytes; }
+  __host__ __device__ TokenArrays token_arrays() const { return {size_t(tokens), size_t(kHeads), size_t(kBlocks)}; }
+  __host__ __device__ size_t tokens_offset() const { return query_bytes(); }
+  __host__ __device__ size_t stages_offset() const { return tokens_offset() + token_arrays().bytes(); }
+  static constexpr size_t kScaleWordsOffset = size_t(kStages) * kStageBytes;
+  static constexpr size_t kMasksOffset = kScaleWordsOffset + size_t(kStages) * kStageRows * 4;
+  static constexpr size_t kTermsOffset = kMasksOffset + size_t(kStages) * 2 * kMaskWords * 4;
+  static constexpr size_t kTermsBytes = size_t(kThreads / 32) * 2 * kWarpRows * kTermsStride * 4;
+  // + 256: the kernel aligns its base
+  __host__ __device__ size_t bytes() const { return stages_offset() + kTermsOffset + kTermsBytes + 256; }
+};
+
+// Block b of q[t, h] (exponent eq, folded by `shift`; null: a padding head) as the e4m3 codes of
+// v·2^(shift − 6) in row h of its SW32 tile, logical k order (query_channel).
+inline __device__ __noinline__ void stage_query_block(const uint16_t* q, int h, int eq, int shift, uint8_t* tile) {
+  float x[kBlockChannels];
+  load_query_block(q, x);
+  uint32_t words[8];
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    words[w] = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float v = eq == kNoExponent ? 0.0f : scaled_by_power_of_two(x[query_channel(4 * w + i)], shift - 6 - eq);
+      words[w] |= uint32_t{float_to_e4m3(v)} << (8 * i);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+    *reinterpret_cast<uint4*>(tile + wgmma::sw32_offset(h, u)) =
+        make_uint4(words[4 * u], words[4 * u + 1], words[4 * u + 2], words[4 * u + 3]);
+  wgmma::fence_shared_for_async_proxy();  // the MMAs read the tile through the async proxy
+}
+
+template <int kBlocks, bool kBf16Rounding>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_kernel(IndexScoresRangeLaunch a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Layout = SharedLayout<kBlocks>;
+  using Keys = typename Layout::Keys;
+  extern __shared__ uint8_t shared_unaligned[];
+  uint8_t* const shared = shared_unaligned + ((256 - shared_address(shared_unaligned) % 256) % 256);
+  const Layout layout{a.tokens_per_cta};
+  uint8_t* const queries = shared;
+  const TokenQueries tq = layout.token_arrays().at(shared + layout.tokens_offset());
+  uint8_t* const stages = shared + layout.stages_offset();
+  const uint32_t* const scale_words = reinterpret_cast<const uint32_t*>(stages + Layout::kScaleWordsOffset);
+  uint32_t* const row_masks = reinterpret_cast<uint32_t*>(stages + Layout::kMasksOffset);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  float* const terms = reinterpret_cast<float*>(stages + Layout::kTermsOffset) + warp * 2 * kWarpRows * kTermsStride;
+
+  const int64_t t0 = int64_t{blockIdx.y} * a.tokens_per_cta;
+  const int count = static_cast<int>(a.tokens - t0 < a.tokens_per_cta ? a.tokens - t0 : a.tokens_per_cta);
+  const int64_t k0 = int64_t{blockIdx.x} * a.keys_per_cta;
+  const int64_t k1 = k0 + a.keys_per_cta < a.entries ? k0 + a.keys_per_cta : a.entries;
+  init_tokens<kThreads>(a, t0, count, tq);
+  __syncthreads();
+  int64_t cta_visible = 0;
+  for (int i = 0; i < count; ++i) cta_visible = max(cta_visible, tq.visible[i]);
+  if (k0 >= cta_visible) {  // the range is in every token's future
+    for (int i = 0; i < count; ++i)
+      for (int64_t j = k0 + threadIdx.x; j < k1; j += kThreads) a.scores[(t0 + i) * a.entries + j] = -INFINITY;
+    return;
+  }
+  prepare_queries<kBlocks, kThreads>(a, t0, count, kHeads, tq,
+                                     [&](const uint16_t* q, int i, int h, int b, int eq, int shift) {
+                                       stage_query_block(q, h, eq, shift,
+                                                         queries + (i * kBlocks + b) * Layout::kQueryBlockBytes);
+                                     });
+
+  const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
+  const uint32_t stage_base = shared_address(stages);
+  const uint32_t query_base = shared_address(queries);
+
+  for (int first = 0; first < count;) {
+    // A run of tokens reading the same sequence: its stages are loaded once.
+    int end = first + 1;
+    int64_t run_visible = tq.visible[first];
+    while (end < count && tq.stats[4 * end + 3] == tq.stats[4 * first + 3]) run_visible = max(run_visible, tq.visible[end++]);
+    const int64_t sequence = tq.stats[4 * first + 3];
+    const int64_t load_end = run_visible < k1 ? run_visible : k1;
+
+    // Thread t copies row t of stage n: its chunks (zero-filled when not addressable) and its
+    // scale word; lane 0 of each warp records which of its rows are addressable. Stages are issued
+    // in order, so the thread follows its row's (page, row) instead of dividing per stage.
+    const SequenceRows sequence_rows(a.keys, sequence);
+    RowSplit next = split_rows(k0 + threadIdx.x, a.keys.rows_per_page);
+    auto issue = [&](int n) {
+      const int slot = n % kStages;
+      const int64_t row0 = k0 + int64_t{n} * kStageRows;
+      if (n < stage_count && row0 < load_end) {
+        const int64_t j = row0 + threadIdx.x;
+        const RowRef ref = j < load_end ? sequence_rows.at(next) : RowRef{};
+        for (next.row += kStageRows; next.row >= a.keys.rows_per_page; ++next.block) next.row -= a.keys.rows_per_page;
+        const uint8_t* data = ref.valid() ? ref.data : a.keys.pages;
+        const uint32_t rows = stage_base + slot * Layout::kStageBytes;
+#pragma unroll
+        for (int q = 0; q < Keys::kChunks; ++q) cp_async<16>(rows + Keys::offset(threadIdx.x, q), data + 16 * q, ref.valid());
+        // A dim-64 row has a 2-byte scale: the aligned word holding it.
+        const uintptr_t scale_address = reinterpret_cast<uintptr_t>(ref.valid() ? ref.scales : a.keys.pages);
+        cp_async<4>(stage_base + static_cast<uint32_t>(Layout::kScaleWordsOffset) + (slot * kStageRows + threadIdx.x) * 4,
+                    reinterpret_cast<const void*>(scale_address & ~uintptr_t{3}), ref.valid());
+        const uint32_t addressable = __ballot_sync(kFullMask, ref.valid());
+        const uint32_t high_half = __ballot_sync(kFullMask, (scale_address & 2) != 0);
+        uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords;
+        if (lane == 0) masks[warp] = addressable, masks[Layout::kMaskWords + warp] = high_half;
+      }
+      cp_async_commit();
+    };
+
+    for (int n = 0; n < kStages - 1; ++n) issue(n);
+    for (int n = 0; n < stage_count; ++n) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // stage n has landed, and every thread is done with the slot issue() refills
+      issue(n + kStages - 1);
+      const int slot = n % kStages;
+      const int64_t row0 = k0 + int64_t{n} * kStageRows;
+      if (row0 >= load_end) {  // beyond every token of the run
+        const int64_t j = row0 + threadIdx.x;
+        for (int i = first; i < end; ++i)
+          if (j < k1) a.scores[(t0 + i) * a.entries + j] = -INFINITY;
+        continue;
+      }
+      const uint32_t rows = stage_base + slot * Layout::kStageBytes;
+      const uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords;
+      auto addressable = [&](int row) { return ((masks[row / 32] >> (row % 32)) & 1u) != 0; };
+      // Lane l sums and stores row sum_row of the stage (half l / 16, the warp's row l % 16).
+      const int sum_row = (lane / kWarpRows) * kTileRows + warp * kWarpRows + lane % kWarpRows;
+      const int64_t fj = row0 + sum_row;
+
+#pragma unroll 1
+      for (int i = first; i < end; ++i) {
+        const FastBounds bounds(tq.stats + 4 * i, true);
+        const float* hs = tq.head_scales + i * kHeads;
+        const float* w = tq.weights + i * kHeads;
+#pragma unroll 1
+        for (int half = 0; half < 2; ++half) {
+          const int warp_row = half * kTileRows + warp * kWarpRows;  // the warp's first row in the stage
+          // The A operand: rows g and g + 8 of each block, codes moved to e4m3.
+          uint32_t frag[kBlocks][4];
+          {
+            const int row = warp_row + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+            for (int m = 0; m < kBlocks / 2; ++m) {
+              uint32_t r[4];  // rows g / g + 8 of blocks 2m and 2m + 1
+              ldmatrix_x4(r, rows + Keys::offset(row, 2 * m + (lane >> 4)));
+#pragma unroll
+              for (int s = 0; s < 2; ++s) {
+                uint32_t(&f)[4] = frag[2 * m + s];
+                f[0] = low_e2m1x4_to_e4m3x4(r[2 * s]), f[1] = low_e2m1x4_to_e4m3x4(r[2 * s + 1]);
+                f[2] = high_e2m1x4_to_e4m3x4(r[2 * s]), f[3] = high_e2m1x4_to_e4m3x4(r[2 * s + 1]);
+              }
+            }
+          }
+          float acc[kBlocks][4][4];
+          wgmma::fence();
+#pragma unroll
+          for (int b = 0; b < kBlocks; ++b)
+            wgmma::m64n32k32_e4m3_rs(acc[b], frag[b],
+                                     wgmma::sw32_k_major(query_base + (i * kBlocks + b) * Layout::kQueryBlockBytes));
+          wgmma::commit();
+
+          // Meanwhile rows g and g + 8: scale words, whether the fast path holds (with normal scales
+          // only), their scales 2^ek_b.
+          uint32_t words[2];
+          bool fast[2];
+          float row_scale[2][kBlocks];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = warp_row + g + 8 * r;
+            uint32_t word = scale_words[slot * kStageRows + row];
+            if constexpr (kBlocks == 2) word = (masks[Layout::kMaskWords + row / 32] >> (row % 32)) & 1u ? word >> 16 : word & 0xffffu;
+            const ExponentRange range = key_exponents<kBlocks>(word);
+            words[r] = word;
+            fast[r] = !addressable(row) || bounds.holds(range);
+#pragma unroll
+            for (int b = 0; b < kBlocks; ++b) row_scale[r][b] = __uint_as_float(((word >> (8 * b)) & 0xffu) << 23);
+          }
+          wgmma::wait<0>();
+#pragma unroll
+          for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
+          wgmma::pin(frag);
+
+          // The dots of this lane's 2 rows x 8 heads: [n tile j][row r][head 8j + 2c + k].
+          float dot[kHeads / 8][2][2];
+#pragma unroll
+          for (int j = 0; j < kHeads / 8; ++j) {
+            const float2 head_scale = *reinterpret_cast<const float2*>(hs + 8 * j + 2 * c);
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+              for (int k = 0; k < 2; ++k) {
+                float partial = __fmul_rn(acc[0][j][2 * r + k], row_scale[r][0]);
+#pragma unroll
+                for (int b = 1; b < kBlocks; ++b) partial = __fmaf_rn(acc[b][j][2 * r + k], row_scale[r][b], partial);
+                dot[j][r][k] = __fmul_rn(partial, k ? head_scale.y : head_scale.x);
+              }
+          }
+          if (__any_sync(kFullMask, !fast[0] || !fast[1])) {  // rows outside the fast path: the double sum
+            const float* bs = tq.block_scales + size_t(i) * kHeads * kBlocks;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              if (fast[r]) continue;
+#pragma unroll
+              for (int j = 0; j < kHeads / 8; ++j)
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                  const int h = 8 * j + 2 * c + k;
+                  double sum = 0.0;
+#pragma unroll
+                  for (int b = 0; b < kBlocks; ++b)
+                    sum = __fma_rn(static_cast<double>(acc[b][j][2 * r + k]) *
+                                       static_cast<double>(ue8m0_to_float(static_cast<uint8_t>(words[r] >> (8 * b)))),
+                                   static_cast<double>(bs[h * kBlocks + b]), sum);
+                  dot[j][r][k] = __double2float_rn(sum);
+                }
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < kHeads / 8; ++j) {
+            const int h = 8 * j + 2 * c;
+            const float2 weights = *reinterpret_cast<const float2*>(w + h);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              float2 term;
+              if constexpr (kBf16Rounding) term = bf16_weighted_terms(dot[j][r][0], dot[j][r][1], weights);
+              else term = make_float2(__fmul_rn(relu(dot[j][r][0]), weights.x), __fmul_rn(relu(dot[j][r][1]), weights.y));
+              *reinterpret_cast<float2*>(terms + (half * kWarpRows + g + 8 * r) * kTermsStride + h) = term;
+            }
+          }
+        }
+        __syncwarp();
+        // The reference's order, head by head. Padding heads (zero queries and weights) add +0,
+        // which leaves the sum alone: it starts at +0 and a round-to-nearest sum is never -0
+        // unless both terms are.
+        float score = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kHeads; k += 4) {
+          const float4 t = *reinterpret_cast<const float4*>(terms + lane * kTermsStride + k);
+          score = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(score, t.x), t.y), t.z), t.w);
+        }
+        if (fj < k1) {
+          const bool listed = !a.candidates || contains_block(a.candidates + (t0 + i) * a.num_candidates,
+                                                              a.num_candidates, split_rows(fj, a.candidate_block_size).block);
+          const bool scored = addressable(sum_row) && fj < tq.visible[i] && listed;
+          a.scores[(t0 + i) * a.entries + fj] =
+              !scored ? -INFINITY : kBf16Rounding && !a.partial ? bf16_rounded(score) : score;
+        }
+        __syncwarp();
+      }
+    }
+    cp_async_wait<0>();  // the remaining groups are empty; the next run reuses the stages
+    __syncthreads();
+    first = end;
+  }
+#endif
+}
+
+template <int kBlocks, bool kBf16Rounding>
+void launch_index_scores_wgmma(const IndexScoresRangeLaunch& a, cudaStream_t stream) {
+  const size_t shared = SharedLayout<kBlocks>{a.tokens_per_cta}.bytes();
+  auto kernel = index_scores_wgmma_kernel<kBlocks, kBf16Rounding>;
+  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  const dim3 grid(static_cast<unsigned>((a.entries + a.keys_per_cta - 1) / a.keys_per_cta),
+                  static_cast<unsigned>((a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta));
+  kernel<<<grid, kThreads, shared, stream>>>(a);
+}
+
+}  // namespace dsv4::cuda::index_wgmma
