@@ -71,21 +71,21 @@ __device__ __forceinline__ uint32_t high_e2m1x4_to_e4m3x4(uint32_t w) {
   return (w & 0x80808080u) | ((w >> 2) & 0x1c1c1c1cu);
 }
 
-// The range of a key row's MXFP4 block exponents ek = byte − 127 (a NaN scale, 0xff, gives 128,
-// beyond the fast path's bounds: the double path carries the NaN).
+// The range of a key row's MXFP4 scale bytes, ek_b + 127 (a NaN scale, 0xff, is beyond the fast
+// path's bounds: the double path carries the NaN).
 struct ExponentRange {
   int lo, hi;
 };
 
 template <int kBlocks>
 __device__ __forceinline__ ExponentRange key_exponents(uint32_t scales) {
-  ExponentRange range{INT_MAX, INT_MIN};
+  int lo = INT_MAX, hi = INT_MIN;
 #pragma unroll
   for (int b = 0; b < kBlocks; ++b) {
-    const int e = static_cast<int>((scales >> (8 * b)) & 0xffu) - 127;
-    range.lo = min(range.lo, e), range.hi = max(range.hi, e);
+    const int e = static_cast<int>(__byte_perm(scales, 0u, 0x4440u + b));
+    lo = min(lo, e), hi = max(hi, e);
   }
-  return range;
+  return {lo, hi};
 }
 
 // The fast path's bounds for one token (stats: its query exponent bounds; see "Exactness") on
@@ -93,11 +93,11 @@ __device__ __forceinline__ ExponentRange key_exponents(uint32_t scales) {
 // are exact for every head of the token. normal_scales also excludes the scale bytes 0 (2^-127, a
 // subnormal) and 255 (NaN), so that a kernel may form the fast rows' scales as byte << 23.
 struct FastBounds {
-  int spread, lo, hi;
+  int spread, lo, hi;  // on scale bytes
   __device__ FastBounds(const int* stats, bool normal_scales)
-      : spread(kFastSpread - stats[2]), lo(kFastMinExponent - stats[0]),
-        hi(min(kFastMaxExponent - stats[1], kMaxPartialExponent - stats[2])) {
-    if (normal_scales) lo = max(lo, -126), hi = min(hi, 127);
+      : spread(kFastSpread - stats[2]), lo(kFastMinExponent - stats[0] + 127),
+        hi(min(kFastMaxExponent - stats[1], kMaxPartialExponent - stats[2]) + 127) {
+    if (normal_scales) lo = max(lo, 1), hi = min(hi, 254);
   }
   __device__ bool holds(ExponentRange key) const {
     return (key.hi - key.lo <= spread) & (key.lo >= lo) & (key.hi <= hi);
@@ -106,7 +106,13 @@ struct FastBounds {
 
 __device__ __forceinline__ float bf16_rounded(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
-__device__ __forceinline__ float relu(float x) { return x < 0.0f ? 0.0f : x; }  // keeps NaN, as std::max(x, 0.0f)
+// max(x, 0) that keeps NaN, as std::max(x, 0.0f) (one instruction; it may turn a -0 into +0,
+// which changes no head sum: they start at +0).
+__device__ __forceinline__ float relu(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // The reference's weighted terms of two dots in bf16_rounding: bf16(relu(bf16(dot)) · w), a pair
 // per conversion. relu keeps NaN (__hmax2_nan); it may turn a -0 into +0, which changes no sum.

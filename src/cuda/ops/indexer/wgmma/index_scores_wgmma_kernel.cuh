@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
 
   const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
   const uint32_t stage_base = shared_address(stages);
-  const uint32_t query_base = shared_address(queries);
+  const uint64_t query_descriptor = wgmma::sw32_k_major(shared_address(queries));  // token 0, block 0
 
   for (int first = 0; first < count;) {
     // A run of tokens reading the same sequence: its stages are loaded once.
@@ -227,13 +227,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
           float acc[kBlocks][4][4];
           wgmma::fence();
 #pragma unroll
-          for (int b = 0; b < kBlocks; ++b)
-            wgmma::m64n32k32_e4m3_rs(acc[b], frag[b],
-                                     wgmma::sw32_k_major(query_base + (i * kBlocks + b) * Layout::kQueryBlockBytes));
+          for (int b = 0; b < kBlocks; ++b)  // the descriptor's address field counts 16-byte units
+            wgmma::m64n32k32_e4m3_rs(acc[b], frag[b], query_descriptor + (i * kBlocks + b) * (Layout::kQueryBlockBytes / 16));
           wgmma::commit();
 
-          // Meanwhile rows g and g + 8: scale words, whether the fast path holds (with normal scales
-          // only), their scales 2^ek_b.
+          // Meanwhile this lane's heads' scales (heads 8j + 2c, + 1 of n tile j) and
+          // rows g and g + 8: scale words, whether the fast path holds (with normal scales only),
+          // their scales 2^ek_b.
+          float2 head_scale[kHeads / 8];
+#pragma unroll
+          for (int j = 0; j < kHeads / 8; ++j) head_scale[j] = *reinterpret_cast<const float2*>(hs + 8 * j + 2 * c);
           uint32_t words[2];
           bool fast[2];
           float row_scale[2][kBlocks];
@@ -257,7 +260,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
           float dot[kHeads / 8][2][2];
 #pragma unroll
           for (int j = 0; j < kHeads / 8; ++j) {
-            const float2 head_scale = *reinterpret_cast<const float2*>(hs + 8 * j + 2 * c);
 #pragma unroll
             for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -265,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
                 float partial = __fmul_rn(acc[0][j][2 * r + k], row_scale[r][0]);
 #pragma unroll
                 for (int b = 1; b < kBlocks; ++b) partial = __fmaf_rn(acc[b][j][2 * r + k], row_scale[r][b], partial);
-                dot[j][r][k] = __fmul_rn(partial, k ? head_scale.y : head_scale.x);
+                dot[j][r][k] = __fmul_rn(partial, k ? head_scale[j].y : head_scale[j].x);
               }
           }
           if (__any_sync(kFullMask, !fast[0] || !fast[1])) {  // rows outside the fast path: the double sum
@@ -291,12 +293,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
 #pragma unroll
           for (int j = 0; j < kHeads / 8; ++j) {
             const int h = 8 * j + 2 * c;
-            const float2 weights = *reinterpret_cast<const float2*>(w + h);
+            const float2 weight = *reinterpret_cast<const float2*>(w + h);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
               float2 term;
-              if constexpr (kBf16Rounding) term = bf16_weighted_terms(dot[j][r][0], dot[j][r][1], weights);
-              else term = make_float2(__fmul_rn(relu(dot[j][r][0]), weights.x), __fmul_rn(relu(dot[j][r][1]), weights.y));
+              if constexpr (kBf16Rounding) term = bf16_weighted_terms(dot[j][r][0], dot[j][r][1], weight);
+              else term = make_float2(__fmul_rn(relu(dot[j][r][0]), weight.x), __fmul_rn(relu(dot[j][r][1]), weight.y));
               *reinterpret_cast<float2*>(terms + (half * kWarpRows + g + 8 * r) * kTermsStride + h) = term;
             }
           }
