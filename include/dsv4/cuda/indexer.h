@@ -32,12 +32,12 @@ struct IndexScoresParams {
                                    // the sum stays fp32, rounded once the ranks' sums are added
   bool fp4_queries = false;        // q holds FP4 values (SPEC §4.2 QAT: e2m1 times a power of two per
                                    // 32 channels of a head), so an implementation may read q as e2m1
-                                   // codes (mma_f16); a head with a block that is not gets NaN dots
+                                   // codes (wgmma, mma_f16); a head with a block that is not gets NaN dots
 };
 
 void validate_index_scores(const IndexScoresParams& p);
 // The name of the implementation run_index_scores picks for this call on the current device
-// ("mma_f16": tensor cores, "simt": the portable kernel); for tests and dsv4 bench.
+// ("wgmma", "mma_f16": tensor cores, "simt": the portable kernel); for tests and dsv4 bench.
 const char* index_scores_implementation(const IndexScoresParams& p);
 void run_index_scores(const IndexScoresParams& p, cudaStream_t stream);
 
