@@ -75,13 +75,12 @@ void validate_index_scores(const IndexScoresParams& p) {
 }
 
 int64_t index_keys_per_cta(int64_t entries, int64_t token_groups, size_t shared_bytes, int max_resident, int64_t granule,
-                           int64_t min_keys, const DeviceInfo& device) {
-  constexpr int64_t kWaves = 2;
+                           int64_t min_keys, int waves, const DeviceInfo& device) {
   const int64_t resident = std::clamp<int64_t>(device.max_shared_bytes_per_sm / static_cast<int64_t>(shared_bytes + 1024),
                                                1, max_resident);
-  const int64_t target = kWaves * std::max(device.multiprocessors, 1) * resident;
-  const int64_t splits = std::clamp<int64_t>((target + token_groups - 1) / token_groups, 1,
-                                             std::max<int64_t>(1, entries / min_keys));
+  const int64_t target = waves * std::max(device.multiprocessors, 1) * resident;
+  // Rounded down: one CTA beyond the waves would start a wave of its own.
+  const int64_t splits = std::clamp<int64_t>(target / token_groups, 1, std::max<int64_t>(1, entries / min_keys));
   const int64_t keys = (entries + splits - 1) / splits;
   return (keys + granule - 1) / granule * granule;
 }

@@ -49,11 +49,11 @@ int index_tokens_per_cta(int64_t tokens, int max_tokens, size_t shared_budget, S
   while (n > 1 && shared_bytes(static_cast<int>(n)) > shared_budget) --n;
   return static_cast<int>(n);
 }
-// Keys per CTA: enough CTAs for two waves of `resident` CTAs per SM (at most max_resident, as the
-// CTA's shared bytes allow), each at least min_keys keys so that the query staging and the
+// Keys per CTA: at most `waves` waves of `resident` CTAs per SM (at most max_resident, as
+// the CTA's shared bytes allow), each at least min_keys keys so that the query staging and the
 // pipeline's start are amortized; a multiple of granule.
 int64_t index_keys_per_cta(int64_t entries, int64_t token_groups, size_t shared_bytes, int max_resident, int64_t granule,
-                           int64_t min_keys, const DeviceInfo& device);
+                           int64_t min_keys, int waves, const DeviceInfo& device);
 
 struct TopkLaunch {
   const float* scores = nullptr;            // [tokens, n]

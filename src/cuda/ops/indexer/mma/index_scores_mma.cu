@@ -27,6 +27,7 @@ constexpr int64_t kMaxGridY = 65535;
 // the tokens.
 constexpr size_t kSharedBudget = 75 * 1024;
 constexpr int64_t kMinKeysPerCta = 1024;  // 8 stages per warp
+constexpr int kWaves = 2;
 
 size_t shared_bytes(int blocks, bool fp8, int tokens_per_cta, int heads) {
   using index_mma::SharedLayout;
@@ -41,7 +42,7 @@ int tokens_per_cta(int64_t tokens, int heads, int blocks, bool fp8) {
 
 int64_t keys_per_cta(int64_t entries, int64_t token_groups, size_t shared, const DeviceInfo& device) {
   return index_keys_per_cta(entries, token_groups, shared, index_mma::kMinBlocksPerSm, index_mma::kKeyGranule,
-                            kMinKeysPerCta, device);
+                            kMinKeysPerCta, kWaves, device);
 }
 
 std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {

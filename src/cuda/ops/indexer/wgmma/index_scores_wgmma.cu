@@ -24,6 +24,8 @@ using index_wgmma::launch_index_scores_wgmma;
 constexpr int64_t kMaxGridY = 65535;
 constexpr size_t kSharedBudget = 56 * 1024;  // four CTAs (warpgroups) per SM
 constexpr int64_t kMinKeysPerCta = 1024;     // 8 stages
+// One wave: CTAs of equal work finish together, and longer ranges amortize the query staging.
+constexpr int kWaves = 1;
 
 size_t shared_bytes(int blocks, int tokens_per_cta) {
   using index_wgmma::SharedLayout;
@@ -68,7 +70,7 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
   a.tokens_per_cta = tokens_per_cta(a.tokens, blocks);
   a.keys_per_cta = index_keys_per_cta(a.entries, (a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta,
                                       shared_bytes(blocks, a.tokens_per_cta), index_wgmma::kMinBlocksPerSm,
-                                      index_wgmma::kStageRows, kMinKeysPerCta, device_info());
+                                      index_wgmma::kStageRows, kMinKeysPerCta, kWaves, device_info());
   if (blocks == 4) a.bf16_rounding ? launch_index_scores_wgmma<4, true>(a, stream) : launch_index_scores_wgmma<4, false>(a, stream);
   else a.bf16_rounding ? launch_index_scores_wgmma<2, true>(a, stream) : launch_index_scores_wgmma<2, false>(a, stream);
   check_launch("index_scores");

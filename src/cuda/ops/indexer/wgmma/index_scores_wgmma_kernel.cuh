@@ -30,6 +30,7 @@
 // staged in that order.
 #pragma once
 
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -52,7 +53,7 @@ inline constexpr int kThreads = 128;              // one warpgroup
 inline constexpr int kTileRows = 64;              // the MMA's M
 inline constexpr int kWarpRows = 16;              // a warp's rows of a tile
 inline constexpr int kStageRows = 2 * kTileRows;  // one per thread for the copies
-inline constexpr int kStages = 4;
+inline constexpr int kStages = 3;  // with the term buffers, 4 CTAs fit an SM's shared memory
 inline constexpr int kHeads = 32;                 // the MMA's N: the index heads, zero-padded
 inline constexpr int kTermsStride = kHeads + 4;   // a lane's float4 reads of its row do not conflict
 inline constexpr int kMaxTokensPerCta = 8;
@@ -91,12 +92,13 @@ inline __device__ __noinline__ void stage_query_block(const uint16_t* q, int h, 
   uint32_t words[8];
 #pragma unroll
   for (int w = 0; w < 8; ++w) {
-    words[w] = 0;
+    uint32_t pairs[2];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float v = eq == kNoExponent ? 0.0f : scaled_by_power_of_two(x[query_channel(4 * w + i)], shift - 6 - eq);
-      words[w] |= uint32_t{float_to_e4m3(v)} << (8 * i);
+    for (int i = 0; i < 2; ++i) {  // exact: the values are e4m3 numbers
+      auto value = [&](int k) { return eq == kNoExponent ? 0.0f : scaled_by_power_of_two(x[query_channel(k)], shift - 6 - eq); };
+      pairs[i] = __nv_cvt_float2_to_fp8x2(make_float2(value(4 * w + 2 * i), value(4 * w + 2 * i + 1)), __NV_SATFINITE, __NV_E4M3);
     }
+    words[w] = pairs[0] | pairs[1] << 16;
   }
 #pragma unroll
   for (int u = 0; u < 2; ++u)
