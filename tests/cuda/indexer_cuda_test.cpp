@@ -18,6 +18,7 @@
 
 #include "cuda/cuda_test_util.h"
 #include "cuda/ops/indexer/indexer_implementations.h"
+#include "cuda/ops/indexer/indexer_launch.h"
 #include "dsv4/cuda/indexer.h"
 #include "reference/ops.h"
 
@@ -649,6 +650,29 @@ TEST(IndexerCudaDispatch, ChoosesTensorCoresForFp4QueriesOnSm90) {
             "129 index heads, supports at most 128");
   p.fp4_queries = false;
   EXPECT_STREQ(choose_index_scores(p, h200).name, "simt");
+}
+
+// The tensor-core implementations' key ranges: as many CTAs as `waves` waves hold and no more
+// (one CTA beyond them would start a wave of its own), each at least min_keys long, a multiple of
+// the granule, covering every entry.
+TEST(IndexerCudaDispatch, KeyRangesFillWholeWaves) {
+  const DeviceInfo h200{90, 232448, 233472, 132};
+  const size_t shared = 50 * 1024;  // four CTAs per SM
+  for (const int waves : {1, 2})
+    for (const int64_t entries : {int64_t{32768}, int64_t{131072}, int64_t{100003}}) {
+      const int64_t keys = index_keys_per_cta(entries, 64, shared, 4, 128, 1024, waves, h200);
+      const int64_t ctas = 64 * ((entries + keys - 1) / keys);
+      EXPECT_EQ(keys % 128, 0) << entries;
+      EXPECT_LE(ctas, waves * 132 * 4) << entries << " entries, " << waves << " waves";
+      EXPECT_GT(ctas, waves * 132 * 4 / 2) << entries << " entries, " << waves << " waves";
+    }
+  // Few entries: ranges of at least min_keys, whatever the waves (3000 entries: two of 1536).
+  EXPECT_EQ(index_keys_per_cta(3000, 64, shared, 4, 128, 1024, 1, h200), 1536);
+  // More token groups than a wave holds: one range per token group.
+  EXPECT_EQ(index_keys_per_cta(131072, 4096, shared, 4, 128, 1024, 1, h200), 131072);
+  // Shared memory limits the CTAs per SM: three of 70 KB.
+  const int64_t keys = index_keys_per_cta(131072, 64, 70 * 1024, 4, 128, 1024, 1, h200);
+  EXPECT_LE(64 * ((131072 + keys - 1) / keys), 132 * 3);
 }
 
 TEST_F(CudaTest, IndexerChoosesSimtOnThisDevice) {
