@@ -41,6 +41,7 @@
 #include "cuda/common/paged_rows.cuh"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/ops/indexer/fp4_dots.cuh"
+#include "cuda/ops/indexer/token_ranges.cuh"
 #include "cuda/ops/indexer/indexer_launch.h"
 #include "cuda/ops/indexer/visible_entries.cuh"
 #include "dsv4/numeric.h"
@@ -123,19 +124,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   float* const terms = reinterpret_cast<float*>(stages + Layout::kTermsOffset) + warp * 2 * kWarpRows * kTermsStride;
 
-  const int64_t t0 = int64_t{blockIdx.y} * a.tokens_per_cta;
-  const int count = static_cast<int>(a.tokens - t0 < a.tokens_per_cta ? a.tokens - t0 : a.tokens_per_cta);
-  const int64_t k0 = int64_t{blockIdx.x} * a.keys_per_cta;
-  const int64_t k1 = k0 + a.keys_per_cta < a.entries ? k0 + a.keys_per_cta : a.entries;
+  const CtaRange cta(a);
+  const int64_t t0 = cta.t0, k0 = cta.k0, k1 = cta.k1;
+  const int count = cta.count;
   init_tokens<kThreads>(a, t0, count, tq);
   __syncthreads();
-  int64_t cta_visible = 0;
-  for (int i = 0; i < count; ++i) cta_visible = max(cta_visible, tq.visible[i]);
-  if (k0 >= cta_visible) {  // the range is in every token's future
-    for (int i = 0; i < count; ++i)
-      for (int64_t j = k0 + threadIdx.x; j < k1; j += kThreads) a.scores[(t0 + i) * a.entries + j] = -INFINITY;
-    return;
-  }
+  if (cta.in_the_future<kThreads>(a, tq.visible)) return;
   prepare_queries<kBlocks, kThreads>(a, t0, count, kHeads, tq,
                                      [&](const uint16_t* q, int i, int h, int b, int eq, int shift) {
                                        stage_query_block(q, h, eq, shift,
@@ -148,11 +142,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
 
   for (int first = 0; first < count;) {
     // A run of tokens reading the same sequence: its stages are loaded once.
-    int end = first + 1;
-    int64_t run_visible = tq.visible[first];
-    while (end < count && tq.stats[4 * end + 3] == tq.stats[4 * first + 3]) run_visible = max(run_visible, tq.visible[end++]);
-    const int64_t sequence = tq.stats[4 * first + 3];
-    const int64_t load_end = run_visible < k1 ? run_visible : k1;
+    const TokenRun run(cta, first, tq);
+    const int end = run.end;
+    const int64_t sequence = run.sequence, load_end = run.load_end;
 
     // Thread t copies row t of stage n: its chunks (zero-filled when not addressable) and its
     // scale word; lane 0 of each warp records which of its rows are addressable. Stages are issued
@@ -337,9 +329,7 @@ void launch_index_scores_wgmma(const IndexScoresRangeLaunch& a, cudaStream_t str
   const size_t shared = SharedLayout<kBlocks>{a.tokens_per_cta}.bytes();
   auto kernel = index_scores_wgmma_kernel<kBlocks, kBf16Rounding>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-  const dim3 grid(static_cast<unsigned>((a.entries + a.keys_per_cta - 1) / a.keys_per_cta),
-                  static_cast<unsigned>((a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta));
-  kernel<<<grid, kThreads, shared, stream>>>(a);
+  kernel<<<range_grid(a), kThreads, shared, stream>>>(a);
 }
 
 }  // namespace dsv4::cuda::index_wgmma
