@@ -15,7 +15,7 @@
 // are zero-filled). Per 64-row half of a stage each warp reads its 16 rows with ldmatrix and
 // moves the codes to e4m3 in registers: the A operand (M = keys). The queries are B (N = 32 heads,
 // padded with zero queries; K-major, 32-byte swizzle), staged once per CTA. Consecutive tokens of
-// the CTA that read the same sequence (a prefill chunk) share the loads and the A registers.
+// the CTA that read the same sequence (a prefill chunk) share the stages' loads.
 //
 // Epilogue. A lane holds 2 rows x 8 heads of each block's accumulators: it combines the blocks
 // with the rows' scales (in block order, as mma_f16 does), forms the weighted terms and writes
@@ -41,8 +41,8 @@
 #include "cuda/common/paged_rows.cuh"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/ops/indexer/fp4_dots.cuh"
-#include "cuda/ops/indexer/token_ranges.cuh"
 #include "cuda/ops/indexer/indexer_launch.h"
+#include "cuda/ops/indexer/token_ranges.cuh"
 #include "cuda/ops/indexer/visible_entries.cuh"
 #include "dsv4/numeric.h"
 
