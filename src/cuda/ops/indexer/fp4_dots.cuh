@@ -56,6 +56,7 @@ inline constexpr int16_t kNotFp4 = INT16_MAX;      // a block that is not e2m1 t
 // fall on 8 different groups of 4 banks.
 template <int kRowBytes>
 struct SwizzledKeyRows {
+  static constexpr int kBytes = kRowBytes;
   static constexpr int kChunks = kRowBytes / 16;
   __host__ __device__ static int offset(int row, int chunk) {
     return row * kRowBytes + ((chunk ^ ((row * kChunks / 8) % kChunks)) << 4);

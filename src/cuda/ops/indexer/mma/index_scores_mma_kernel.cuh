@@ -64,11 +64,10 @@ __host__ __device__ constexpr int head_tiles(int heads) { return (heads + 7) / 8
 // A warp's stage of key rows (SwizzledKeyRows).
 template <int kBlocks, bool kFp8>
 struct KeyRows : SwizzledKeyRows<kFp8 ? kBlocks * kBlockChannels : kBlocks * kBlockChannels / 2> {
-  static constexpr int kRowBytes = kFp8 ? kBlocks * kBlockChannels : kBlocks * kBlockChannels / 2;
-  static constexpr int kChunks = kRowBytes / 16;  // 2, 4 or 8
-  static constexpr int kStageBytes = kStageRows * kRowBytes;
+  using Rows = KeyRows::SwizzledKeyRows;  // 2, 4 or 8 chunks
+  static constexpr int kStageBytes = kStageRows * Rows::kBytes;
   // ldmatrix.x4 per 16-row fragment, each covering chunks 2m and 2m + 1: two MXFP4 blocks, one fp8 block
-  static constexpr int kLoads = kChunks / 2;
+  static constexpr int kLoads = Rows::kChunks / 2;
 };
 
 // Shared memory of a CTA: the tokens' query fragments, scales, weights and ranges, then per warp

@@ -33,7 +33,6 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <climits>
 #include <cstdint>
 
 #include "cuda/common/async_copy.cuh"
@@ -67,9 +66,8 @@ __host__ __device__ constexpr int query_channel(int k) { return 2 * (k % 16) + k
 // warp its buffer of weighted terms.
 template <int kBlocks>
 struct SharedLayout {
-  using Keys = SwizzledKeyRows<kBlocks * kBlockChannels / 2>;
-  static constexpr int kRowBytes = kBlocks * kBlockChannels / 2;
-  static constexpr int kStageBytes = kStageRows * kRowBytes;
+  using Keys = SwizzledKeyRows<kBlocks * kBlockChannels / 2>;  // MXFP4: two codes a byte
+  static constexpr int kStageBytes = kStageRows * Keys::kBytes;
   static constexpr int kQueryBlockBytes = kHeads * kBlockChannels;
   static constexpr int kMaskWords = kStageRows / 32;  // per stage: addressable rows, then (dim 64) scale in the high half
   int tokens;
