@@ -283,9 +283,10 @@ TEST_F(CudaTest, IndexScoresTensorCoresFp32) {
   }
 }
 
-// Prefill chunks (both tensor-core implementations): a CTA takes one token per 64 of the step (up to 8; 151 tokens: 2, 200: 3, 520:
-// 8), and consecutive tokens of one sequence share its key loads: runs of one sequence that do not
-// align with the CTAs' tokens, and alternating sequences.
+// Prefill chunks (both tensor-core implementations): a CTA takes one token per 64 of the step (up
+// to 8 as shared memory allows; 151 tokens: 2, 200: 3, 520: 8 or fewer), and consecutive tokens of
+// one sequence share its key loads (wgmma: its A operands too): runs of one sequence that do not
+// align with the CTAs' tokens, odd run lengths, and alternating sequences.
 TEST_F(CudaTest, IndexScoresTensorCoresPrefillChunks) {
   ScoresCase runs{.heads = 32, .ratio = 1, .seed = 801, .fp4_queries = true, .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)};
   for (int32_t p = 600; p < 675; ++p) runs.tokens.push_back({0, p});

@@ -11,10 +11,18 @@
 namespace dsv4::cuda {
 
 namespace index_wgmma {
-extern template void launch_index_scores_wgmma<2, false>(const IndexScoresRangeLaunch&, cudaStream_t);
-extern template void launch_index_scores_wgmma<2, true>(const IndexScoresRangeLaunch&, cudaStream_t);
-extern template void launch_index_scores_wgmma<4, false>(const IndexScoresRangeLaunch&, cudaStream_t);
-extern template void launch_index_scores_wgmma<4, true>(const IndexScoresRangeLaunch&, cudaStream_t);
+#define DSV4_WGMMA_INDEX_SCORES(kBlocks, kBf16Rounding, kTokenRuns)                      \
+  extern template void launch_index_scores_wgmma<kBlocks, kBf16Rounding, kTokenRuns>( \
+      const IndexScoresRangeLaunch&, cudaStream_t);
+DSV4_WGMMA_INDEX_SCORES(2, false, false)
+DSV4_WGMMA_INDEX_SCORES(2, true, false)
+DSV4_WGMMA_INDEX_SCORES(4, false, false)
+DSV4_WGMMA_INDEX_SCORES(4, true, false)
+DSV4_WGMMA_INDEX_SCORES(2, false, true)
+DSV4_WGMMA_INDEX_SCORES(2, true, true)
+DSV4_WGMMA_INDEX_SCORES(4, false, true)
+DSV4_WGMMA_INDEX_SCORES(4, true, true)
+#undef DSV4_WGMMA_INDEX_SCORES
 }  // namespace index_wgmma
 
 namespace {
@@ -22,7 +30,9 @@ namespace {
 using index_wgmma::launch_index_scores_wgmma;
 
 constexpr int64_t kMaxGridY = 65535;
-constexpr size_t kSharedBudget = 56 * 1024;  // four CTAs (warpgroups) per SM
+// A CTA's shared memory where ctas_per_sm CTAs (warpgroups) share an SM's 228 KB, less the 1 KB
+// the hardware reserves per CTA.
+constexpr size_t shared_budget(bool token_runs) { return (228 / index_wgmma::ctas_per_sm(token_runs) - 1) * 1024; }
 constexpr int64_t kMinKeysPerCta = 1024;     // 8 stages
 // One wave: CTAs of equal work finish together, and longer ranges amortize the query staging.
 constexpr int kWaves = 1;
@@ -32,8 +42,9 @@ size_t shared_bytes(int blocks, int tokens_per_cta) {
   return blocks == 2 ? SharedLayout<2>{tokens_per_cta}.bytes() : SharedLayout<4>{tokens_per_cta}.bytes();
 }
 
+// Tokens per CTA: as many as the budget of CTAs with token runs allows (1: the one-token kernel).
 int tokens_per_cta(int64_t tokens, int blocks) {
-  return index_tokens_per_cta(tokens, index_wgmma::kMaxTokensPerCta, kSharedBudget,
+  return index_tokens_per_cta(tokens, index_wgmma::kMaxTokensPerCta, shared_budget(true),
                               [&](int n) { return shared_bytes(blocks, n); });
 }
 
@@ -68,11 +79,17 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
   if (a.tokens == 0 || a.entries == 0) return;
   const int blocks = static_cast<int>(p.q.shape[2] / 32);
   a.tokens_per_cta = tokens_per_cta(a.tokens, blocks);
+  const bool token_runs = a.tokens_per_cta > 1;
   a.keys_per_cta = index_keys_per_cta(a.entries, (a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta,
-                                      shared_bytes(blocks, a.tokens_per_cta), index_wgmma::kMinBlocksPerSm,
+                                      shared_bytes(blocks, a.tokens_per_cta), index_wgmma::ctas_per_sm(token_runs),
                                       index_wgmma::kStageRows, kMinKeysPerCta, kWaves, device_info());
-  if (blocks == 4) a.bf16_rounding ? launch_index_scores_wgmma<4, true>(a, stream) : launch_index_scores_wgmma<4, false>(a, stream);
-  else a.bf16_rounding ? launch_index_scores_wgmma<2, true>(a, stream) : launch_index_scores_wgmma<2, false>(a, stream);
+  using Launch = void (*)(const IndexScoresRangeLaunch&, cudaStream_t);
+  constexpr Launch kLaunches[2][2][2] = {  // [dim 128][bf16_rounding][token_runs]
+      {{launch_index_scores_wgmma<2, false, false>, launch_index_scores_wgmma<2, false, true>},
+       {launch_index_scores_wgmma<2, true, false>, launch_index_scores_wgmma<2, true, true>}},
+      {{launch_index_scores_wgmma<4, false, false>, launch_index_scores_wgmma<4, false, true>},
+       {launch_index_scores_wgmma<4, true, false>, launch_index_scores_wgmma<4, true, true>}}};
+  kLaunches[blocks == 4][a.bf16_rounding][token_runs](a, stream);
   check_launch("index_scores");
 }
 

@@ -9,20 +9,22 @@
 // straight from the e4m3 codes, which leaves the CUDA cores the block combine and the weighted
 // head sum.
 //
-// Shape. A CTA is one warpgroup. It takes up to kMaxTokensPerCta tokens and a range of
-// keys_per_cta entries (the host sizes it to fill the GPU) and streams 128-row stages of the range
-// through a kStages-deep cp.async pipeline (thread t copies row t; rows that are not addressable
-// are zero-filled). Per 64-row half of a stage each warp reads its 16 rows with ldmatrix and
-// moves the codes to e4m3 in registers: the A operand (M = keys). The queries are B (N = 32 heads,
-// padded with zero queries; K-major, 32-byte swizzle), staged once per CTA. Consecutive tokens of
-// the CTA that read the same sequence (a prefill chunk) share the stages' loads.
+// Shape. A CTA is one warpgroup. It takes a range of keys_per_cta entries (the host sizes it to
+// fill the GPU) for one token (decode: four CTAs per SM) or, with kTokenRuns, up to
+// kMaxTokensPerCta tokens (prefill chunks: three per SM, for the registers below), and streams
+// 128-row stages of the range through a kStages-deep cp.async pipeline (thread t copies row t; rows
+// that are not addressable are zero-filled). Per 64-row half of a stage each warp reads its 16 rows
+// with ldmatrix and moves the codes to e4m3 in registers: the A operand (M = keys). The queries
+// are B (N = 32 heads, padded with zero queries; K-major, 32-byte swizzle), staged once per CTA.
+// Consecutive tokens of the CTA that read the same sequence (a run) share the stages' loads and,
+// half by half, the A operand and the rows' scales, which stay in registers while the run's tokens
+// are scored.
 //
-// Epilogue. A lane holds 2 rows x 8 heads of each block's accumulators: it combines the blocks
-// with the rows' scales (in block order, as mma_f16 does), forms the weighted terms and writes
-// them to its warp's [32 rows x 32 heads] buffer (its 16 rows of both halves); each lane then adds
-// one row's terms in head order (the reference's order) and stores the score. A token's two halves
-// share that pass, so every lane sums; the A operand is re-read per token (a prefill chunk's
-// tokens reuse the stage, not the registers).
+// Epilogue. A unit is one token and one half of a stage. A lane holds 2 rows x 8 heads of each
+// block's accumulators: it combines the blocks with the rows' scales (in block order, as mma_f16
+// does), forms the weighted terms and writes them to one of the two 16-row slots of its warp's
+// term buffer; once both slots hold a unit (a token's two halves, or two units of a run), each
+// lane adds one row's terms in head order (the reference's order) and stores the score.
 //
 // K order. A lane's A register of a block holds the codes of the 4 bytes ldmatrix gives it (bytes
 // 4c … 4c + 3 of the block's 16 bytes): the low nibbles are logical k = 4c … 4c + 3, the high ones
@@ -57,13 +59,16 @@ inline constexpr int kStages = 3;  // with the term buffers, 4 CTAs fit an SM's 
 inline constexpr int kHeads = 32;                 // the MMA's N: the index heads, zero-padded
 inline constexpr int kTermsStride = kHeads + 4;   // a lane's float4 reads of its row do not conflict
 inline constexpr int kMaxTokensPerCta = 8;
-inline constexpr int kMinBlocksPerSm = 4;
+// A CTA of one token (decode) fits 128 registers, four per SM; one that scores runs of several
+// tokens keeps a stage's A operand and row scales in registers across the run's tokens, which
+// takes more: three per SM.
+__host__ __device__ constexpr int ctas_per_sm(bool token_runs) { return token_runs ? 3 : 4; }
 
 __host__ __device__ constexpr int query_channel(int k) { return 2 * (k % 16) + k / 16; }
 
 // Shared memory of a CTA (256-byte aligned): the tokens' queries ([tokens][blocks] SW32 [32 heads
-// x 32] e4m3), their TokenQueries, then the stages (key rows, scale words, row masks) and per
-// warp its buffer of weighted terms.
+// x 32] e4m3), their TokenQueries and fast-path bounds, then the stages (key rows, scale words, row
+// masks) and per warp its buffer of weighted terms.
 template <int kBlocks>
 struct SharedLayout {
   using Keys = SwizzledKeyRows<kBlocks * kBlockChannels / 2>;  // MXFP4: two codes a byte
@@ -74,7 +79,10 @@ struct SharedLayout {
   __host__ __device__ size_t query_bytes() const { return size_t(tokens) * kBlocks * kQueryBlockBytes; }
   __host__ __device__ TokenArrays token_arrays() const { return {size_t(tokens), size_t(kHeads), size_t(kBlocks)}; }
   __host__ __device__ size_t tokens_offset() const { return query_bytes(); }
-  __host__ __device__ size_t stages_offset() const { return tokens_offset() + token_arrays().bytes(); }
+  __host__ __device__ size_t bounds_offset() const { return tokens_offset() + token_arrays().bytes(); }
+  __host__ __device__ size_t stages_offset() const {
+    return bounds_offset() + TokenArrays::align16(size_t(tokens) * sizeof(FastBounds));
+  }
   static constexpr size_t kScaleWordsOffset = size_t(kStages) * kStageBytes;
   static constexpr size_t kMasksOffset = kScaleWordsOffset + size_t(kStages) * kStageRows * 4;
   static constexpr size_t kTermsOffset = kMasksOffset + size_t(kStages) * 2 * kMaskWords * 4;
@@ -106,8 +114,17 @@ inline __device__ __noinline__ void stage_query_block(const uint16_t* q, int h, 
   wgmma::fence_shared_for_async_proxy();  // the MMAs read the tile through the async proxy
 }
 
-template <int kBlocks, bool kBf16Rounding>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_kernel(IndexScoresRangeLaunch a) {
+// A key row's scales as a unit's epilogue reads them.
+template <int kBlocks>
+struct RowScales {
+  uint32_t word;         // its kBlocks ue8m0 scale bytes
+  ExponentRange range;   // their smallest and largest
+  bool addressable;      // else the row's score is -inf and its scales are never read
+  float scale[kBlocks];  // 2^ek_b (for normal scale bytes: the fast path's rows)
+};
+
+template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
+__global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_scores_wgmma_kernel(IndexScoresRangeLaunch a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Layout = SharedLayout<kBlocks>;
   using Keys = typename Layout::Keys;
@@ -116,6 +133,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
   const Layout layout{a.tokens_per_cta};
   uint8_t* const queries = shared;
   const TokenQueries tq = layout.token_arrays().at(shared + layout.tokens_offset());
+  FastBounds* const token_bounds = reinterpret_cast<FastBounds*>(shared + layout.bounds_offset());  // [tokens]
   uint8_t* const stages = shared + layout.stages_offset();
   const uint32_t* const scale_words = reinterpret_cast<const uint32_t*>(stages + Layout::kScaleWordsOffset);
   uint32_t* const row_masks = reinterpret_cast<uint32_t*>(stages + Layout::kMasksOffset);
@@ -133,6 +151,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
                                        stage_query_block(q, h, eq, shift,
                                                          queries + (i * kBlocks + b) * Layout::kQueryBlockBytes);
                                      });
+  // Read by every unit of a token (the first stage's barrier orders these stores before them).
+  for (int i = threadIdx.x; i < count; i += kThreads) token_bounds[i] = FastBounds(tq.stats + 4 * i, true);
 
   const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
   const uint32_t stage_base = shared_address(stages);
@@ -141,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
   for (int first = 0; first < count;) {
     // A run of tokens reading the same sequence: its stages are loaded once.
     const TokenRun run(cta, first, tq);
-    const int end = run.end;
+    const int end = kTokenRuns ? run.end : first + 1;  // without runs, a CTA has one token
     const int64_t sequence = run.sequence, load_end = run.load_end;
 
     // Thread t copies row t of stage n: its chunks (zero-filled when not addressable) and its
@@ -188,131 +208,183 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
       const uint32_t rows = stage_base + slot * Layout::kStageBytes;
       const uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords;
       auto addressable = [&](int row) { return ((masks[row / 32] >> (row % 32)) & 1u) != 0; };
-      // Lane l sums and stores row sum_row of the stage (half l / 16, the warp's row l % 16).
-      const int sum_row = (lane / kWarpRows) * kTileRows + warp * kWarpRows + lane % kWarpRows;
-      const int64_t fj = row0 + sum_row;
 
-#pragma unroll 1
-      for (int i = first; i < end; ++i) {
-        const FastBounds bounds(tq.stats + 4 * i, true);
-        const float* hs = tq.head_scales + i * kHeads;
-        const float* w = tq.weights + i * kHeads;
-#pragma unroll 1
-        for (int half = 0; half < 2; ++half) {
-          const int warp_row = half * kTileRows + warp * kWarpRows;  // the warp's first row in the stage
-          // The A operand: rows g and g + 8 of each block, codes moved to e4m3.
-          uint32_t frag[kBlocks][4];
-          {
-            const int row = warp_row + (lane & 7) + 8 * ((lane >> 3) & 1);
+      // The work of one unit (one token, one 64-row half of the stage), in the pieces both loop
+      // orders below share. The A operand of the warp's 16 rows from warp_row: rows g and g + 8 of
+      // each block, codes moved to e4m3.
+      auto load_a = [&](int warp_row, uint32_t (&frag)[kBlocks][4]) {
+        const int row = warp_row + (lane & 7) + 8 * ((lane >> 3) & 1);
 #pragma unroll
-            for (int m = 0; m < kBlocks / 2; ++m) {
-              uint32_t r[4];  // rows g / g + 8 of blocks 2m and 2m + 1
-              ldmatrix_x4(r, rows + Keys::offset(row, 2 * m + (lane >> 4)));
+        for (int m = 0; m < kBlocks / 2; ++m) {
+          uint32_t r[4];  // rows g / g + 8 of blocks 2m and 2m + 1
+          ldmatrix_x4(r, rows + Keys::offset(row, 2 * m + (lane >> 4)));
 #pragma unroll
-              for (int s = 0; s < 2; ++s) {
-                uint32_t(&f)[4] = frag[2 * m + s];
-                f[0] = low_e2m1x4_to_e4m3x4(r[2 * s]), f[1] = low_e2m1x4_to_e4m3x4(r[2 * s + 1]);
-                f[2] = high_e2m1x4_to_e4m3x4(r[2 * s]), f[3] = high_e2m1x4_to_e4m3x4(r[2 * s + 1]);
-              }
-            }
-          }
-          float acc[kBlocks][4][4];
-          wgmma::fence();
-#pragma unroll
-          for (int b = 0; b < kBlocks; ++b)  // the descriptor's address field counts 16-byte units
-            wgmma::m64n32k32_e4m3_rs(acc[b], frag[b], query_descriptor + (i * kBlocks + b) * (Layout::kQueryBlockBytes / 16));
-          wgmma::commit();
-
-          // Meanwhile this lane's heads' scales (heads 8j + 2c, + 1 of n tile j) and
-          // rows g and g + 8: scale words, whether the fast path holds (with normal scales only),
-          // their scales 2^ek_b.
-          float2 head_scale[kHeads / 8];
-#pragma unroll
-          for (int j = 0; j < kHeads / 8; ++j) head_scale[j] = *reinterpret_cast<const float2*>(hs + 8 * j + 2 * c);
-          uint32_t words[2];
-          bool fast[2];
-          float row_scale[2][kBlocks];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = warp_row + g + 8 * r;
-            uint32_t word = scale_words[slot * kStageRows + row];
-            if constexpr (kBlocks == 2) word = (masks[Layout::kMaskWords + row / 32] >> (row % 32)) & 1u ? word >> 16 : word & 0xffffu;
-            const ExponentRange range = key_exponents<kBlocks>(word);
-            words[r] = word;
-            fast[r] = !addressable(row) || bounds.holds(range);
-#pragma unroll
-            for (int b = 0; b < kBlocks; ++b) row_scale[r][b] = __uint_as_float(((word >> (8 * b)) & 0xffu) << 23);
-          }
-          wgmma::wait<0>();
-#pragma unroll
-          for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
-          wgmma::pin(frag);
-
-          // The dots of this lane's 2 rows x 8 heads: [n tile j][row r][head 8j + 2c + k].
-          float dot[kHeads / 8][2][2];
-#pragma unroll
-          for (int j = 0; j < kHeads / 8; ++j) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-              for (int k = 0; k < 2; ++k) {
-                float partial = __fmul_rn(acc[0][j][2 * r + k], row_scale[r][0]);
-#pragma unroll
-                for (int b = 1; b < kBlocks; ++b) partial = __fmaf_rn(acc[b][j][2 * r + k], row_scale[r][b], partial);
-                dot[j][r][k] = __fmul_rn(partial, k ? head_scale[j].y : head_scale[j].x);
-              }
-          }
-          if (__any_sync(kFullMask, !fast[0] || !fast[1])) {  // rows outside the fast path: the double sum
-            const float* bs = tq.block_scales + size_t(i) * kHeads * kBlocks;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              if (fast[r]) continue;
-#pragma unroll
-              for (int j = 0; j < kHeads / 8; ++j)
-#pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                  const int h = 8 * j + 2 * c + k;
-                  double sum = 0.0;
-#pragma unroll
-                  for (int b = 0; b < kBlocks; ++b)
-                    sum = __fma_rn(static_cast<double>(acc[b][j][2 * r + k]) *
-                                       static_cast<double>(ue8m0_to_float(static_cast<uint8_t>(words[r] >> (8 * b)))),
-                                   static_cast<double>(bs[h * kBlocks + b]), sum);
-                  dot[j][r][k] = __double2float_rn(sum);
-                }
-            }
-          }
-#pragma unroll
-          for (int j = 0; j < kHeads / 8; ++j) {
-            const int h = 8 * j + 2 * c;
-            const float2 weight = *reinterpret_cast<const float2*>(w + h);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              float2 term;
-              if constexpr (kBf16Rounding) term = bf16_weighted_terms(dot[j][r][0], dot[j][r][1], weight);
-              else term = make_float2(__fmul_rn(relu(dot[j][r][0]), weight.x), __fmul_rn(relu(dot[j][r][1]), weight.y));
-              *reinterpret_cast<float2*>(terms + (half * kWarpRows + g + 8 * r) * kTermsStride + h) = term;
-            }
+          for (int s = 0; s < 2; ++s) {
+            uint32_t(&f)[4] = frag[2 * m + s];
+            f[0] = low_e2m1x4_to_e4m3x4(r[2 * s]), f[1] = low_e2m1x4_to_e4m3x4(r[2 * s + 1]);
+            f[2] = high_e2m1x4_to_e4m3x4(r[2 * s]), f[3] = high_e2m1x4_to_e4m3x4(r[2 * s + 1]);
           }
         }
+      };
+      auto issue_mmas = [&](int i, const uint32_t (&frag)[kBlocks][4], float (&acc)[kBlocks][4][4]) {
+        wgmma::fence();
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)  // the descriptor's address field counts 16-byte units
+          wgmma::m64n32k32_e4m3_rs(acc[b], frag[b], query_descriptor + (i * kBlocks + b) * (Layout::kQueryBlockBytes / 16));
+        wgmma::commit();
+      };
+      // Row g + 8r of the warp's rows from warp_row: its scale word, exponent range, scales 2^ek_b
+      // (normal scales: the fast path's rows) and whether it is addressable.
+      auto row_scales = [&](int warp_row, int r) {
+        const int row = warp_row + g + 8 * r;
+        RowScales<kBlocks> rs;
+        rs.word = scale_words[slot * kStageRows + row];
+        if constexpr (kBlocks == 2)
+          rs.word = (masks[Layout::kMaskWords + row / 32] >> (row % 32)) & 1u ? rs.word >> 16 : rs.word & 0xffffu;
+        rs.range = key_exponents<kBlocks>(rs.word);
+        rs.addressable = addressable(row);
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b) rs.scale[b] = __uint_as_float(((rs.word >> (8 * b)) & 0xffu) << 23);
+        return rs;
+      };
+      // This lane's heads' scales (heads 8j + 2c, + 1 of n tile j) for token i.
+      auto load_head_scales = [&](int i, float2 (&head_scale)[kHeads / 8]) {
+#pragma unroll
+        for (int j = 0; j < kHeads / 8; ++j)
+          head_scale[j] = *reinterpret_cast<const float2*>(tq.head_scales + i * kHeads + 8 * j + 2 * c);
+      };
+      // Token i's dots of this lane's 2 rows x 8 heads from the finished MMAs, their weighted terms
+      // into buffer slot `slot` of the warp's term buffer.
+      auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
+                             const bool (&fast)[2], const float2 (&head_scale)[kHeads / 8], int slot) {
+        float dot[kHeads / 8][2][2];  // [n tile j][row r][head 8j + 2c + k]
+#pragma unroll
+        for (int j = 0; j < kHeads / 8; ++j) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+              float partial = __fmul_rn(acc[0][j][2 * r + k], rs[r].scale[0]);
+#pragma unroll
+              for (int b = 1; b < kBlocks; ++b) partial = __fmaf_rn(acc[b][j][2 * r + k], rs[r].scale[b], partial);
+              dot[j][r][k] = __fmul_rn(partial, k ? head_scale[j].y : head_scale[j].x);
+            }
+        }
+        if (__any_sync(kFullMask, !fast[0] || !fast[1])) {  // rows outside the fast path: the double sum
+          const float* bs = tq.block_scales + size_t(i) * kHeads * kBlocks;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            if (fast[r]) continue;
+#pragma unroll
+            for (int j = 0; j < kHeads / 8; ++j)
+#pragma unroll
+              for (int k = 0; k < 2; ++k) {
+                const int h = 8 * j + 2 * c + k;
+                double sum = 0.0;
+#pragma unroll
+                for (int b = 0; b < kBlocks; ++b)
+                  sum = __fma_rn(static_cast<double>(acc[b][j][2 * r + k]) *
+                                     static_cast<double>(ue8m0_to_float(static_cast<uint8_t>(rs[r].word >> (8 * b)))),
+                                 static_cast<double>(bs[h * kBlocks + b]), sum);
+                dot[j][r][k] = __double2float_rn(sum);
+              }
+          }
+        }
+        const float* w = tq.weights + i * kHeads;
+#pragma unroll
+        for (int j = 0; j < kHeads / 8; ++j) {
+          const int h = 8 * j + 2 * c;
+          const float2 weight = *reinterpret_cast<const float2*>(w + h);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float2 term;
+            if constexpr (kBf16Rounding) term = bf16_weighted_terms(dot[j][r][0], dot[j][r][1], weight);
+            else term = make_float2(__fmul_rn(relu(dot[j][r][0]), weight.x), __fmul_rn(relu(dot[j][r][1]), weight.y));
+            *reinterpret_cast<float2*>(terms + (slot * kWarpRows + g + 8 * r) * kTermsStride + h) = term;
+          }
+        }
+      };
+      // Each lane adds the terms of one buffer row (slot lane / 16, row lane % 16: row sum_row of
+      // the stage for token `token`) in the reference's order, head by head, and stores the score
+      // (when `stores`). Padding heads (zero queries and weights) add +0, which leaves the sum
+      // alone: it starts at +0 and a round-to-nearest sum is never -0 unless both terms are.
+      auto sum_terms = [&](int sum_row, int token, bool stores) {
         __syncwarp();
-        // The reference's order, head by head. Padding heads (zero queries and weights) add +0,
-        // which leaves the sum alone: it starts at +0 and a round-to-nearest sum is never -0
-        // unless both terms are.
         float score = 0.0f;
 #pragma unroll
         for (int k = 0; k < kHeads; k += 4) {
           const float4 t = *reinterpret_cast<const float4*>(terms + lane * kTermsStride + k);
           score = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(score, t.x), t.y), t.z), t.w);
         }
-        if (fj < k1) {
-          const bool listed = !a.candidates || contains_block(a.candidates + (t0 + i) * a.num_candidates,
+        const int64_t fj = row0 + sum_row;
+        if (stores && fj < k1) {
+          const bool listed = !a.candidates || contains_block(a.candidates + (t0 + token) * a.num_candidates,
                                                               a.num_candidates, split_rows(fj, a.candidate_block_size).block);
-          const bool scored = addressable(sum_row) && fj < tq.visible[i] && listed;
-          a.scores[(t0 + i) * a.entries + fj] =
+          const bool scored = addressable(sum_row) && fj < tq.visible[token] && listed;
+          a.scores[(t0 + token) * a.entries + fj] =
               !scored ? -INFINITY : kBf16Rounding && !a.partial ? bf16_rounded(score) : score;
         }
         __syncwarp();
+      };
+      const int lane_row = warp * kWarpRows + lane % kWarpRows;  // of its half
+
+      if constexpr (!kTokenRuns) {
+        // One token: its two halves fill the two buffer slots.
+        const FastBounds bounds = token_bounds[first];
+#pragma unroll 1
+        for (int half = 0; half < 2; ++half) {
+          const int warp_row = half * kTileRows + warp * kWarpRows;  // the warp's first row in the stage
+          uint32_t frag[kBlocks][4];
+          load_a(warp_row, frag);
+          float acc[kBlocks][4][4];
+          issue_mmas(first, frag, acc);
+          // Meanwhile the head scales and the rows' scales.
+          float2 head_scale[kHeads / 8];
+          load_head_scales(first, head_scale);
+          const RowScales<kBlocks> rs[2] = {row_scales(warp_row, 0), row_scales(warp_row, 1)};
+          const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
+          wgmma::wait<0>();
+#pragma unroll
+          for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
+          wgmma::pin(frag);
+          store_terms(first, acc, rs, fast, head_scale, half);
+        }
+        sum_terms((lane / kWarpRows) * kTileRows + lane_row, first, true);
+      } else {
+        // A run of tokens: half by half, the A operand and the rows' scales stay in registers
+        // while the run's tokens are scored; consecutive units fill the buffer slots in turn, and
+        // every full pair (or the last unit) is summed.
+        int unit = 0;
+        int2 slot_units[2] = {};  // (half, token) of each buffer slot
+#pragma unroll 1
+        for (int half = 0; half < 2; ++half) {
+          const int warp_row = half * kTileRows + warp * kWarpRows;
+          uint32_t frag[kBlocks][4];
+          load_a(warp_row, frag);
+          float acc[kBlocks][4][4];
+          issue_mmas(first, frag, acc);  // the first token's MMAs run while the rows' scales are read
+          const RowScales<kBlocks> rs[2] = {row_scales(warp_row, 0), row_scales(warp_row, 1)};
+#pragma unroll 1
+          for (int i = first; i < end; ++i, ++unit) {
+            if (i > first) issue_mmas(i, frag, acc);
+            float2 head_scale[kHeads / 8];
+            load_head_scales(i, head_scale);
+            const FastBounds bounds = token_bounds[i];
+            const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
+            wgmma::wait<0>();
+#pragma unroll
+            for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
+            wgmma::pin(frag);
+            const int buffer_slot = unit & 1;
+            store_terms(i, acc, rs, fast, head_scale, buffer_slot);
+            (buffer_slot == 0 ? slot_units[0] : slot_units[1]) = make_int2(half, i);
+            const bool last = half == 1 && i == end - 1;
+            if (buffer_slot == 0 && !last) continue;  // the pair is not full yet
+            const int mine = lane / kWarpRows;
+            const int2 summed = mine == 0 ? slot_units[0] : slot_units[1];
+            sum_terms(summed.x * kTileRows + lane_row, summed.y, mine <= buffer_slot);
+          }
+        }
       }
     }
     cp_async_wait<0>();  // the remaining groups are empty; the next run reuses the stages
@@ -322,10 +394,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_wgmma_
 #endif
 }
 
-template <int kBlocks, bool kBf16Rounding>
+template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
 void launch_index_scores_wgmma(const IndexScoresRangeLaunch& a, cudaStream_t stream) {
   const size_t shared = SharedLayout<kBlocks>{a.tokens_per_cta}.bytes();
-  auto kernel = index_scores_wgmma_kernel<kBlocks, kBf16Rounding>;
+  auto kernel = index_scores_wgmma_kernel<kBlocks, kBf16Rounding, kTokenRuns>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   kernel<<<range_grid(a), kThreads, shared, stream>>>(a);
 }
