@@ -247,16 +247,25 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
         for (int b = 0; b < kBlocks; ++b) rs.scale[b] = __uint_as_float(((rs.word >> (8 * b)) & 0xffu) << 23);
         return rs;
       };
-      // This lane's heads' scales (heads 8j + 2c, + 1 of n tile j) for token i.
-      auto load_head_scales = [&](int i, float2 (&head_scale)[kHeads / 8]) {
+      // This lane's heads' scales and, in a token run, weights (heads 8j + 2c, + 1 of n tile j) for
+      // token i, read while the MMAs run. (One token's kernel reads the weights where it uses them:
+      // eight more live registers make it spill at 128.)
+      struct HeadFactors {
+        float2 scale[kHeads / 8], weight[kHeads / 8];
+      };
+      auto load_head_factors = [&](int i) {
+        HeadFactors f;
 #pragma unroll
-        for (int j = 0; j < kHeads / 8; ++j)
-          head_scale[j] = *reinterpret_cast<const float2*>(tq.head_scales + i * kHeads + 8 * j + 2 * c);
+        for (int j = 0; j < kHeads / 8; ++j) {
+          f.scale[j] = *reinterpret_cast<const float2*>(tq.head_scales + i * kHeads + 8 * j + 2 * c);
+          if constexpr (kTokenRuns) f.weight[j] = *reinterpret_cast<const float2*>(tq.weights + i * kHeads + 8 * j + 2 * c);
+        }
+        return f;
       };
       // Token i's dots of this lane's 2 rows x 8 heads from the finished MMAs, their weighted terms
       // into buffer slot `slot` of the warp's term buffer.
       auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
-                             const bool (&fast)[2], const float2 (&head_scale)[kHeads / 8], int slot) {
+                             const bool (&fast)[2], const HeadFactors& head, int slot) {
         float dot[kHeads / 8][2][2];  // [n tile j][row r][head 8j + 2c + k]
 #pragma unroll
         for (int j = 0; j < kHeads / 8; ++j) {
@@ -267,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
               float partial = __fmul_rn(acc[0][j][2 * r + k], rs[r].scale[0]);
 #pragma unroll
               for (int b = 1; b < kBlocks; ++b) partial = __fmaf_rn(acc[b][j][2 * r + k], rs[r].scale[b], partial);
-              dot[j][r][k] = __fmul_rn(partial, k ? head_scale[j].y : head_scale[j].x);
+              dot[j][r][k] = __fmul_rn(partial, k ? head.scale[j].y : head.scale[j].x);
             }
         }
         if (__any_sync(kFullMask, !fast[0] || !fast[1])) {  // rows outside the fast path: the double sum
@@ -290,11 +299,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
               }
           }
         }
-        const float* w = tq.weights + i * kHeads;
 #pragma unroll
         for (int j = 0; j < kHeads / 8; ++j) {
           const int h = 8 * j + 2 * c;
-          const float2 weight = *reinterpret_cast<const float2*>(w + h);
+          const float2 weight = kTokenRuns ? head.weight[j] : *reinterpret_cast<const float2*>(tq.weights + i * kHeads + h);
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             float2 term;
@@ -338,16 +346,15 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
           load_a(warp_row, frag);
           float acc[kBlocks][4][4];
           issue_mmas(first, frag, acc);
-          // Meanwhile the head scales and the rows' scales.
-          float2 head_scale[kHeads / 8];
-          load_head_scales(first, head_scale);
+          // Meanwhile the head factors and the rows' scales.
+          const HeadFactors head = load_head_factors(first);
           const RowScales<kBlocks> rs[2] = {row_scales(warp_row, 0), row_scales(warp_row, 1)};
           const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
           wgmma::wait<0>();
 #pragma unroll
           for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
           wgmma::pin(frag);
-          store_terms(first, acc, rs, fast, head_scale, half);
+          store_terms(first, acc, rs, fast, head, half);
         }
         sum_terms((lane / kWarpRows) * kTileRows + lane_row, first, true);
       } else {
@@ -367,8 +374,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
 #pragma unroll 1
           for (int i = first; i < end; ++i, ++unit) {
             if (i > first) issue_mmas(i, frag, acc);
-            float2 head_scale[kHeads / 8];
-            load_head_scales(i, head_scale);
+            const HeadFactors head = load_head_factors(i);
             const FastBounds bounds = token_bounds[i];
             const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
             wgmma::wait<0>();
@@ -376,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
             for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
             wgmma::pin(frag);
             const int buffer_slot = unit & 1;
-            store_terms(i, acc, rs, fast, head_scale, buffer_slot);
+            store_terms(i, acc, rs, fast, head, buffer_slot);
             (buffer_slot == 0 ? slot_units[0] : slot_units[1]) = make_int2(half, i);
             const bool last = half == 1 && i == end - 1;
             if (buffer_slot == 0 && !last) continue;  // the pair is not full yet
