@@ -30,9 +30,9 @@ namespace {
 using index_wgmma::launch_index_scores_wgmma;
 
 constexpr int64_t kMaxGridY = 65535;
-// A CTA's shared memory where ctas_per_sm CTAs (warpgroups) share an SM's 228 KB, less the 1 KB
-// the hardware reserves per CTA.
-constexpr size_t shared_budget(bool token_runs) { return (228 / index_wgmma::ctas_per_sm(token_runs) - 1) * 1024; }
+// The shared memory of a CTA with token runs: its share of an SM's 228 KB (ctas_per_sm of them),
+// less the 1 KB the hardware reserves per CTA. (One token fits the four one-token CTAs' share.)
+constexpr size_t kTokenRunsSharedBudget = (228 / index_wgmma::ctas_per_sm(true) - 1) * 1024;
 constexpr int64_t kMinKeysPerCta = 1024;     // 8 stages
 // One wave: CTAs of equal work finish together, and longer ranges amortize the query staging.
 constexpr int kWaves = 1;
@@ -44,7 +44,7 @@ size_t shared_bytes(int blocks, int tokens_per_cta) {
 
 // Tokens per CTA: as many as the budget of CTAs with token runs allows (1: the one-token kernel).
 int tokens_per_cta(int64_t tokens, int blocks) {
-  return index_tokens_per_cta(tokens, index_wgmma::kMaxTokensPerCta, shared_budget(true),
+  return index_tokens_per_cta(tokens, index_wgmma::kMaxTokensPerCta, kTokenRunsSharedBudget,
                               [&](int n) { return shared_bytes(blocks, n); });
 }
 
