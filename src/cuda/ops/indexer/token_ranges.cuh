@@ -36,6 +36,19 @@ struct CtaRange {
   }
 };
 
+// A CTA's start: its tokens' arrays (init_tokens), then, unless its range is in every token's
+// future (then it has written its -inf scores: false), their queries staged by `stage`
+// (prepare_queries; ends with a barrier).
+template <int kBlocks, int kThreads, class Stage>
+__device__ __forceinline__ bool start_tokens(const IndexScoresRangeLaunch& a, const CtaRange& cta, int padded_heads,
+                                             const TokenQueries& tq, Stage stage) {
+  init_tokens<kThreads>(a, cta.t0, cta.count, tq);
+  __syncthreads();
+  if (cta.in_the_future<kThreads>(a, tq.visible)) return false;
+  prepare_queries<kBlocks, kThreads>(a, cta.t0, cta.count, padded_heads, tq, stage);
+  return true;
+}
+
 // The run of tokens first … end − 1 reading one sequence, and the end of the keys it loads.
 struct TokenRun {
   int end;

@@ -193,14 +193,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
   const CtaRange cta(a);
   const int64_t t0 = cta.t0, k0 = cta.k0, k1 = cta.k1;
   const int count = cta.count;
-  init_tokens<kThreads>(a, t0, count, tq);
-  __syncthreads();
-  if (cta.in_the_future<kThreads>(a, tq.visible)) return;
-  prepare_queries<kBlocks, kThreads>(a, t0, count, padded_heads, tq,
-                                     [&](const uint16_t* q, int i, int h, int b, int eq, int shift) {
-                                       stage_query_block<kBlocks, kFp8>(q, h, b, eq, shift,
-                                                                        q_fragments + size_t(i) * tiles * kBlocks * 32);
-                                     });
+  if (!start_tokens<kBlocks, kThreads>(a, cta, padded_heads, tq, [&](const uint16_t* q, int i, int h, int b, int eq, int shift) {
+        stage_query_block<kBlocks, kFp8>(q, h, b, eq, shift, q_fragments + size_t(i) * tiles * kBlocks * 32);
+      }))
+    return;
 
   const int g = lane >> 2, c = lane & 3;
   const int stages = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);

@@ -143,14 +143,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
   const CtaRange cta(a);
   const int64_t t0 = cta.t0, k0 = cta.k0, k1 = cta.k1;
   const int count = cta.count;
-  init_tokens<kThreads>(a, t0, count, tq);
-  __syncthreads();
-  if (cta.in_the_future<kThreads>(a, tq.visible)) return;
-  prepare_queries<kBlocks, kThreads>(a, t0, count, kHeads, tq,
-                                     [&](const uint16_t* q, int i, int h, int b, int eq, int shift) {
-                                       stage_query_block(q, h, eq, shift,
-                                                         queries + (i * kBlocks + b) * Layout::kQueryBlockBytes);
-                                     });
+  if (!start_tokens<kBlocks, kThreads>(a, cta, kHeads, tq, [&](const uint16_t* q, int i, int h, int b, int eq, int shift) {
+        stage_query_block(q, h, eq, shift, queries + (i * kBlocks + b) * Layout::kQueryBlockBytes);
+      }))
+    return;
   // Read by every unit of a token (the first stage's barrier orders these stores before them).
   for (int i = threadIdx.x; i < count; i += kThreads) token_bounds[i] = FastBounds(tq.stats + 4 * i, true);
 
@@ -232,6 +228,13 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
         for (int b = 0; b < kBlocks; ++b)  // the descriptor's address field counts 16-byte units
           wgmma::m64n32k32_e4m3_rs(acc[b], frag[b], query_descriptor + (i * kBlocks + b) * (Layout::kQueryBlockBytes / 16));
         wgmma::commit();
+      };
+      // Waits for them; the accumulators and the A operand stay put until then.
+      auto finish_mmas = [&](float (&acc)[kBlocks][4][4], uint32_t (&frag)[kBlocks][4]) {
+        wgmma::wait<0>();
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
+        wgmma::pin(frag);
       };
       // Row g + 8r of the warp's rows from warp_row: its scale word, exponent range, scales 2^ek_b
       // (normal scales: the fast path's rows) and whether it is addressable.
@@ -350,10 +353,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
           const HeadFactors head = load_head_factors(first);
           const RowScales<kBlocks> rs[2] = {row_scales(warp_row, 0), row_scales(warp_row, 1)};
           const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
-          wgmma::wait<0>();
-#pragma unroll
-          for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
-          wgmma::pin(frag);
+          finish_mmas(acc, frag);
           store_terms(first, acc, rs, fast, head, half);
         }
         sum_terms((lane / kWarpRows) * kTileRows + lane_row, first, true);
@@ -377,10 +377,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
             const HeadFactors head = load_head_factors(i);
             const FastBounds bounds = token_bounds[i];
             const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
-            wgmma::wait<0>();
-#pragma unroll
-            for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
-            wgmma::pin(frag);
+            finish_mmas(acc, frag);
             const int buffer_slot = unit & 1;
             store_terms(i, acc, rs, fast, head, buffer_slot);
             (buffer_slot == 0 ? slot_units[0] : slot_units[1]) = make_int2(half, i);
