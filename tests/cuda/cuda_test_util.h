@@ -131,7 +131,7 @@ void run_as_graph(Stream& stream, Step&& step) {
 
 // A cuda view with a dummy (never dereferenced) pointer, for validation tests that need no device.
 inline TensorView fake_device_view(DType dtype, std::vector<int64_t> shape) {
-  static char dummy[16];
+  alignas(16) static char dummy[16];  // aligned as the kernels' 16-byte copies need
   return TensorView::contiguous(dummy, dtype, shape, Device::cuda);
 }
 

@@ -649,6 +649,20 @@ TEST(IndexerCudaDispatch, ChoosesTensorCoresForFp4QueriesOnSm90) {
     EXPECT_EQ(tensor_cores->supports(with_keys(KvRowFormat::index_mxfp4, 96), h200), "index_dim 96, supports 64 and 128");
   EXPECT_EQ(kIndexScoresMmaF16.supports(with_keys(KvRowFormat::index_mxfp4, 128, 129), h200),
             "129 index heads, supports at most 128");
+  // The 16-byte copies: q and the key pages must be 16-byte aligned (8 bytes off: simt).
+  auto shifted = [](TensorView v) {
+    v.data = static_cast<char*>(v.data) + 8;
+    return v;
+  };
+  IndexScoresParams q_off = p, keys_off = p;
+  q_off.q = shifted(p.q);
+  keys_off.keys.pages = shifted(p.keys.pages);
+  for (const IndexScoresImplementation* tensor_cores : {&kIndexScoresWgmma, &kIndexScoresMmaF16}) {
+    EXPECT_EQ(tensor_cores->supports(q_off, h200), "q that is not 16-byte aligned");
+    EXPECT_EQ(tensor_cores->supports(keys_off, h200), "key rows that are not 16-byte aligned");
+  }
+  EXPECT_STREQ(choose_index_scores(q_off, h200).name, "simt");
+  EXPECT_STREQ(choose_index_scores(keys_off, h200).name, "simt");
   p.fp4_queries = false;
   EXPECT_STREQ(choose_index_scores(p, h200).name, "simt");
 }

@@ -45,6 +45,15 @@ std::vector<int64_t> optional_tokens_shape(const TensorView& v, int64_t tokens) 
 std::span<const IndexScoresImplementation* const> index_scores_implementations() { return kIndexScoresImplementations; }
 std::span<const TopkImplementation* const> topk_implementations() { return kTopkImplementations; }
 
+std::string tensor_core_copies_supported(const IndexScoresParams& p, int64_t scale_bytes) {
+  if (reinterpret_cast<uintptr_t>(p.q.data) % 16 != 0) return "q that is not 16-byte aligned";
+  const PageGeometry& g = p.keys.geometry;
+  if (reinterpret_cast<uintptr_t>(p.keys.pages.data) % 16 != 0 || g.page_stride % 16 != 0 || g.data_offset(0) % 16 != 0 ||
+      g.data_offset(1) % 16 != 0 || g.scale_offset(0) % scale_bytes != 0 || g.scale_offset(1) % scale_bytes != 0)
+    return "key rows that are not 16-byte aligned";
+  return "";
+}
+
 const IndexScoresImplementation& choose_index_scores(const IndexScoresParams& p, const DeviceInfo& device) {
   return choose_implementation("index_scores", index_scores_implementations(), p, device);
 }

@@ -36,6 +36,10 @@ extern const TopkImplementation kTopkSimt;
 // one CTA per row elsewhere; rows longer than those CTAs hold fall back to kTopkSimt.
 extern const TopkImplementation kTopkRadix;
 
+// For the tensor-core implementations, which copy q and the key rows 16 bytes at a time and a
+// row's scales as one aligned word of scale_bytes: "" when the call's buffers allow it, else why not.
+std::string tensor_core_copies_supported(const IndexScoresParams& p, int64_t scale_bytes);
+
 // In order of preference; the choosers take the first that supports the call.
 std::span<const IndexScoresImplementation* const> index_scores_implementations();
 std::span<const TopkImplementation* const> topk_implementations();

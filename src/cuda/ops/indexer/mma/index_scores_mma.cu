@@ -59,14 +59,9 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
   if (dim != 64 && dim != 128) return "index_dim " + std::to_string(dim) + ", supports 64 and 128";
   if (heads > index_mma::kMaxHeads)
     return std::to_string(heads) + " index heads, supports at most " + std::to_string(index_mma::kMaxHeads);
-  if (reinterpret_cast<uintptr_t>(p.q.data) % 16 != 0) return "q that is not 16-byte aligned";
-  // 16-byte asynchronous copies of key rows, 4-byte ones of the scale words holding a row's scales
-  // (fp32 or dim / 32 ue8m0 bytes).
-  const PageGeometry& g = p.keys.geometry;
-  const int64_t scale_bytes = f == KvRowFormat::index_fp8 ? 4 : dim / 32;
-  if (reinterpret_cast<uintptr_t>(p.keys.pages.data) % 16 != 0 || g.page_stride % 16 != 0 || g.data_offset(0) % 16 != 0 ||
-      g.data_offset(1) % 16 != 0 || g.scale_offset(0) % scale_bytes != 0 || g.scale_offset(1) % scale_bytes != 0)
-    return "key rows that are not 16-byte aligned";
+  // A row's scales: an fp32 (index_fp8) or dim / 32 ue8m0 bytes.
+  if (std::string why_not = tensor_core_copies_supported(p, f == KvRowFormat::index_fp8 ? 4 : dim / 32); !why_not.empty())
+    return why_not;
   const bool fp8 = f == KvRowFormat::index_fp8;
   const int per_cta = tokens_per_cta(tokens, static_cast<int>(heads), static_cast<int>(dim / 32), fp8);
   if ((tokens + per_cta - 1) / per_cta > kMaxGridY)
