@@ -19,6 +19,17 @@ inline constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 struct SoftmaxState {
   float running_max[2] = {-INFINITY, -INFINITY};
   float running_sum[2] = {0.0f, 0.0f};
+  // The heads' sinks in log2 units (-inf: none), read at the start so that the final
+  // normalization does not wait for them.
+  float sink_log2[2] = {-INFINITY, -INFINITY};
+  // The lane's heads are head_base + lane / 4 + 8r.
+  __device__ SoftmaxState(const SparseAttentionLaunch& a, int head_base, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int head = head_base + lane / 4 + 8 * r;
+      if (a.sink && head < a.heads) sink_log2[r] = a.sink[head] * kLog2e;
+    }
+  }
 };
 
 // Turns the raw scores s (16 heads x 8·kScoreTiles rows: the lane holds columns 8j + 2c and
@@ -75,41 +86,61 @@ __device__ __forceinline__ void rescale(float (&acc)[kOutTiles][4], const float 
   }
 }
 
-// Writes the warp's 16 heads from head_base (those < a.heads) x kOutTiles·8 channels from
-// channel0: out = acc / (sum + exp(sink - max)) and lse (written by the lanes with stats_writer),
-// or with a.splits > 1 the unnormalized acc and (max, sum) of split blockIdx.z for the combine.
-template <class Out, int kOutTiles, int kHeadDim>
-__device__ __forceinline__ void write_output(const SparseAttentionLaunch& a, int64_t t, int head_base, int channel0,
-                                             bool stats_writer, int lane, const float (&acc)[kOutTiles][4],
-                                             const SoftmaxState& state) {
+// The results of the warp's 16 heads from head_base (those < a.heads) x kOutTiles·8 channels:
+// out = acc / (sum + exp(sink - max)), and lse (written by the lanes with stats_writer); or with
+// a.splits > 1 the unnormalized acc, and (max, sum) of split blockIdx.z for the combine. The lane's
+// values go to emit(head, r, j, x, y): head r (head_base + lane / 4 + 8r), channels 8j + 2c and
+// 8j + 2c + 1 of its kOutTiles·8 (c = lane % 4).
+template <int kOutTiles, class Emit>
+__device__ __forceinline__ void finish_output(const SparseAttentionLaunch& a, int64_t t, int head_base,
+                                              bool stats_writer, int lane, const float (&acc)[kOutTiles][4],
+                                              const SoftmaxState& state, Emit&& emit) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = head_base + lane / 4 + 8 * r;
     if (head >= a.heads) continue;
     const int64_t index = (int64_t{blockIdx.z} * a.tokens + t) * a.heads + head;
-    const int column0 = channel0 + 2 * (lane & 3);
     const bool stats_lane = stats_writer && (lane & 3) == 0;
     const float running_max = state.running_max[r], running_sum = state.running_sum[r];
     if (a.splits > 1) {
-      float* partial = a.partials.out + index * kHeadDim + column0;
 #pragma unroll
-      for (int j = 0; j < kOutTiles; ++j)
-        *reinterpret_cast<float2*>(partial + 8 * j) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+      for (int j = 0; j < kOutTiles; ++j) emit(head, r, j, acc[j][2 * r], acc[j][2 * r + 1]);
       if (stats_lane) a.partials.stats[index] = make_float2(running_max * kLn2, running_sum);
       continue;
     }
     const bool any = running_max != -INFINITY;
-    const float inverse =
-        any ? 1.0f / (running_sum + (a.sink ? exp2f(a.sink[head] * kLog2e - running_max) : 0.0f)) : 0.0f;
-    Out* out = static_cast<Out*>(a.out) + (t * a.heads + head) * kHeadDim + column0;
+    const float inverse = any ? 1.0f / (running_sum + exp2f(state.sink_log2[r] - running_max)) : 0.0f;
 #pragma unroll
-    for (int j = 0; j < kOutTiles; ++j) {
-      const float x = acc[j][2 * r] * inverse, y = acc[j][2 * r + 1] * inverse;
-      if constexpr (sizeof(Out) == 2) *reinterpret_cast<uint32_t*>(out + 8 * j) = pack_bf16(x, y);
-      else *reinterpret_cast<float2*>(out + 8 * j) = make_float2(x, y);
-    }
+    for (int j = 0; j < kOutTiles; ++j) emit(head, r, j, acc[j][2 * r] * inverse, acc[j][2 * r + 1] * inverse);
     if (stats_lane && a.lse) a.lse[t * a.heads + head] = any ? (running_max + log2f(running_sum)) * kLn2 : -INFINITY;
   }
+}
+
+// Where the results of head `head` start: its split's partial row (a.splits > 1) or its output row.
+template <int kHeadDim>
+__device__ __forceinline__ float* partial_row(const SparseAttentionLaunch& a, int64_t t, int head) {
+  return a.partials.out + ((int64_t{blockIdx.z} * a.tokens + t) * a.heads + head) * kHeadDim;
+}
+template <class Out, int kHeadDim>
+__device__ __forceinline__ Out* output_row(const SparseAttentionLaunch& a, int64_t t, int head) {
+  return static_cast<Out*>(a.out) + (t * a.heads + head) * kHeadDim;
+}
+
+// finish_output straight to global memory, channels from channel0.
+template <class Out, int kOutTiles, int kHeadDim>
+__device__ __forceinline__ void write_output(const SparseAttentionLaunch& a, int64_t t, int head_base, int channel0,
+                                             bool stats_writer, int lane, const float (&acc)[kOutTiles][4],
+                                             const SoftmaxState& state) {
+  const int column0 = channel0 + 2 * (lane & 3);
+  finish_output(a, t, head_base, stats_writer, lane, acc, state, [&](int head, int, int j, float x, float y) {
+    if (a.splits > 1) {
+      *reinterpret_cast<float2*>(partial_row<kHeadDim>(a, t, head) + column0 + 8 * j) = make_float2(x, y);
+    } else {
+      Out* out = output_row<Out, kHeadDim>(a, t, head) + column0 + 8 * j;
+      if constexpr (sizeof(Out) == 2) *reinterpret_cast<uint32_t*>(out) = pack_bf16(x, y);
+      else *reinterpret_cast<float2*>(out) = make_float2(x, y);
+    }
+  });
 }
 
 }  // namespace dsv4::cuda::mma

@@ -4,19 +4,22 @@
 //
 // One block per (token, 64 heads, split of rows), three warpgroups:
 //   * the producer warpgroup gathers the raw bytes of the rows (window rows, then picks, as
-//     TokenRows orders them) with cp.async into a ring of 16-row slots (Ring: four for the V4.1
-//     native pair, three for fp8_ds_mla), all but one in flight, and decodes each landed slot
-//     exactly to bf16 (row_decode.cuh) into one of two 64-row tiles in the SW128 layout the MMAs
-//     read (invalid rows are zero-filled by the copy, so they decode to zeros). Warp w copies and
-//     decodes rows 4w … 4w + 3 of every slot, so a warp waits only for its own copies; its lanes
-//     look those rows up for eight slots at a time (the pick, the block-table entry and the address
-//     each a batch apart, so that no load waits for another).
+//     TokenRows orders them) with cp.async into a ring of 16-row slots (Ring), invalid rows
+//     zero-filled by the copy (so they decode to zeros). Warp w copies rows 4w … 4w + 3 of every
+//     slot; its lanes look those rows up for eight slots at a time (the pick, the block-table entry
+//     and the address each a batch apart, so that no load waits for another).
 //   * two consumer warpgroups, one per half of the 512 output channels: each computes the scores
 //     of all 64 heads over the tile's 64 rows (32 SS wgmma m64n64k16, Q and the tile both in shared
 //     memory; the two get the same bits), the online softmax in fp32, and P·V for its 256 channels
 //     (4 RS wgmma m64n256k16, P rounded to bf16 in registers, the row sums unrounded).
-// The roles hand the tiles over with named barriers (bar.arrive by the producer, bar.sync by the
-// consumers): kFull (a decoded tile is ready) and kEmpty (both consumers are done with it).
+// The raw rows are decoded exactly to bf16 (row_decode.cuh) into one of two 64-row tiles in the
+// SW128 layout the MMAs read, by whoever has the time:
+//   * where the ring holds a whole tile (the V4.1 native pair, Ring::kConsumersDecode) the
+//     consumers do: the producer copies a tile into the ring and hands it over (kRawReady), every
+//     consumer warp decodes 8 of its rows while its P·V MMAs of the previous tile run and frees the
+//     ring (kRawFree), and a consumer barrier marks the decoded tile;
+//   * else (fp8_ds_mla, three slots) the producer does, slot by slot with all but one slot in
+//     flight, and hands over the tiles with kFull (bar.arrive) / kEmpty (the consumers' bar.arrive).
 // Nothing depends on the other tokens of the step; split blocks write their unnormalized P·V and
 // (max, sum) for run_split_kv_combine, which merges them in a fixed order.
 #pragma once
@@ -88,23 +91,36 @@ struct Ring {
   static constexpr int kAhead = kSlots - 1;
   static constexpr size_t kSharedBytes = kQBytes + 2 * kTileBytes + kSlots * kSlotBytes + kValidBytes + 1024;
   static_assert(kSlots >= 2 && kSharedBytes <= kSharedLimit && kAhead < kLookupSlots);
+  // When the ring holds a whole tile (the V4.1 native pair), the consumers decode: the producer only
+  // looks rows up and copies a tile at a time, and each consumer warp decodes its share of the next
+  // tile while its P·V MMAs run, work that otherwise leaves the consumers waiting for a producer
+  // warpgroup that decodes alone. Else (fp8_ds_mla's larger rows) the producer decodes slot by slot.
+  static constexpr bool kConsumersDecode = kSlots >= kSlotsPerTile;
 };
 
-// Named barriers (0 is __syncthreads', unused).
+// Named barriers (0 is __syncthreads', unused). The producer decodes: kFull / kEmpty per tile stage.
+// The consumers decode: kRawReady (a tile's raw rows have landed in the ring) and kRawFree (the
+// consumers have decoded them), and kConsumer also marks each decoded tile.
 inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
+inline constexpr int kRawReadyBarrier = 6;
+inline constexpr int kRawFreeBarrier = 7;
+inline constexpr int kStagedBarrier = 8;  // + consumer warpgroup (2): its results are staged
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
 // within its setmaxnreg bound: a consumer holds 128 accumulators, 32 scores or 16 exp-score registers
-// and its addresses (without the hand-over ptxas spills), the producer's row pipeline about 100 (it
-// keeps four rows' decodes in flight with more). 128 x (168 - 120) released = 256 x (192 - 168) claimed.
+// and its addresses (without the hand-over ptxas spills), and where it decodes a row pipeline while
+// its P·V MMAs run; the producer's lookups and, where it decodes, four rows' decodes in flight (about
+// 100). 128 x (168 - 120) released = 256 x (192 - 168) claimed.
 inline constexpr int kLaunchRegisters = 168;
 inline constexpr int kProducerRegisters = 120;
 inline constexpr int kConsumerRegisters = 192;
 static_assert(kLaunchRegisters * kThreads <= 65536);
 static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <=
               kLaunchRegisters * kThreads);
+// Rows a consumer warp decodes per tile, in groups of a producer warp's (kRowsPerProducerWarp).
+inline constexpr int kRowsPerConsumerWarp = kTileRows / (kConsumerThreads / kWarpSize);
 
 // Lane `lane`'s 16 channels of raw row r (format F; raw rows kRowBytes apart) decoded to bf16 and
 // stored into row row0 + r of the SW128 tile. Lanes 4-7 of each quarter warp store their upper chunk
@@ -118,7 +134,7 @@ __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, in
   *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r, c0 + 8 * (upper_first ^ 1))) = second;
 }
 
-// The warp's rows of the one slot of a token where the window ends (window rows, then picks): out
+// The warp's rows of the one group of a token where the window ends (window rows, then picks): out
 // of line, to keep the hot loop small in the instruction cache.
 template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
 __device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
@@ -126,6 +142,52 @@ __device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile
   for (int r = 0; r < kRowsPerProducerWarp; ++r) {
     if (r < window_rows) decode_row<kWindow, kRowBytes>(raw, tile, row0, r, lane);
     else decode_row<kCompressed, kRowBytes>(raw, tile, row0, r, lane);
+  }
+}
+
+// A warp's group of kRowsPerProducerWarp raw rows (window_rows of them window rows, the rest
+// picks) into tile rows row0 …: a group of one kind decodes without branches (four independent
+// chains).
+template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
+__device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
+  if (window_rows == 0) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerProducerWarp; ++r) decode_row<kCompressed, kRowBytes>(raw, tile, row0, r, lane);
+  } else if (window_rows == kRowsPerProducerWarp) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerProducerWarp; ++r) decode_row<kWindow, kRowBytes>(raw, tile, row0, r, lane);
+  } else {
+    decode_mixed_rows<kWindow, kCompressed, kRowBytes>(raw, tile, row0, window_rows, lane);
+  }
+}
+
+// A consumer warpgroup's results (mma::finish_output: the output, or with kPartial a split's
+// partial) through shared memory: staged in `stage` as rows of its 64 heads x 256 channels (padded
+// by 8 values, so that a quarter warp's stores to 8 heads fall on different banks), then copied out
+// in 16-byte pieces, whole sectors in order, where a lane's own values are 4 or 8 bytes of 8 heads.
+template <bool kPartial, class Out>
+__device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch& a, int64_t t, int head0, int half,
+                                                    int lane, const float (&acc)[kOutTiles][4],
+                                                    const mma::SoftmaxState& state, uint8_t* stage) {
+  using T = std::conditional_t<kPartial, float, Out>;
+  constexpr int kRowValues = kHalfChannels + 8, kPieceValues = 16 / sizeof(T), kPieces = kHalfChannels / kPieceValues;
+  T* const rows = reinterpret_cast<T*>(stage);
+  const int warp_in_group = (threadIdx.x / kWarpSize) % 4, column0 = 2 * (lane & 3);
+  mma::finish_output(a, t, head0 + warp_in_group * 16, half == 0, lane, acc, state,
+                     [&](int head, int, int j, float x, float y) {
+                       T* dst = rows + (head - head0) * kRowValues + column0 + 8 * j;
+                       if constexpr (sizeof(T) == 2) *reinterpret_cast<uint32_t*>(dst) = mma::pack_bf16(x, y);
+                       else *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+                     });
+  barrier_sync(kStagedBarrier + half, kConsumerThreads / 2);
+  const int heads = min(kHeadsPerBlock, a.heads - head0);
+  for (int item = threadIdx.x % (kConsumerThreads / 2); item < heads * kPieces; item += kConsumerThreads / 2) {
+    const int h = item / kPieces, piece = item % kPieces;
+    T* row;
+    if constexpr (kPartial) row = mma::partial_row<kHeadDim>(a, t, head0 + h);
+    else row = mma::output_row<Out, kHeadDim>(a, t, head0 + h);
+    *reinterpret_cast<uint4*>(row + half * kHalfChannels + piece * kPieceValues) =
+        *reinterpret_cast<const uint4*>(rows + h * kRowValues + piece * kPieceValues);
   }
 }
 
@@ -200,11 +262,14 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
       return lookup_index(batch) < rows.n_window ? row_in_page(a.window, pr.page, pr.row)
                                                  : row_in_page(a.compressed, pr.page, pr.row);
     };
-    // The refs of batches b (current) and b + 1 (next), the page of b + 2, the row number of b + 3.
-    RowRef ref_current = ref_of(0, page_row(0, row_number(0)));
-    RowRef ref_next = ref_of(1, page_row(1, row_number(1)));
-    PageRow page_ahead = page_row(2, row_number(2));
+    // The refs of batches b (current) and b + 1 (next), the page of b + 2, the row number of b + 3:
+    // at the start the four picks, then the three pages, each level's loads in flight together.
+    const int64_t number0 = row_number(0), number1 = row_number(1), number2 = row_number(2);
     int64_t number_ahead = row_number(3);
+    const PageRow page0 = page_row(0, number0), page1 = page_row(1, number1);
+    PageRow page_ahead = page_row(2, number2);
+    RowRef ref_current = ref_of(0, page0);
+    RowRef ref_next = ref_of(1, page1);
     int current_batch = 0;
     // Copies the warp's rows of slot j into ring slot j % kSlots, one cp.async group, invalid rows
     // zero-filled (they then decode to zeros: no stale bytes reach the MMAs); returns the valid bits.
@@ -251,9 +316,42 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
       cp_async_commit();
       return valid;
     };
+    // Slots are requested in order. The one that opens batch b + 1 shifts the lookups: its refs
+    // become current, and the next batch's refs, page and row number are prepared.
+    auto advance_lookups = [&](int j) {
+      if (j % kLookupSlots == 0 && j / kLookupSlots == current_batch + 1) {
+        ++current_batch;
+        ref_current = ref_next;
+        ref_next = ref_of(current_batch + 1, page_ahead);
+        page_ahead = page_row(current_batch + 2, number_ahead);
+        number_ahead = row_number(current_batch + 3);
+      }
+    };
+    auto row_bits = [](uint32_t valids, int s) {
+      return static_cast<uint8_t>((valids >> (kRowsPerProducerWarp * s)) & ((1u << kRowsPerProducerWarp) - 1));
+    };
+    if constexpr (R::kConsumersDecode) {
+      // A tile at a time, once the consumers have decoded the previous one: its slots' copies, then
+      // (every lane's landed) the tile's valid bits and the hand-over.
+      for (int u = 0; u < n_tiles; ++u) {
+        if (u > 0) barrier_sync(kRawFreeBarrier, kThreads);
+        uint32_t valids = 0;
+#pragma unroll
+        for (int s = 0; s < kSlotsPerTile; ++s) {
+          advance_lookups(u * kSlotsPerTile + s);
+          valids |= request(u * kSlotsPerTile + s) << (kRowsPerProducerWarp * s);
+        }
+        cp_async_wait<0>();
+        if (lane == 0)
+#pragma unroll
+          for (int s = 0; s < kSlotsPerTile; ++s)
+            valid_bits[((u % 2) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
+        barrier_arrive(kRawReadyBarrier, kThreads);
+      }
+      return;
+    }
     // Slots j + 1 … j + kAhead in flight while j is decoded (their valid bits in `valids`, slot j
-    // lowest). Entering batch b + 1 shifts the lookups: its refs become current, and the next
-    // batch's refs, page and row number are prepared.
+    // lowest).
     uint32_t valids = 0;
 #pragma unroll
     for (int j = 0; j < R::kAhead; ++j) {
@@ -262,37 +360,19 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     }
     for (int j = 0; j < n_slots; ++j) {
       const int issued = j + R::kAhead;
-      if (issued % kLookupSlots == 0 && issued / kLookupSlots == current_batch + 1) {
-        ++current_batch;
-        ref_current = ref_next;
-        ref_next = ref_of(current_batch + 1, page_ahead);
-        page_ahead = page_row(current_batch + 2, number_ahead);
-        number_ahead = row_number(current_batch + 3);
-      }
+      advance_lookups(issued);
       if (issued < n_slots) valids |= request(issued) << (kRowsPerProducerWarp * R::kAhead);
       else cp_async_commit();  // an empty group: the wait below then always means slot j
       cp_async_wait<R::kAhead>();
       __syncwarp();  // every lane's bytes of slot j have landed
       const int tile_index = j / kSlotsPerTile, slot_in_tile = j % kSlotsPerTile, stage = tile_index % 2;
       if (slot_in_tile == 0 && tile_index >= 2) barrier_sync(kEmptyBarrier + stage, kThreads);  // tile - 2 consumed
-      // A lane per 16 channels of a row. A slot's rows are all window rows or all picks but where
-      // the window ends: those two cases decode without branches (four independent chains).
-      const int window_rows = rows.window_rows_in_tile(row_index(j, 0), kRowsPerProducerWarp);
+      // A lane per 16 channels of a row.
       const uint8_t* const raw = ring + (j % R::kSlots) * R::kSlotBytes + producer_warp * kRowsPerProducerWarp * R::kRowBytes;
-      uint8_t* const tile = tiles + stage * kTileBytes;
       const int row0 = slot_in_tile * kSlotRows + producer_warp * kRowsPerProducerWarp;
-      if (window_rows == 0) {
-#pragma unroll
-        for (int r = 0; r < kRowsPerProducerWarp; ++r) decode_row<kCompressed, R::kRowBytes>(raw, tile, row0, r, lane);
-      } else if (window_rows == kRowsPerProducerWarp) {
-#pragma unroll
-        for (int r = 0; r < kRowsPerProducerWarp; ++r) decode_row<kWindow, R::kRowBytes>(raw, tile, row0, r, lane);
-      } else {
-        decode_mixed_rows<kWindow, kCompressed, R::kRowBytes>(raw, tile, row0, window_rows, lane);
-      }
-      if (lane == 0)
-        valid_bits[(stage * kSlotsPerTile + slot_in_tile) * kProducerWarps + producer_warp] =
-            static_cast<uint8_t>(valids & ((1u << kRowsPerProducerWarp) - 1));
+      decode_rows<kWindow, kCompressed, R::kRowBytes>(raw, tiles + stage * kTileBytes, row0,
+                                                      rows.window_rows_in_tile(row_index(j, 0), kRowsPerProducerWarp), lane);
+      if (lane == 0) valid_bits[(stage * kSlotsPerTile + slot_in_tile) * kProducerWarps + producer_warp] = row_bits(valids, 0);
       __syncwarp();  // ring slot j % kSlots is read: slot j + kSlots may overwrite it
       if (slot_in_tile == kSlotsPerTile - 1) {
         wgmma::fence_shared_for_async_proxy();
@@ -317,7 +397,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   wgmma::fence_shared_for_async_proxy();
   barrier_sync(kConsumerBarrier, kConsumerThreads);
 
-  mma::SoftmaxState softmax;
+  mma::SoftmaxState softmax(a, head0 + warp_in_group * 16, lane);
   float acc[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -326,9 +406,28 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   // The descriptors of step k are the base's plus the step's offset (in the 16-byte units of the
   // start address field; every address here stays below 256 KB, so no carry leaves that field).
   const uint64_t q_descriptor = wgmma::k_major(q_address);
+  // Consumers that decode: the warp's rows of tile `tile_index` from the ring into its stage, once
+  // the producer has handed them over; the ring then takes the next tile's.
+  auto decode_tile = [&](int tile_index) {
+    barrier_sync(kRawReadyBarrier, kThreads);
+    uint8_t* const tile = tiles + (tile_index % 2) * kTileBytes;
+#pragma unroll 1
+    for (int g = 0; g < kRowsPerConsumerWarp; g += kRowsPerProducerWarp) {
+      const int row0 = warp * kRowsPerConsumerWarp + g;
+      const int window_rows =
+          rows.window_rows_in_tile(first_row + int64_t{tile_index} * kTileRows + row0, kRowsPerProducerWarp);
+      decode_rows<kWindow, kCompressed, R::kRowBytes>(ring + row0 * R::kRowBytes, tile, row0, window_rows, lane);
+    }
+    if (tile_index + 1 < n_tiles) barrier_arrive(kRawFreeBarrier, kThreads);
+    wgmma::fence_shared_for_async_proxy();  // the MMAs read the tile through the async proxy
+  };
+  if constexpr (R::kConsumersDecode)
+    if (n_tiles > 0) decode_tile(0);
   for (int i = 0; i < n_tiles; ++i) {
     const int stage = i % 2;
-    barrier_sync(kFullBarrier + stage, kThreads);
+    // Tile i is decoded (and every consumer is done with tile i - 1).
+    if constexpr (R::kConsumersDecode) barrier_sync(kConsumerBarrier, kConsumerThreads);
+    else barrier_sync(kFullBarrier + stage, kThreads);
     const uint32_t tile = tiles_address + stage * kTileBytes;
     const uint64_t key_descriptor = wgmma::k_major(tile);
     const uint64_t value_descriptor = wgmma::mn_major(tile + half * 4 * kTileRows * 128, kTileRows);
@@ -361,14 +460,23 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     for (int k = 0; k < kPvSteps; ++k)
       wgmma::m64n256k16_rs(acc, p[k], value_descriptor + ((k * 16 * 128) >> 4));
     wgmma::commit();
+    if constexpr (R::kConsumersDecode)
+      if (i + 1 < n_tiles) decode_tile(i + 1);  // while the MMAs run; its stage held tile i - 1
     wgmma::wait<0>();
     wgmma::pin(acc);
     wgmma::pin(p);
-    if (i + 2 < n_tiles) barrier_arrive(kEmptyBarrier + stage, kThreads);  // the producer waits for it at tile i + 2
+    if constexpr (!R::kConsumersDecode)
+      if (i + 2 < n_tiles) barrier_arrive(kEmptyBarrier + stage, kThreads);  // the producer waits for it at tile i + 2
   }
 
-  mma::write_output<Out, kOutTiles, kHeadDim>(a, t, head0 + warp_in_group * 16, half * kHalfChannels, half == 0, lane,
-                                              acc, softmax);
+  // Every consumer is done with its MMAs: Q and the tiles are free to stage the results.
+  barrier_sync(kConsumerBarrier, kConsumerThreads);
+  if (a.splits > 1)
+    write_output_staged<true, Out>(a, t, head0, half, lane, acc, softmax,
+                                   shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(float));
+  else
+    write_output_staged<false, Out>(a, t, head0, half, lane, acc, softmax,
+                                    shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
 #endif
 }
 
