@@ -19,15 +19,15 @@ inline constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 struct SoftmaxState {
   float running_max[2] = {-INFINITY, -INFINITY};
   float running_sum[2] = {0.0f, 0.0f};
-  // The heads' sinks in log2 units (-inf: none), read at the start so that the final
-  // normalization does not wait for them.
-  float sink_log2[2] = {-INFINITY, -INFINITY};
+  // The heads' sinks (-inf: none), read at the start so that the final normalization does not
+  // wait for them.
+  float sink[2] = {-INFINITY, -INFINITY};
   // The lane's heads are head_base + lane / 4 + 8r.
   __device__ SoftmaxState(const SparseAttentionLaunch& a, int head_base, int lane) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int head = head_base + lane / 4 + 8 * r;
-      if (a.sink && head < a.heads) sink_log2[r] = a.sink[head] * kLog2e;
+      if (a.sink && head < a.heads) sink[r] = a.sink[head];
     }
   }
 };
@@ -36,6 +36,15 @@ struct SoftmaxState {
 // 8j + 2c + 1, c = lane % 4) into exp-scores relative to the new running max (invalid rows -inf,
 // then 0; no valid row yet: every exp-score 0), adds their unrounded sum to the state and returns
 // in `correction` the factor the accumulators must be rescaled by.
+// 2^x as the MUFU computes it (exp2f's accuracy), results below 2^-126 flushed to zero: such an
+// exp-score or rescale factor changes no sum of a tile (its largest exp-score is 1), and exp2f's
+// rescaling of subnormal results costs about ten instructions per score.
+__device__ __forceinline__ float exp2_flushed(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <int kScoreTiles>
 __device__ __forceinline__ void online_softmax(float (&s)[kScoreTiles][4], uint64_t valid_rows, float scale_log2,
                                                int lane, SoftmaxState& state, float (&correction)[2]) {
@@ -58,14 +67,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScoreTiles][4], uint6
   for (int r = 0; r < 2; ++r) {
     new_max[r] = fmaxf(state.running_max[r], tile_max[r]);
     // No valid row yet: nothing to rescale, every exp-score 0.
-    correction[r] = new_max[r] == -INFINITY ? 1.0f : exp2f(state.running_max[r] - new_max[r]);
+    correction[r] = new_max[r] == -INFINITY ? 1.0f : exp2_flushed(state.running_max[r] - new_max[r]);
   }
 #pragma unroll
   for (int j = 0; j < kScoreTiles; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = e / 2;
-      s[j][e] = new_max[r] == -INFINITY ? 0.0f : exp2f(s[j][e] - new_max[r]);
+      s[j][e] = new_max[r] == -INFINITY ? 0.0f : exp2_flushed(s[j][e] - new_max[r]);
       tile_sum[r] += s[j][e];
     }
 #pragma unroll
@@ -109,7 +118,7 @@ __device__ __forceinline__ void finish_output(const SparseAttentionLaunch& a, in
       continue;
     }
     const bool any = running_max != -INFINITY;
-    const float inverse = any ? 1.0f / (running_sum + exp2f(state.sink_log2[r] - running_max)) : 0.0f;
+    const float inverse = any ? 1.0f / (running_sum + exp2f(state.sink[r] * kLog2e - running_max)) : 0.0f;
 #pragma unroll
     for (int j = 0; j < kOutTiles; ++j) emit(head, r, j, acc[j][2 * r] * inverse, acc[j][2 * r + 1] * inverse);
     if (stats_lane && a.lse) a.lse[t * a.heads + head] = any ? (running_max + log2f(running_sum)) * kLn2 : -INFINITY;

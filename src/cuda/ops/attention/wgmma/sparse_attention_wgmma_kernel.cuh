@@ -161,32 +161,29 @@ __device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, i
   }
 }
 
-// A consumer warpgroup's results (mma::finish_output: the output, or with kPartial a split's
-// partial) through shared memory: staged in `stage` as rows of its 64 heads x 256 channels (padded
-// by 8 values, so that a quarter warp's stores to 8 heads fall on different banks), then copied out
-// in 16-byte pieces, whole sectors in order, where a lane's own values are 4 or 8 bytes of 8 heads.
-template <bool kPartial, class Out>
+// A consumer warpgroup's output (mma::finish_output, no split) through shared memory: staged in
+// `stage` as rows of its 64 heads x 256 channels (padded by 8 values, so that a quarter warp's
+// stores to 8 heads fall on different banks), then copied out in 16-byte pieces, whole sectors in
+// order, where a lane's own values are 4 bytes (bf16) of 8 heads. (A split's fp32 partials go out
+// directly: a quarter warp's 8-byte values fill whole sectors.)
+template <class Out>
 __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch& a, int64_t t, int head0, int half,
                                                     int lane, const float (&acc)[kOutTiles][4],
                                                     const mma::SoftmaxState& state, uint8_t* stage) {
-  using T = std::conditional_t<kPartial, float, Out>;
-  constexpr int kRowValues = kHalfChannels + 8, kPieceValues = 16 / sizeof(T), kPieces = kHalfChannels / kPieceValues;
-  T* const rows = reinterpret_cast<T*>(stage);
+  constexpr int kRowValues = kHalfChannels + 8, kPieceValues = 16 / sizeof(Out), kPieces = kHalfChannels / kPieceValues;
+  Out* const rows = reinterpret_cast<Out*>(stage);
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, column0 = 2 * (lane & 3);
   mma::finish_output(a, t, head0 + warp_in_group * 16, half == 0, lane, acc, state,
                      [&](int head, int, int j, float x, float y) {
-                       T* dst = rows + (head - head0) * kRowValues + column0 + 8 * j;
-                       if constexpr (sizeof(T) == 2) *reinterpret_cast<uint32_t*>(dst) = mma::pack_bf16(x, y);
+                       Out* dst = rows + (head - head0) * kRowValues + column0 + 8 * j;
+                       if constexpr (sizeof(Out) == 2) *reinterpret_cast<uint32_t*>(dst) = mma::pack_bf16(x, y);
                        else *reinterpret_cast<float2*>(dst) = make_float2(x, y);
                      });
   barrier_sync(kStagedBarrier + half, kConsumerThreads / 2);
   const int heads = min(kHeadsPerBlock, a.heads - head0);
   for (int item = threadIdx.x % (kConsumerThreads / 2); item < heads * kPieces; item += kConsumerThreads / 2) {
     const int h = item / kPieces, piece = item % kPieces;
-    T* row;
-    if constexpr (kPartial) row = mma::partial_row<kHeadDim>(a, t, head0 + h);
-    else row = mma::output_row<Out, kHeadDim>(a, t, head0 + h);
-    *reinterpret_cast<uint4*>(row + half * kHalfChannels + piece * kPieceValues) =
+    *reinterpret_cast<uint4*>(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + half * kHalfChannels + piece * kPieceValues) =
         *reinterpret_cast<const uint4*>(rows + h * kRowValues + piece * kPieceValues);
   }
 }
@@ -469,14 +466,15 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
       if (i + 2 < n_tiles) barrier_arrive(kEmptyBarrier + stage, kThreads);  // the producer waits for it at tile i + 2
   }
 
-  // Every consumer is done with its MMAs: Q and the tiles are free to stage the results.
-  barrier_sync(kConsumerBarrier, kConsumerThreads);
-  if (a.splits > 1)
-    write_output_staged<true, Out>(a, t, head0, half, lane, acc, softmax,
-                                   shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(float));
-  else
-    write_output_staged<false, Out>(a, t, head0, half, lane, acc, softmax,
-                                    shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
+  if (a.splits > 1) {
+    mma::write_output<Out, kOutTiles, kHeadDim>(a, t, head0 + warp_in_group * 16, half * kHalfChannels, half == 0,
+                                                lane, acc, softmax);
+  } else {
+    // Every consumer is done with its MMAs: Q and the tiles are free to stage the output.
+    barrier_sync(kConsumerBarrier, kConsumerThreads);
+    write_output_staged<Out>(a, t, head0, half, lane, acc, softmax,
+                             shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
+  }
 #endif
 }
 
