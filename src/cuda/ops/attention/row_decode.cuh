@@ -1,6 +1,7 @@
 // Exact decoding of a raw cache row (its data bytes, then its scale bytes, as copied from a page
 // into shared memory) to bf16, 16 channels at a time: what the warp-specialized attention kernels'
-// producer warps run (decode_mma, wgmma). Every format taken here has values exact in bf16: bf16;
+// decoding warps run (decode_mma's producers; wgmma's consumers for the V4.1 native rows, its
+// producer for fp8_ds_mla). Every format taken here has values exact in bf16: bf16;
 // e4m3 codes times ue8m0 scales (v41_fp8, fp8_ds_mla); e2m1 codes times e4m3 scales (v41_fp4).
 #pragma once
 
