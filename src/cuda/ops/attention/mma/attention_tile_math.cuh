@@ -1,4 +1,4 @@
-// The per-tile math the tensor-core attention kernels share (mma_bf16, decode_mma): the online
+// The per-tile math the tensor-core attention kernels share (wgmma, mma_bf16, decode_mma): the online
 // softmax of a warp's 16 heads over a tile of scores held as mma.sync C fragments, and the final
 // write of the warp's output (or of its split's partial). Softmax state per lane: its two heads
 // (rows g and g + 8 of the warp's 16, g = lane / 4), in log2 units.
@@ -32,10 +32,6 @@ struct SoftmaxState {
   }
 };
 
-// Turns the raw scores s (16 heads x 8·kScoreTiles rows: the lane holds columns 8j + 2c and
-// 8j + 2c + 1, c = lane % 4) into exp-scores relative to the new running max (invalid rows -inf,
-// then 0; no valid row yet: every exp-score 0), adds their unrounded sum to the state and returns
-// in `correction` the factor the accumulators must be rescaled by.
 // 2^x as the MUFU computes it (exp2f's accuracy), results below 2^-126 flushed to zero: such an
 // exp-score or rescale factor changes no sum of a tile (its largest exp-score is 1), and exp2f's
 // rescaling of subnormal results costs about ten instructions per score.
@@ -45,6 +41,10 @@ __device__ __forceinline__ float exp2_flushed(float x) {
   return y;
 }
 
+// Turns the raw scores s (16 heads x 8·kScoreTiles rows: the lane holds columns 8j + 2c and
+// 8j + 2c + 1, c = lane % 4) into exp-scores relative to the new running max (invalid rows -inf,
+// then 0; no valid row yet: every exp-score 0), adds their unrounded sum to the state and returns
+// in `correction` the factor the accumulators must be rescaled by.
 template <int kScoreTiles>
 __device__ __forceinline__ void online_softmax(float (&s)[kScoreTiles][4], uint64_t valid_rows, float scale_log2,
                                                int lane, SoftmaxState& state, float (&correction)[2]) {
