@@ -98,8 +98,8 @@ __device__ __forceinline__ void rescale(float (&acc)[kOutTiles][4], const float 
 // The results of the warp's 16 heads from head_base (those < a.heads) x kOutTiles·8 channels:
 // out = acc / (sum + exp(sink - max)), and lse (written by the lanes with stats_writer); or with
 // a.splits > 1 the unnormalized acc, and (max, sum) of split blockIdx.z for the combine. The lane's
-// values go to emit(head, r, j, x, y): head r (head_base + lane / 4 + 8r), channels 8j + 2c and
-// 8j + 2c + 1 of its kOutTiles·8 (c = lane % 4).
+// values go to emit(head, j, x, y): channels 8j + 2c and 8j + 2c + 1 of the head's kOutTiles·8
+// (c = lane % 4), for its heads head_base + lane / 4 + 8r.
 template <int kOutTiles, class Emit>
 __device__ __forceinline__ void finish_output(const SparseAttentionLaunch& a, int64_t t, int head_base,
                                               bool stats_writer, int lane, const float (&acc)[kOutTiles][4],
@@ -113,14 +113,14 @@ __device__ __forceinline__ void finish_output(const SparseAttentionLaunch& a, in
     const float running_max = state.running_max[r], running_sum = state.running_sum[r];
     if (a.splits > 1) {
 #pragma unroll
-      for (int j = 0; j < kOutTiles; ++j) emit(head, r, j, acc[j][2 * r], acc[j][2 * r + 1]);
+      for (int j = 0; j < kOutTiles; ++j) emit(head, j, acc[j][2 * r], acc[j][2 * r + 1]);
       if (stats_lane) a.partials.stats[index] = make_float2(running_max * kLn2, running_sum);
       continue;
     }
     const bool any = running_max != -INFINITY;
     const float inverse = any ? 1.0f / (running_sum + exp2f(state.sink[r] * kLog2e - running_max)) : 0.0f;
 #pragma unroll
-    for (int j = 0; j < kOutTiles; ++j) emit(head, r, j, acc[j][2 * r] * inverse, acc[j][2 * r + 1] * inverse);
+    for (int j = 0; j < kOutTiles; ++j) emit(head, j, acc[j][2 * r] * inverse, acc[j][2 * r + 1] * inverse);
     if (stats_lane && a.lse) a.lse[t * a.heads + head] = any ? (running_max + log2f(running_sum)) * kLn2 : -INFINITY;
   }
 }
@@ -135,20 +135,22 @@ __device__ __forceinline__ Out* output_row(const SparseAttentionLaunch& a, int64
   return static_cast<Out*>(a.out) + (t * a.heads + head) * kHeadDim;
 }
 
+// Two adjacent output values as Out (bf16 bits or f32).
+template <class Out>
+__device__ __forceinline__ void store_pair(Out* dst, float x, float y) {
+  if constexpr (sizeof(Out) == 2) *reinterpret_cast<uint32_t*>(dst) = pack_bf16(x, y);
+  else *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+}
+
 // finish_output straight to global memory, channels from channel0.
 template <class Out, int kOutTiles, int kHeadDim>
 __device__ __forceinline__ void write_output(const SparseAttentionLaunch& a, int64_t t, int head_base, int channel0,
                                              bool stats_writer, int lane, const float (&acc)[kOutTiles][4],
                                              const SoftmaxState& state) {
   const int column0 = channel0 + 2 * (lane & 3);
-  finish_output(a, t, head_base, stats_writer, lane, acc, state, [&](int head, int, int j, float x, float y) {
-    if (a.splits > 1) {
-      *reinterpret_cast<float2*>(partial_row<kHeadDim>(a, t, head) + column0 + 8 * j) = make_float2(x, y);
-    } else {
-      Out* out = output_row<Out, kHeadDim>(a, t, head) + column0 + 8 * j;
-      if constexpr (sizeof(Out) == 2) *reinterpret_cast<uint32_t*>(out) = pack_bf16(x, y);
-      else *reinterpret_cast<float2*>(out) = make_float2(x, y);
-    }
+  finish_output(a, t, head_base, stats_writer, lane, acc, state, [&](int head, int j, float x, float y) {
+    if (a.splits > 1) store_pair(partial_row<kHeadDim>(a, t, head) + column0 + 8 * j, x, y);
+    else store_pair(output_row<Out, kHeadDim>(a, t, head) + column0 + 8 * j, x, y);
   });
 }
 

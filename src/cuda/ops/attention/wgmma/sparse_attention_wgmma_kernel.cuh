@@ -174,10 +174,8 @@ __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch&
   Out* const rows = reinterpret_cast<Out*>(stage);
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, column0 = 2 * (lane & 3);
   mma::finish_output(a, t, head0 + warp_in_group * 16, half == 0, lane, acc, state,
-                     [&](int head, int, int j, float x, float y) {
-                       Out* dst = rows + (head - head0) * kRowValues + column0 + 8 * j;
-                       if constexpr (sizeof(Out) == 2) *reinterpret_cast<uint32_t*>(dst) = mma::pack_bf16(x, y);
-                       else *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+                     [&](int head, int j, float x, float y) {
+                       mma::store_pair(rows + (head - head0) * kRowValues + column0 + 8 * j, x, y);
                      });
   barrier_sync(kStagedBarrier + half, kConsumerThreads / 2);
   const int heads = min(kHeadsPerBlock, a.heads - head0);
