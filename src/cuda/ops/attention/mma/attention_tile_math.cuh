@@ -41,14 +41,14 @@ __device__ __forceinline__ float exp2_flushed(float x) {
   return y;
 }
 
-// Turns the raw scores s (16 heads x 8·kScoreTiles rows: the lane holds columns 8j + 2c and
-// 8j + 2c + 1, c = lane % 4) into exp-scores relative to the new running max (invalid rows -inf,
-// then 0; no valid row yet: every exp-score 0), adds their unrounded sum to the state and returns
-// in `correction` the factor the accumulators must be rescaled by.
+// The two steps of the online softmax of a tile of raw scores s (16 heads x 8·kScoreTiles rows: the
+// lane holds columns 8j + 2c and 8j + 2c + 1, c = lane % 4), split so that a kernel whose warps hold
+// parts of a tile's rows can merge their maxima in between (wgmma). First: s scaled to log2 units
+// (invalid rows -inf) and the maxima of the lane's two heads over it.
 template <int kScoreTiles>
-__device__ __forceinline__ void online_softmax(float (&s)[kScoreTiles][4], uint64_t valid_rows, float scale_log2,
-                                               int lane, SoftmaxState& state, float (&correction)[2]) {
-  float tile_max[2] = {-INFINITY, -INFINITY};
+__device__ __forceinline__ void scaled_tile_max(float (&s)[kScoreTiles][4], uint64_t valid_rows, float scale_log2,
+                                                int lane, float (&tile_max)[2]) {
+  tile_max[0] = tile_max[1] = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kScoreTiles; ++j)
 #pragma unroll
@@ -62,6 +62,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScoreTiles][4], uint6
     tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 1));
     tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 2));
   }
+}
+
+// Then: s as exp-scores relative to the new running max (max of the state's and tile_max; none
+// yet: every exp-score 0), their unrounded sum added to the state, and in `correction` the factor
+// the accumulators must be rescaled by.
+template <int kScoreTiles>
+__device__ __forceinline__ void exp_scores(float (&s)[kScoreTiles][4], const float (&tile_max)[2], SoftmaxState& state,
+                                           float (&correction)[2]) {
   float new_max[2], tile_sum[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -84,6 +92,15 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScoreTiles][4], uint6
     state.running_sum[r] = state.running_sum[r] * correction[r] + tile_sum[r];
     state.running_max[r] = new_max[r];
   }
+}
+
+// Both steps, for a warp that holds the whole tile.
+template <int kScoreTiles>
+__device__ __forceinline__ void online_softmax(float (&s)[kScoreTiles][4], uint64_t valid_rows, float scale_log2,
+                                               int lane, SoftmaxState& state, float (&correction)[2]) {
+  float tile_max[2];
+  scaled_tile_max(s, valid_rows, scale_log2, lane, tile_max);
+  exp_scores(s, tile_max, state, correction);
 }
 
 template <int kOutTiles>

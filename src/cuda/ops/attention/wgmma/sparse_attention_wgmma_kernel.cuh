@@ -8,10 +8,12 @@
 //     zero-filled by the copy (so they decode to zeros). Warp w copies rows 4w … 4w + 3 of every
 //     slot; its lanes look those rows up for eight slots at a time (the pick, the block-table entry
 //     and the address each a batch apart, so that no load waits for another).
-//   * two consumer warpgroups, one per half of the 512 output channels: each computes the scores
-//     of all 64 heads over the tile's 64 rows (32 SS wgmma m64n64k16, Q and the tile both in shared
-//     memory; the two get the same bits), the online softmax in fp32, and P·V for its 256 channels
-//     (4 RS wgmma m64n256k16, P rounded to bf16 in registers, the row sums unrounded).
+//   * two consumer warpgroups: each computes the scores of all 64 heads over half of the tile's
+//     rows (32 wgmma m64n32k16: Q's first 64 channels from registers, the rest and the tile from
+//     shared memory), the online softmax in fp32 with the two halves' maxima merged through shared
+//     memory, its exp-scores P rounded to bf16 into a shared P tile, and then P·V of all 64 rows for
+//     its half of the 512 output channels (4 SS wgmma m64n256k16; the row sums unrounded, each
+//     warpgroup's over its rows, added at the end).
 // The raw rows are decoded exactly to bf16 (row_decode.cuh) into one of two 64-row tiles in the
 // SW128 layout the MMAs read, by whoever has the time:
 //   * where the ring holds a whole tile (the V4.1 native pair, Ring::kConsumersDecode) the
@@ -58,18 +60,24 @@ inline constexpr int kRowsPerProducerWarp = kSlotRows / kProducerWarps;
 inline constexpr int kLookupSlots = kWarpSize / kRowsPerProducerWarp;
 inline constexpr int kThreads = kConsumerThreads + kProducerThreads;
 inline constexpr int kHalfChannels = kHeadDim / 2;
-inline constexpr int kScoreTiles = kTileRows / 8;   // n tiles of 8 of the 64 x 64 scores
+inline constexpr int kWarpgroupRows = kTileRows / 2;  // the rows of a tile a consumer warpgroup scores
+inline constexpr int kScoreTiles = kWarpgroupRows / 8;  // n tiles of 8 of its 64 x 32 scores
 inline constexpr int kOutTiles = kHalfChannels / 8;  // n tiles of 8 of a consumer's 64 x 256 output
 inline constexpr int kQkSteps = kHeadDim / 16;
 inline constexpr int kPvSteps = kTileRows / 16;
+// Q's first 64 channels (the first 4 k steps of Q·Kᵀ) stay in the consumers' registers: their place
+// in shared memory, a 64 x 64 SW128 block, holds the tile's P (heads x rows, the A of P·V).
+inline constexpr int kQRegisterSteps = wgmma::kBlockChannels / 16;
 
 constexpr size_t kQBytes = size_t{kHeadsPerBlock} * mma::kRowBytes;
 constexpr size_t kTileBytes = size_t{kTileRows} * mma::kRowBytes;
 constexpr size_t kValidBytes = 2 * kSlotsPerTile * kProducerWarps;  // [tile stage][slot][producer warp]
-// What the H100 / H200 give a block, less Q, the two bf16 tiles, the valid bits and the slack
-// that aligns the dynamic shared memory to 1024 bytes: the raw ring's share.
+constexpr size_t kExchangeBytes = 2 * kHeadsPerBlock * sizeof(float);  // [consumer warpgroup][head]
+// What the H100 / H200 give a block, less Q (with P), the two bf16 tiles, the valid bits, the
+// warpgroups' exchange and the slack that aligns the dynamic shared memory to 1024 bytes: the raw
+// ring's share.
 constexpr size_t kSharedLimit = 232448;
-constexpr size_t kRingLimit = kSharedLimit - kQBytes - 2 * kTileBytes - kValidBytes - 1024;
+constexpr size_t kRingLimit = kSharedLimit - kQBytes - 2 * kTileBytes - kValidBytes - kExchangeBytes - 1024;
 
 // The raw ring of a (window, compressed) format pair: a row's place is the larger row rounded up
 // to 16 bytes (the decode's 16-byte loads), as many 16-row slots as fit, at most 4; all but the
@@ -89,7 +97,8 @@ struct Ring {
   static constexpr size_t kSlotBytes = size_t{kSlotRows} * kRowBytes;
   static constexpr int kSlots = kRingLimit / kSlotBytes < 4 ? static_cast<int>(kRingLimit / kSlotBytes) : 4;
   static constexpr int kAhead = kSlots - 1;
-  static constexpr size_t kSharedBytes = kQBytes + 2 * kTileBytes + kSlots * kSlotBytes + kValidBytes + 1024;
+  static constexpr size_t kSharedBytes =
+      kQBytes + 2 * kTileBytes + kSlots * kSlotBytes + kValidBytes + kExchangeBytes + 1024;
   static_assert(kSlots >= 2 && kSharedBytes <= kSharedLimit && kAhead < kLookupSlots);
   // When the ring holds a whole tile (the V4.1 native pair), the consumers decode: the producer only
   // looks rows up and copies a tile at a time, and each consumer warp decodes its share of the next
@@ -100,7 +109,8 @@ struct Ring {
 
 // Named barriers (0 is __syncthreads', unused). The producer decodes: kFull / kEmpty per tile stage.
 // The consumers decode: kRawReady (a tile's raw rows have landed in the ring) and kRawFree (the
-// consumers have decoded them), and kConsumer also marks each decoded tile.
+// consumers have decoded them), and kConsumer also marks each decoded tile. kConsumer also orders
+// the consumers' exchanges: the maxima, P, the final sums.
 inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
@@ -109,8 +119,8 @@ inline constexpr int kRawFreeBarrier = 7;
 inline constexpr int kStagedBarrier = 8;  // + consumer warpgroup (2): its results are staged
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
-// within its setmaxnreg bound: a consumer holds 128 accumulators, 32 scores or 16 exp-score registers
-// and its addresses (without the hand-over ptxas spills), and where it decodes a row pipeline while
+// within its setmaxnreg bound: a consumer holds 128 accumulators, Q's 16 registers, 16 scores and its
+// addresses (without the hand-over ptxas spills), and where it decodes a row pipeline while
 // its P·V MMAs run; the producer's lookups and, where it decodes, four rows' decodes in flight (about
 // 100). 128 x (168 - 120) released = 256 x (192 - 168) claimed.
 inline constexpr int kLaunchRegisters = 168;
@@ -196,10 +206,11 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   using R = Ring<kWindow, kCompressed>;
   extern __shared__ uint8_t shared_unaligned[];
   uint8_t* const shared = shared_unaligned + ((1024 - shared_address(shared_unaligned) % 1024) % 1024);
-  uint8_t* const q_tile = shared;                              // [64 heads x 512] bf16, SW128
-  uint8_t* const tiles = q_tile + kQBytes;                     // [stage][64 rows x 512] bf16, SW128
-  uint8_t* const ring = tiles + 2 * kTileBytes;                // [slot][16 rows][R::kRowBytes]
+  uint8_t* const q_tile = shared;  // [64 heads x 512] bf16, SW128; channels 0-63: P, [64 heads x 64 rows]
+  uint8_t* const tiles = q_tile + kQBytes;                       // [stage][64 rows x 512] bf16, SW128
+  uint8_t* const ring = tiles + 2 * kTileBytes;                  // [slot][16 rows][R::kRowBytes]
   uint8_t* const valid_bits = ring + R::kSlots * R::kSlotBytes;  // [stage][slot][producer warp]
+  float* const exchange = reinterpret_cast<float*>(valid_bits + kValidBytes);  // [consumer warpgroup][head]
 
   const int64_t t = blockIdx.x;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -378,37 +389,53 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     return;
   }
 
-  // Consumers: warpgroup `half` computes output channels [256·half, 256·half + 256).
+  // Consumers: warpgroup `half` scores rows [32·half, 32·half + 32) of each tile and computes output
+  // channels [256·half, 256·half + 256).
   claim_registers<kConsumerRegisters>();
   const int half = threadIdx.x / 128, warp_in_group = warp % 4;
   const uint32_t q_address = shared_address(q_tile), tiles_address = shared_address(tiles);
-  for (int item = threadIdx.x; item < kHeadsPerBlock * (kHeadDim / 8); item += kConsumerThreads) {
-    const int h = item / (kHeadDim / 8), channel = (item % (kHeadDim / 8)) * 8;
+  for (int item = threadIdx.x; item < kHeadsPerBlock * (kHeadDim - wgmma::kBlockChannels) / 8; item += kConsumerThreads) {
+    const int h = item / ((kHeadDim - wgmma::kBlockChannels) / 8);
+    const int channel = wgmma::kBlockChannels + (item % ((kHeadDim - wgmma::kBlockChannels) / 8)) * 8;
     uint8_t* dst = q_tile + wgmma::sw128_offset(kHeadsPerBlock, h, channel);
     if (head0 + h < a.heads) cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + channel));
     else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
+  // The A fragments of Q's first k steps: the warp's heads 16·w + g (+ 8), channels 16k + 2c (+ 8).
+  uint32_t q_first[kQRegisterSteps][4];
+  const int head_base = head0 + warp_in_group * 16, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int k = 0; k < kQRegisterSteps; ++k)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int head = head_base + g + 8 * (e & 1), channel = 16 * k + 2 * c + 8 * (e >> 1);
+      q_first[k][e] = head < a.heads ? *reinterpret_cast<const uint32_t*>(a.q + (t * a.heads + head) * kHeadDim + channel) : 0u;
+    }
   cp_async_wait_all();
   wgmma::fence_shared_for_async_proxy();
   barrier_sync(kConsumerBarrier, kConsumerThreads);
 
-  mma::SoftmaxState softmax(a, head0 + warp_in_group * 16, lane);
+  mma::SoftmaxState softmax(a, head_base, lane);
   float acc[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const float scale_log2 = a.scale * mma::kLog2e;
+  // The lane's two heads in the exchange, the other warpgroup's entries kHeadsPerBlock away.
+  float* const exchange_own = exchange + half * kHeadsPerBlock + warp_in_group * 16 + g;
+  const float* const exchange_other = exchange + (half ^ 1) * kHeadsPerBlock + warp_in_group * 16 + g;
 
   // The descriptors of step k are the base's plus the step's offset (in the 16-byte units of the
   // start address field; every address here stays below 256 KB, so no carry leaves that field).
-  const uint64_t q_descriptor = wgmma::k_major(q_address);
+  const uint64_t q_descriptor = wgmma::k_major(q_address), p_descriptor = q_descriptor;
+  auto step_offset = [](int k) { return static_cast<uint32_t>(((k / 4) * kTileRows * 128 + (k % 4) * 32) >> 4); };
   // Consumers that decode: the warp's rows of tile `tile_index` from the ring into its stage, once
   // the producer has handed them over; the ring then takes the next tile's.
   auto decode_tile = [&](int tile_index) {
     barrier_sync(kRawReadyBarrier, kThreads);
     uint8_t* const tile = tiles + (tile_index % 2) * kTileBytes;
 #pragma unroll 1
-    for (int g = 0; g < kRowsPerConsumerWarp; g += kRowsPerProducerWarp) {
-      const int row0 = warp * kRowsPerConsumerWarp + g;
+    for (int group = 0; group < kRowsPerConsumerWarp; group += kRowsPerProducerWarp) {
+      const int row0 = warp * kRowsPerConsumerWarp + group;
       const int window_rows =
           rows.window_rows_in_tile(first_row + int64_t{tile_index} * kTileRows + row0, kRowsPerProducerWarp);
       decode_rows<kWindow, kCompressed, R::kRowBytes>(ring + row0 * R::kRowBytes, tile, row0, window_rows, lane);
@@ -424,17 +451,15 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     if constexpr (R::kConsumersDecode) barrier_sync(kConsumerBarrier, kConsumerThreads);
     else barrier_sync(kFullBarrier + stage, kThreads);
     const uint32_t tile = tiles_address + stage * kTileBytes;
-    const uint64_t key_descriptor = wgmma::k_major(tile);
+    const uint64_t key_descriptor = wgmma::k_major(tile + half * kWarpgroupRows * 128);
     const uint64_t value_descriptor = wgmma::mn_major(tile + half * 4 * kTileRows * 128, kTileRows);
     float s[kScoreTiles][4];
-#pragma unroll
-    for (int j = 0; j < kScoreTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     wgmma::fence();
 #pragma unroll
-    for (int k = 0; k < kQkSteps; ++k) {
-      const uint32_t step = ((k / 4) * kTileRows * 128 + (k % 4) * 32) >> 4;  // 64-channel block, then 16 channels
-      wgmma::m64n64k16_ss(s, q_descriptor + step, key_descriptor + step, k > 0);
-    }
+    for (int k = 0; k < kQRegisterSteps; ++k) wgmma::m64n32k16_rs(s, q_first[k], key_descriptor + step_offset(k), k > 0);
+#pragma unroll
+    for (int k = kQRegisterSteps; k < kQkSteps; ++k)
+      wgmma::m64n32k16_ss(s, q_descriptor + step_offset(k), key_descriptor + step_offset(k), true);
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::pin(s);
@@ -444,32 +469,53 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     for (int b = 0; b < kSlotsPerTile * kProducerWarps; ++b)
       valid_rows |= static_cast<uint64_t>(valid_bits[stage * kSlotsPerTile * kProducerWarps + b])
                     << (kRowsPerProducerWarp * b);
+    // The heads' maxima over the whole tile: this warpgroup's rows, then the other's.
+    float tile_max[2];
+    mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
+    if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
+    barrier_sync(kConsumerBarrier, kConsumerThreads);
+    tile_max[0] = fmaxf(tile_max[0], exchange_other[0]), tile_max[1] = fmaxf(tile_max[1], exchange_other[8]);
     float correction[2];
-    mma::online_softmax(s, valid_rows, scale_log2, lane, softmax, correction);
-    if (correction[0] != 1.0f || correction[1] != 1.0f) mma::rescale(acc, correction);  // x 1 changes no bit
-    uint32_t p[kPvSteps][4];
+    mma::exp_scores(s, tile_max, softmax, correction);
+    // P of the warpgroup's rows, as bf16, into the P tile: rows 16k + 2c (+ 8) of this half.
 #pragma unroll
-    for (int k = 0; k < kPvSteps; ++k) mma::a_from_c(p[k], s[2 * k], s[2 * k + 1]);
+    for (int k = 0; k < kScoreTiles / 2; ++k) {
+      uint32_t p[4];
+      mma::a_from_c(p, s[2 * k], s[2 * k + 1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int head = warp_in_group * 16 + g + 8 * (e & 1), row = half * kWarpgroupRows + 16 * k + 8 * (e >> 1);
+        *reinterpret_cast<uint32_t*>(q_tile + wgmma::sw128_offset(kHeadsPerBlock, head, row) + 4 * c) = p[e];
+      }
+    }
+    wgmma::fence_shared_for_async_proxy();
+    if (correction[0] != 1.0f || correction[1] != 1.0f) mma::rescale(acc, correction);  // x 1 changes no bit
+    barrier_sync(kConsumerBarrier, kConsumerThreads);  // the P tile is whole
     wgmma::fence();
 #pragma unroll
     for (int k = 0; k < kPvSteps; ++k)
-      wgmma::m64n256k16_rs(acc, p[k], value_descriptor + ((k * 16 * 128) >> 4));
+      wgmma::m64n256k16_ss(acc, p_descriptor + step_offset(k), value_descriptor + ((k * 16 * 128) >> 4));
     wgmma::commit();
     if constexpr (R::kConsumersDecode)
       if (i + 1 < n_tiles) decode_tile(i + 1);  // while the MMAs run; its stage held tile i - 1
     wgmma::wait<0>();
     wgmma::pin(acc);
-    wgmma::pin(p);
     if constexpr (!R::kConsumersDecode)
       if (i + 2 < n_tiles) barrier_arrive(kEmptyBarrier + stage, kThreads);  // the producer waits for it at tile i + 2
   }
 
+  // Each warpgroup's sums cover its rows: both take the same total. (Every consumer read the last
+  // maxima before the last P barrier, and after this barrier every MMA is done: Q, P and the tiles
+  // are free to stage the output.)
+  if (c == 0) exchange_own[0] = softmax.running_sum[0], exchange_own[8] = softmax.running_sum[1];
+  barrier_sync(kConsumerBarrier, kConsumerThreads);
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    softmax.running_sum[r] = exchange[warp_in_group * 16 + g + 8 * r] + exchange[kHeadsPerBlock + warp_in_group * 16 + g + 8 * r];
   if (a.splits > 1) {
     mma::write_output<Out, kOutTiles, kHeadDim>(a, t, head0 + warp_in_group * 16, half * kHalfChannels, half == 0,
                                                 lane, acc, softmax);
   } else {
-    // Every consumer is done with its MMAs: Q and the tiles are free to stage the output.
-    barrier_sync(kConsumerBarrier, kConsumerThreads);
     write_output_staged<Out>(a, t, head0, half, lane, acc, softmax,
                              shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
   }
