@@ -252,6 +252,7 @@ void check_attention(const AttentionCase& c) {
     for (const bool split : {false, true}) {
       const std::string what = name + (split ? " attention output, split rows" : " attention output");
       DeviceBuffer workspace(split ? implementation->workspace_bytes(p) : 0);
+      if (split) workspace.fill_bytes(0xa5);  // stale partials: every split writes its own
       dout.buffer.fill_bytes(0xff);
       dlse.buffer.fill_bytes(0xff);
       implementation->run(p, workspace.data(), stream.get());
@@ -419,8 +420,8 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingHeadsFormatsAndTopK) {
 }
 
 TEST_F(CudaTest, SparseAttentionBf16RoundingDecodeBatches) {
-  // Decode steps as decode_mma plans them: batch 1 and 3 (every token's rows split over many
-  // blocks, one tile each), batch 64 (two splits of ten tiles). V4.1-Flash rows (window 128 + 512
+  // Decode steps as the tensor-core kernels plan them: batch 1 and 3 (every token's rows split over
+  // many blocks, one tile each), batch 64 (two splits). V4.1-Flash rows (window 128 + 512
   // picks, 64 heads) in the native formats, fp8_ds_mla and bf16; 128 heads and a padded shard of
   // 16; tokens before the window is full (row counts that are not multiples of a tile), -1 picks
   // and picks not yet visible.
@@ -436,7 +437,11 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingDecodeBatches) {
                              Shape{3, 64, KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla, DType::bf16},
                              Shape{3, 64, KvRowFormat::bf16, KvRowFormat::bf16, DType::f32},
                              Shape{3, 128, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
-                             Shape{3, 16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16}}) {
+                             Shape{3, 16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
+                             // More two-split steps: two head groups, fp8_ds_mla, a shard.
+                             Shape{32, 128, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::f32},
+                             Shape{64, 64, KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla, DType::f32},
+                             Shape{48, 16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16}}) {
     SCOPED_TRACE("batch " + std::to_string(shape.batch) + ", " + std::to_string(shape.heads) + " heads, " +
                  kv_row_format_name(shape.window_format) + " + " + kv_row_format_name(shape.compressed_format));
     AttentionCase c{.window_format = shape.window_format, .compressed_format = shape.compressed_format,
