@@ -68,6 +68,7 @@ inline constexpr int kPvSteps = kTileRows / 16;
 // Q's first 64 channels (the first 4 k steps of Q·Kᵀ) stay in the consumers' registers: their place
 // in shared memory, a 64 x 64 SW128 block, holds the tile's P (heads x rows, the A of P·V).
 inline constexpr int kQRegisterSteps = wgmma::kBlockChannels / 16;
+inline constexpr int kQSharedChannels = kHeadDim - 16 * kQRegisterSteps;  // from channel 16 · kQRegisterSteps
 
 constexpr size_t kQBytes = size_t{kHeadsPerBlock} * mma::kRowBytes;
 constexpr size_t kTileBytes = size_t{kTileRows} * mma::kRowBytes;
@@ -394,9 +395,9 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   claim_registers<kConsumerRegisters>();
   const int half = threadIdx.x / 128, warp_in_group = warp % 4;
   const uint32_t q_address = shared_address(q_tile), tiles_address = shared_address(tiles);
-  for (int item = threadIdx.x; item < kHeadsPerBlock * (kHeadDim - wgmma::kBlockChannels) / 8; item += kConsumerThreads) {
-    const int h = item / ((kHeadDim - wgmma::kBlockChannels) / 8);
-    const int channel = wgmma::kBlockChannels + (item % ((kHeadDim - wgmma::kBlockChannels) / 8)) * 8;
+  for (int item = threadIdx.x; item < kHeadsPerBlock * (kQSharedChannels / 8); item += kConsumerThreads) {
+    const int h = item / (kQSharedChannels / 8);
+    const int channel = (kHeadDim - kQSharedChannels) + (item % (kQSharedChannels / 8)) * 8;
     uint8_t* dst = q_tile + wgmma::sw128_offset(kHeadsPerBlock, h, channel);
     if (head0 + h < a.heads) cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + channel));
     else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
@@ -513,8 +514,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   for (int r = 0; r < 2; ++r)
     softmax.running_sum[r] = exchange[warp_in_group * 16 + g + 8 * r] + exchange[kHeadsPerBlock + warp_in_group * 16 + g + 8 * r];
   if (a.splits > 1) {
-    mma::write_output<Out, kOutTiles, kHeadDim>(a, t, head0 + warp_in_group * 16, half * kHalfChannels, half == 0,
-                                                lane, acc, softmax);
+    mma::write_output<Out, kOutTiles, kHeadDim>(a, t, head_base, half * kHalfChannels, half == 0, lane, acc, softmax);
   } else {
     write_output_staged<Out>(a, t, head0, half, lane, acc, softmax,
                              shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
