@@ -65,71 +65,98 @@ inline constexpr int kScoreTiles = kWarpgroupRows / 8;  // n tiles of 8 of its 6
 inline constexpr int kOutTiles = kHalfChannels / 8;  // n tiles of 8 of a consumer's 64 x 256 output
 inline constexpr int kQkSteps = kHeadDim / 16;
 inline constexpr int kPvSteps = kTileRows / 16;
-// Q's first 64 channels (the first 4 k steps of Q·Kᵀ) stay in the consumers' registers: their place
-// in shared memory, a 64 x 64 SW128 block, holds the tile's P (heads x rows, the A of P·V).
-inline constexpr int kQRegisterSteps = wgmma::kBlockChannels / 16;
-inline constexpr int kQSharedChannels = kHeadDim - 16 * kQRegisterSteps;  // from channel 16 · kQRegisterSteps
-
-constexpr size_t kQBytes = size_t{kHeadsPerBlock} * mma::kRowBytes;
+// Q's first 64 or 128 channels (the first 4 or 8 k steps of Q·Kᵀ; Ring::kQRegisterSteps) stay in
+// the consumers' registers; the rest is in shared memory after the tile's P (heads x rows, a 64 x 64
+// SW128 block: the A of P·V).
+constexpr size_t kPBytes = size_t{kHeadsPerBlock} * kTileRows * 2;
+constexpr size_t q_bytes(int register_steps) {  // P, then Q's channels in shared memory
+  return kPBytes + size_t{kHeadsPerBlock} * (kHeadDim - 16 * register_steps) * 2;
+}
 constexpr size_t kTileBytes = size_t{kTileRows} * mma::kRowBytes;
-constexpr size_t kValidBytes = 2 * kSlotsPerTile * kProducerWarps;  // [tile stage][slot][producer warp]
+// Valid bits per tile: the producer writes a tile's up to three tiles after the one the consumers read.
+inline constexpr int kValidStages = 4;
+constexpr size_t kValidBytes = kValidStages * kSlotsPerTile * kProducerWarps;  // [stage][slot][producer warp]
 constexpr size_t kExchangeBytes = 2 * kHeadsPerBlock * sizeof(float);  // [consumer warpgroup][head]
-// What the H100 / H200 give a block, less Q (with P), the two bf16 tiles, the valid bits, the
+// What the H100 / H200 give a block, less P and Q, the two bf16 tiles, the valid bits, the
 // warpgroups' exchange and the slack that aligns the dynamic shared memory to 1024 bytes: the raw
 // ring's share.
 constexpr size_t kSharedLimit = 232448;
-constexpr size_t kRingLimit = kSharedLimit - kQBytes - 2 * kTileBytes - kValidBytes - kExchangeBytes - 1024;
+constexpr size_t ring_limit(int q_register_steps) {
+  return kSharedLimit - q_bytes(q_register_steps) - 2 * kTileBytes - kValidBytes - kExchangeBytes - 1024;
+}
 
-// The raw ring of a (window, compressed) format pair: a row's place is the larger row rounded up
-// to 16 bytes (the decode's 16-byte loads), as many 16-row slots as fit, at most 4; all but the
-// one being decoded are in flight. Rows are copied 16 bytes at a time where every row's data and
-// scales are multiples of 16 (the V4.1 native pair), else 8.
+// The raw ring of a (window, compressed) format pair, and what its room leaves of Q in registers. A
+// row's place is its size rounded up to 16 bytes (the decode's 16-byte loads). Rows are copied 16
+// bytes at a time where every row's data and scales are multiples of 16 (the V4.1 native pair),
+// else 8.
+//   * Where the ring holds two tiles of compressed rows with Q's first 128 channels in the
+//     consumers' registers (the V4.1 native pair), the consumers
+//     decode: the producer only looks rows up and copies whole tiles, and each consumer warp
+//     decodes its share of the next tile while its P·V MMAs run, work that otherwise leaves the
+//     consumers waiting for a producer warpgroup that decodes alone. A tile of compressed rows only
+//     ("narrow") takes one of two stages, so the next one's copies are in flight while a tile
+//     waits to be decoded; a tile with window rows ("wide", the larger row's place) takes the
+//     whole ring.
+//   * Else (fp8_ds_mla's larger rows) the producer decodes, slot by slot of 16 rows (the larger
+//     row's place), as many slots as fit beside Q's last 448 channels, at most 4, all but the one
+//     being decoded in flight; its decode takes the registers the consumers would need for more of Q.
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
 struct Ring {
   static constexpr int64_t row_bytes(KvRowFormat f) {
-    return row_codec::data_bytes(f, kHeadDim) + row_codec::scale_bytes(f, kHeadDim);
+    return (row_codec::data_bytes(f, kHeadDim) + row_codec::scale_bytes(f, kHeadDim) + 15) / 16 * 16;
   }
   static constexpr bool sixteen(KvRowFormat f) {
     return row_codec::data_bytes(f, kHeadDim) % 16 == 0 && row_codec::scale_bytes(f, kHeadDim) % 16 == 0;
   }
   static constexpr int kCopyBytes = sixteen(kWindow) && sixteen(kCompressed) ? 16 : 8;
-  static constexpr int kRowBytes = static_cast<int>(
-      ((row_bytes(kWindow) > row_bytes(kCompressed) ? row_bytes(kWindow) : row_bytes(kCompressed)) + 15) / 16 * 16);
+  static constexpr int kRowBytes =
+      static_cast<int>(row_bytes(kWindow) > row_bytes(kCompressed) ? row_bytes(kWindow) : row_bytes(kCompressed));
+  static constexpr int kNarrowRowBytes = static_cast<int>(row_bytes(kCompressed));
+  static constexpr size_t kNarrowStageBytes = size_t{kTileRows} * kNarrowRowBytes;
+  static constexpr size_t kWideTileBytes = size_t{kTileRows} * kRowBytes;
+  static constexpr bool kConsumersDecode = 2 * kNarrowStageBytes <= ring_limit(8) && kWideTileBytes <= ring_limit(8);
+  static constexpr int kQRegisterSteps = kConsumersDecode ? 8 : 4;
+  static constexpr int kQSharedFirst = 16 * kQRegisterSteps;  // Q's first channel in shared memory
+  static constexpr size_t kQBytes = q_bytes(kQRegisterSteps);
+  static constexpr size_t kRingLimit = ring_limit(kQRegisterSteps);
   static constexpr size_t kSlotBytes = size_t{kSlotRows} * kRowBytes;
   static constexpr int kSlots = kRingLimit / kSlotBytes < 4 ? static_cast<int>(kRingLimit / kSlotBytes) : 4;
   static constexpr int kAhead = kSlots - 1;
-  static constexpr size_t kSharedBytes =
-      kQBytes + 2 * kTileBytes + kSlots * kSlotBytes + kValidBytes + kExchangeBytes + 1024;
+  static constexpr size_t kRingBytes =
+      kConsumersDecode ? (kWideTileBytes > 2 * kNarrowStageBytes ? kWideTileBytes : 2 * kNarrowStageBytes)
+                       : kSlots * kSlotBytes;
+  static constexpr size_t kSharedBytes = kQBytes + 2 * kTileBytes + kRingBytes + kValidBytes + kExchangeBytes + 1024;
   static_assert(kSlots >= 2 && kSharedBytes <= kSharedLimit && kAhead < kLookupSlots);
-  // When the ring holds a whole tile (the V4.1 native pair), the consumers decode: the producer only
-  // looks rows up and copies a tile at a time, and each consumer warp decodes its share of the next
-  // tile while its P·V MMAs run, work that otherwise leaves the consumers waiting for a producer
-  // warpgroup that decodes alone. Else (fp8_ds_mla's larger rows) the producer decodes slot by slot.
-  static constexpr bool kConsumersDecode = kSlots >= kSlotsPerTile;
 };
 
 // Named barriers (0 is __syncthreads', unused). The producer decodes: kFull / kEmpty per tile stage.
 // The consumers decode: kRawReady (a tile's raw rows have landed in the ring) and kRawFree (the
-// consumers have decoded them), and kConsumer also marks each decoded tile. kConsumer also orders
-// the consumers' exchanges: the maxima, P, the final sums.
+// consumers have decoded them), one of each per tile parity, since the producer runs a tile ahead;
+// kConsumer also marks each decoded tile. kConsumer also orders the consumers' exchanges: the
+// maxima, P, the final sums.
 inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
-inline constexpr int kRawReadyBarrier = 6;
-inline constexpr int kRawFreeBarrier = 7;
-inline constexpr int kStagedBarrier = 8;  // + consumer warpgroup (2): its results are staged
+inline constexpr int kStagedBarrier = 6;    // + consumer warpgroup (2): its results are staged
+inline constexpr int kRawReadyBarrier = 8;  // + tile parity (2)
+inline constexpr int kRawFreeBarrier = 10;  // + tile parity (2)
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
-// within its setmaxnreg bound: a consumer holds 128 accumulators, Q's 16 registers, 16 scores and its
+// within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores and its
 // addresses (without the hand-over ptxas spills), and where it decodes a row pipeline while
-// its P·V MMAs run; the producer's lookups and, where it decodes, four rows' decodes in flight (about
-// 100). 128 x (168 - 120) released = 256 x (192 - 168) claimed.
+// its P·V MMAs run; the producer's lookups and, where it decodes, four rows' decodes in flight.
+// 128 x (168 - 88) released = 256 x (208 - 168) claimed where the consumers decode (and hold 32 of
+// Q's registers), 128 x (168 - 120) = 256 x (192 - 168) where the producer does.
 inline constexpr int kLaunchRegisters = 168;
-inline constexpr int kProducerRegisters = 120;
-inline constexpr int kConsumerRegisters = 192;
+template <bool kConsumersDecode>
+inline constexpr int kProducerRegisters = kConsumersDecode ? 88 : 120;
+template <bool kConsumersDecode>
+inline constexpr int kConsumerRegisters = kConsumersDecode ? 208 : 192;
 static_assert(kLaunchRegisters * kThreads <= 65536);
-static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <=
-              kLaunchRegisters * kThreads);
+static_assert(kProducerRegisters<true> * kProducerThreads + kConsumerRegisters<true> * kConsumerThreads <=
+                  kLaunchRegisters * kThreads &&
+              kProducerRegisters<false> * kProducerThreads + kConsumerRegisters<false> * kConsumerThreads <=
+                  kLaunchRegisters * kThreads);
 // Rows a consumer warp decodes per tile, in groups of a producer warp's (kRowsPerProducerWarp).
 inline constexpr int kRowsPerConsumerWarp = kTileRows / (kConsumerThreads / kWarpSize);
 
@@ -143,6 +170,12 @@ __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, in
   row_decode::decode16<F>(raw + r * kRowBytes, c0, upper_first, first, second);
   *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r, c0 + 8 * upper_first)) = first;
   *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r, c0 + 8 * (upper_first ^ 1))) = second;
+}
+
+// Whether tile u of a block's rows (first_row + 64u …) holds window rows: its raw rows then take
+// the ring's larger places (Ring).
+__device__ __forceinline__ bool is_wide_tile(const TokenRows& rows, int64_t first_row, int u) {
+  return rows.window_rows_in_tile(first_row + int64_t{u} * kTileRows, kTileRows) > 0;
 }
 
 // The warp's rows of the one group of a token where the window ends (window rows, then picks): out
@@ -207,10 +240,11 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   using R = Ring<kWindow, kCompressed>;
   extern __shared__ uint8_t shared_unaligned[];
   uint8_t* const shared = shared_unaligned + ((1024 - shared_address(shared_unaligned) % 1024) % 1024);
-  uint8_t* const q_tile = shared;  // [64 heads x 512] bf16, SW128; channels 0-63: P, [64 heads x 64 rows]
-  uint8_t* const tiles = q_tile + kQBytes;                       // [stage][64 rows x 512] bf16, SW128
-  uint8_t* const ring = tiles + 2 * kTileBytes;                  // [slot][16 rows][R::kRowBytes]
-  uint8_t* const valid_bits = ring + R::kSlots * R::kSlotBytes;  // [stage][slot][producer warp]
+  uint8_t* const p_tile = shared;  // [64 heads x 64 rows] bf16, SW128
+  uint8_t* const q_tile = p_tile + kPBytes;  // [64 heads x channels R::kQSharedFirst … 511] bf16, SW128
+  uint8_t* const tiles = shared + R::kQBytes;                // [stage][64 rows x 512] bf16, SW128
+  uint8_t* const ring = tiles + 2 * kTileBytes;              // raw rows: see Ring
+  uint8_t* const valid_bits = ring + R::kRingBytes;          // [kValidStages][slot][producer warp]
   float* const exchange = reinterpret_cast<float*>(valid_bits + kValidBytes);  // [consumer warpgroup][head]
 
   const int64_t t = blockIdx.x;
@@ -222,7 +256,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   const int n_tiles = block.n_tiles;
 
   if (threadIdx.x >= kConsumerThreads) {
-    release_registers<kProducerRegisters>();
+    release_registers<kProducerRegisters<R::kConsumersDecode>>();
     const int producer_warp = warp - kConsumerThreads / kWarpSize;
     const int n_slots = n_tiles * kSlotsPerTile;
     constexpr int kCopy = R::kCopyBytes;
@@ -278,17 +312,17 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     RowRef ref_current = ref_of(0, page0);
     RowRef ref_next = ref_of(1, page1);
     int current_batch = 0;
-    // Copies the warp's rows of slot j into ring slot j % kSlots, one cp.async group, invalid rows
-    // zero-filled (they then decode to zeros: no stale bytes reach the MMAs); returns the valid bits.
-    // A slot of window rows only or picks only spreads its rows' 16-byte pieces over the lanes (one
-    // round of shuffles per 32 pieces); else each row's pieces go round the lanes.
-    auto request = [&](int j) {
+    // Copies the warp's rows of slot j to `to` (the slot's first row; rows row_bytes apart), one
+    // cp.async group, invalid rows zero-filled (they then decode to zeros: no stale bytes reach the
+    // MMAs); returns the valid bits. A slot of window rows only or picks only spreads its rows'
+    // 16-byte pieces over the lanes (one round of shuffles per 32 pieces); else each row's pieces go
+    // round the lanes.
+    auto request = [&](int j, uint8_t* to, int row_bytes) {
       const RowRef ref = j / kLookupSlots == current_batch ? ref_current : ref_next;
       const int source = (j % kLookupSlots) * kRowsPerProducerWarp;
       const uint32_t valid = (__ballot_sync(kFullMask, ref.valid()) >> source) & ((1u << kRowsPerProducerWarp) - 1);
       const int window_rows = rows.window_rows_in_tile(row_index(j, 0), kRowsPerProducerWarp);
-      const uint32_t slot = shared_address(ring + (j % R::kSlots) * R::kSlotBytes) +
-                            producer_warp * kRowsPerProducerWarp * R::kRowBytes;
+      const uint32_t slot = shared_address(to) + producer_warp * kRowsPerProducerWarp * row_bytes;
       auto copy_piece = [&](int r, int c, int data_pieces) {
         const uint8_t* data = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), source + r));
         const uint8_t* scales = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), source + r));
@@ -304,7 +338,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
         for (int round = 0; round < (kTotal + kWarpSize - 1) / kWarpSize; ++round) {
           const int k = round * kWarpSize + lane, r = min(k / kPieces, kRowsPerProducerWarp - 1), c = k - r * kPieces;
           const auto [from, present] = copy_piece(r, c, kData);
-          if (k < kTotal) cp_async<kCopy>(slot + r * R::kRowBytes + kCopy * c, from, present);
+          if (k < kTotal) cp_async<kCopy>(slot + r * row_bytes + kCopy * c, from, present);
         }
       };
       if (kCopy == 16 && window_rows == 0)
@@ -317,7 +351,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
           const int pieces = r < window_rows ? kWindowPieces : kCompressedPieces;
           for (int c0 = 0; c0 < pieces; c0 += kWarpSize) {
             const auto [from, present] = copy_piece(r, c0 + lane, data_pieces);
-            if (c0 + lane < pieces) cp_async<kCopy>(slot + r * R::kRowBytes + kCopy * (c0 + lane), from, present);
+            if (c0 + lane < pieces) cp_async<kCopy>(slot + r * row_bytes + kCopy * (c0 + lane), from, present);
           }
         }
       cp_async_commit();
@@ -338,23 +372,33 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
       return static_cast<uint8_t>((valids >> (kRowsPerProducerWarp * s)) & ((1u << kRowsPerProducerWarp) - 1));
     };
     if constexpr (R::kConsumersDecode) {
-      // A tile at a time, once the consumers have decoded the previous one: its slots' copies, then
-      // (every lane's landed) the tile's valid bits and the hand-over.
+      // A tile at a time, as soon as its place in the ring is decoded: a wide tile needs the whole
+      // ring (every earlier tile decoded), a narrow one its stage, last held by tile u - 2 (or by a
+      // wide tile u - 1). Its slots' copies, then (every lane's landed) its valid bits and the
+      // hand-over.
+      int decoded = 0;  // the consumers' hand-backs met so far: tiles 0 … decoded - 1
+      auto wait_decoded = [&](int tiles_decoded) {
+        for (; decoded < tiles_decoded; ++decoded) barrier_sync(kRawFreeBarrier + decoded % 2, kThreads);
+      };
       for (int u = 0; u < n_tiles; ++u) {
-        if (u > 0) barrier_sync(kRawFreeBarrier, kThreads);
+        const bool wide = is_wide_tile(rows, first_row, u);
+        wait_decoded(wide || (u > 0 && is_wide_tile(rows, first_row, u - 1)) ? u : u - 1);
+        uint8_t* const to = wide ? ring : ring + (u % 2) * R::kNarrowStageBytes;
+        const int row_bytes = wide ? R::kRowBytes : R::kNarrowRowBytes;
         uint32_t valids = 0;
 #pragma unroll
         for (int s = 0; s < kSlotsPerTile; ++s) {
           advance_lookups(u * kSlotsPerTile + s);
-          valids |= request(u * kSlotsPerTile + s) << (kRowsPerProducerWarp * s);
+          valids |= request(u * kSlotsPerTile + s, to + s * kSlotRows * row_bytes, row_bytes) << (kRowsPerProducerWarp * s);
         }
         cp_async_wait<0>();
         if (lane == 0)
 #pragma unroll
           for (int s = 0; s < kSlotsPerTile; ++s)
-            valid_bits[((u % 2) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
-        barrier_arrive(kRawReadyBarrier, kThreads);
+            valid_bits[((u % kValidStages) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
+        barrier_arrive(kRawReadyBarrier + u % 2, kThreads);
       }
+      wait_decoded(n_tiles - 1);  // every hand-back met once
       return;
     }
     // Slots j + 1 … j + kAhead in flight while j is decoded (their valid bits in `valids`, slot j
@@ -362,13 +406,14 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     uint32_t valids = 0;
 #pragma unroll
     for (int j = 0; j < R::kAhead; ++j) {
-      if (j < n_slots) valids |= request(j) << (kRowsPerProducerWarp * j);
+      if (j < n_slots) valids |= request(j, ring + (j % R::kSlots) * R::kSlotBytes, R::kRowBytes) << (kRowsPerProducerWarp * j);
       else cp_async_commit();
     }
     for (int j = 0; j < n_slots; ++j) {
       const int issued = j + R::kAhead;
       advance_lookups(issued);
-      if (issued < n_slots) valids |= request(issued) << (kRowsPerProducerWarp * R::kAhead);
+      if (issued < n_slots)
+        valids |= request(issued, ring + (issued % R::kSlots) * R::kSlotBytes, R::kRowBytes) << (kRowsPerProducerWarp * R::kAhead);
       else cp_async_commit();  // an empty group: the wait below then always means slot j
       cp_async_wait<R::kAhead>();
       __syncwarp();  // every lane's bytes of slot j have landed
@@ -379,7 +424,9 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
       const int row0 = slot_in_tile * kSlotRows + producer_warp * kRowsPerProducerWarp;
       decode_rows<kWindow, kCompressed, R::kRowBytes>(raw, tiles + stage * kTileBytes, row0,
                                                       rows.window_rows_in_tile(row_index(j, 0), kRowsPerProducerWarp), lane);
-      if (lane == 0) valid_bits[(stage * kSlotsPerTile + slot_in_tile) * kProducerWarps + producer_warp] = row_bits(valids, 0);
+      if (lane == 0)
+        valid_bits[((tile_index % kValidStages) * kSlotsPerTile + slot_in_tile) * kProducerWarps + producer_warp] =
+            row_bits(valids, 0);
       __syncwarp();  // ring slot j % kSlots is read: slot j + kSlots may overwrite it
       if (slot_in_tile == kSlotsPerTile - 1) {
         wgmma::fence_shared_for_async_proxy();
@@ -392,13 +439,14 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
 
   // Consumers: warpgroup `half` scores rows [32·half, 32·half + 32) of each tile and computes output
   // channels [256·half, 256·half + 256).
-  claim_registers<kConsumerRegisters>();
+  claim_registers<kConsumerRegisters<R::kConsumersDecode>>();
+  constexpr int kQRegisterSteps = R::kQRegisterSteps, kQSharedChannels = kHeadDim - R::kQSharedFirst;
   const int half = threadIdx.x / 128, warp_in_group = warp % 4;
   const uint32_t q_address = shared_address(q_tile), tiles_address = shared_address(tiles);
   for (int item = threadIdx.x; item < kHeadsPerBlock * (kQSharedChannels / 8); item += kConsumerThreads) {
-    const int h = item / (kQSharedChannels / 8);
-    const int channel = (kHeadDim - kQSharedChannels) + (item % (kQSharedChannels / 8)) * 8;
-    uint8_t* dst = q_tile + wgmma::sw128_offset(kHeadsPerBlock, h, channel);
+    const int h = item / (kQSharedChannels / 8), offset = (item % (kQSharedChannels / 8)) * 8;
+    const int channel = R::kQSharedFirst + offset;
+    uint8_t* dst = q_tile + wgmma::sw128_offset(kHeadsPerBlock, h, offset);
     if (head0 + h < a.heads) cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + channel));
     else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
@@ -427,21 +475,29 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
 
   // The descriptors of step k are the base's plus the step's offset (in the 16-byte units of the
   // start address field; every address here stays below 256 KB, so no carry leaves that field).
-  const uint64_t q_descriptor = wgmma::k_major(q_address), p_descriptor = q_descriptor;
+  const uint64_t q_descriptor = wgmma::k_major(q_address), p_descriptor = wgmma::k_major(shared_address(p_tile));
   auto step_offset = [](int k) { return static_cast<uint32_t>(((k / 4) * kTileRows * 128 + (k % 4) * 32) >> 4); };
   // Consumers that decode: the warp's rows of tile `tile_index` from the ring into its stage, once
   // the producer has handed them over; the ring then takes the next tile's.
   auto decode_tile = [&](int tile_index) {
-    barrier_sync(kRawReadyBarrier, kThreads);
+    barrier_sync(kRawReadyBarrier + tile_index % 2, kThreads);
     uint8_t* const tile = tiles + (tile_index % 2) * kTileBytes;
+    if (is_wide_tile(rows, first_row, tile_index)) {
 #pragma unroll 1
-    for (int group = 0; group < kRowsPerConsumerWarp; group += kRowsPerProducerWarp) {
-      const int row0 = warp * kRowsPerConsumerWarp + group;
-      const int window_rows =
-          rows.window_rows_in_tile(first_row + int64_t{tile_index} * kTileRows + row0, kRowsPerProducerWarp);
-      decode_rows<kWindow, kCompressed, R::kRowBytes>(ring + row0 * R::kRowBytes, tile, row0, window_rows, lane);
+      for (int group = 0; group < kRowsPerConsumerWarp; group += kRowsPerProducerWarp) {
+        const int row0 = warp * kRowsPerConsumerWarp + group;
+        const int window_rows =
+            rows.window_rows_in_tile(first_row + int64_t{tile_index} * kTileRows + row0, kRowsPerProducerWarp);
+        decode_rows<kWindow, kCompressed, R::kRowBytes>(ring + row0 * R::kRowBytes, tile, row0, window_rows, lane);
+      }
+    } else {
+      const uint8_t* const stage = ring + (tile_index % 2) * R::kNarrowStageBytes;
+#pragma unroll
+      for (int r = 0; r < kRowsPerConsumerWarp; ++r)
+        decode_row<kCompressed, R::kNarrowRowBytes>(stage + warp * kRowsPerConsumerWarp * R::kNarrowRowBytes, tile,
+                                                    warp * kRowsPerConsumerWarp, r, lane);
     }
-    if (tile_index + 1 < n_tiles) barrier_arrive(kRawFreeBarrier, kThreads);
+    if (tile_index + 1 < n_tiles) barrier_arrive(kRawFreeBarrier + tile_index % 2, kThreads);
     wgmma::fence_shared_for_async_proxy();  // the MMAs read the tile through the async proxy
   };
   if constexpr (R::kConsumersDecode)
@@ -460,7 +516,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     for (int k = 0; k < kQRegisterSteps; ++k) wgmma::m64n32k16_rs(s, q_first[k], key_descriptor + step_offset(k), k > 0);
 #pragma unroll
     for (int k = kQRegisterSteps; k < kQkSteps; ++k)
-      wgmma::m64n32k16_ss(s, q_descriptor + step_offset(k), key_descriptor + step_offset(k), true);
+      wgmma::m64n32k16_ss(s, q_descriptor + step_offset(k - kQRegisterSteps), key_descriptor + step_offset(k), true);
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::pin(s);
@@ -468,7 +524,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     uint64_t valid_rows = 0;  // bit slot·16 + warp·4 + r: row r of producer warp `warp` in the slot
 #pragma unroll
     for (int b = 0; b < kSlotsPerTile * kProducerWarps; ++b)
-      valid_rows |= static_cast<uint64_t>(valid_bits[stage * kSlotsPerTile * kProducerWarps + b])
+      valid_rows |= static_cast<uint64_t>(valid_bits[(i % kValidStages) * kSlotsPerTile * kProducerWarps + b])
                     << (kRowsPerProducerWarp * b);
     // The heads' maxima over the whole tile: this warpgroup's rows, then the other's.
     float tile_max[2];
@@ -486,7 +542,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int head = warp_in_group * 16 + g + 8 * (e & 1), row = half * kWarpgroupRows + 16 * k + 8 * (e >> 1);
-        *reinterpret_cast<uint32_t*>(q_tile + wgmma::sw128_offset(kHeadsPerBlock, head, row) + 4 * c) = p[e];
+        *reinterpret_cast<uint32_t*>(p_tile + wgmma::sw128_offset(kHeadsPerBlock, head, row) + 4 * c) = p[e];
       }
     }
     wgmma::fence_shared_for_async_proxy();
