@@ -73,7 +73,8 @@ constexpr size_t q_bytes(int register_steps) {  // P, then Q's channels in share
   return kPBytes + size_t{kHeadsPerBlock} * (kHeadDim - 16 * register_steps) * 2;
 }
 constexpr size_t kTileBytes = size_t{kTileRows} * mma::kRowBytes;
-// Valid bits per tile: the producer writes a tile's up to three tiles after the one the consumers read.
+// Valid bits per tile: the producer may write tile u's while the consumers have yet to read those of
+// tiles u - 2 and u - 1 (it copies u once u - 2 is decoded); four stages cover that.
 inline constexpr int kValidStages = 4;
 constexpr size_t kValidBytes = kValidStages * kSlotsPerTile * kProducerWarps;  // [stage][slot][producer warp]
 constexpr size_t kExchangeBytes = 2 * kHeadsPerBlock * sizeof(float);  // [consumer warpgroup][head]
