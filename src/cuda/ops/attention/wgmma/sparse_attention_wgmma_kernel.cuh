@@ -128,6 +128,11 @@ struct Ring {
                        : kSlots * kSlotBytes;
   static constexpr size_t kSharedBytes = kQBytes + 2 * kTileBytes + kRingBytes + kValidBytes + kExchangeBytes + 1024;
   static_assert(kSlots >= 2 && kSharedBytes <= kSharedLimit && kAhead < kLookupSlots);
+  // Where the consumers-decode ring holds tile u's raw rows: a wide tile takes the whole ring, a
+  // narrow one the stage of its parity.
+  static __device__ __forceinline__ uint8_t* tile_rows(uint8_t* ring, bool wide, int u) {
+    return wide ? ring : ring + (u % 2) * kNarrowStageBytes;
+  }
 };
 
 // Named barriers (0 is __syncthreads', unused). The producer decodes: kFull / kEmpty per tile stage.
@@ -384,7 +389,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
       for (int u = 0; u < n_tiles; ++u) {
         const bool wide = is_wide_tile(rows, first_row, u);
         wait_decoded(wide || (u > 0 && is_wide_tile(rows, first_row, u - 1)) ? u : u - 1);
-        uint8_t* const to = wide ? ring : ring + (u % 2) * R::kNarrowStageBytes;
+        uint8_t* const to = R::tile_rows(ring, wide, u);
         const int row_bytes = wide ? R::kRowBytes : R::kNarrowRowBytes;
         uint32_t valids = 0;
 #pragma unroll
@@ -483,19 +488,20 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   auto decode_tile = [&](int tile_index) {
     barrier_sync(kRawReadyBarrier + tile_index % 2, kThreads);
     uint8_t* const tile = tiles + (tile_index % 2) * kTileBytes;
-    if (is_wide_tile(rows, first_row, tile_index)) {
+    const bool wide = is_wide_tile(rows, first_row, tile_index);
+    const uint8_t* const raw = R::tile_rows(ring, wide, tile_index);
+    if (wide) {
 #pragma unroll 1
       for (int group = 0; group < kRowsPerConsumerWarp; group += kRowsPerProducerWarp) {
         const int row0 = warp * kRowsPerConsumerWarp + group;
         const int window_rows =
             rows.window_rows_in_tile(first_row + int64_t{tile_index} * kTileRows + row0, kRowsPerProducerWarp);
-        decode_rows<kWindow, kCompressed, R::kRowBytes>(ring + row0 * R::kRowBytes, tile, row0, window_rows, lane);
+        decode_rows<kWindow, kCompressed, R::kRowBytes>(raw + row0 * R::kRowBytes, tile, row0, window_rows, lane);
       }
     } else {
-      const uint8_t* const stage = ring + (tile_index % 2) * R::kNarrowStageBytes;
 #pragma unroll
       for (int r = 0; r < kRowsPerConsumerWarp; ++r)
-        decode_row<kCompressed, R::kNarrowRowBytes>(stage + warp * kRowsPerConsumerWarp * R::kNarrowRowBytes, tile,
+        decode_row<kCompressed, R::kNarrowRowBytes>(raw + warp * kRowsPerConsumerWarp * R::kNarrowRowBytes, tile,
                                                     warp * kRowsPerConsumerWarp, r, lane);
     }
     if (tile_index + 1 < n_tiles) barrier_arrive(kRawFreeBarrier + tile_index % 2, kThreads);
