@@ -45,6 +45,8 @@ struct ScoresCase {
   bool fp4_queries = false;                         // q FP4 fake-quantized (SPEC §4.2), fp4_queries set
   int block_exponent_step = 0;                      // channel block b of q and keys scaled by 2^(step·b)
   bool spoil_query = false;                         // token 0, head 0 gets a value that is not FP4
+  int key_exponent_shift = 0;                       // keys scaled by 2^shift
+  bool extreme_weights = false;                     // token 0 head 1's weight subnormal, token 1 head 2's 2^120
   DType q_dtype = DType::bf16;                      // f32: Precision::fp32's queries, not rounded
   const char* implementation = nullptr;             // the expected pick on an sm_90 device
 };
@@ -76,6 +78,7 @@ void check_index_scores(const ScoresCase& c) {
     for (int64_t j = 0; j < entries; ++j) {
       auto row = testing::random_floats(dim, c.seed * 7919 + static_cast<uint32_t>(s * entries + j), -2.0f, 2.0f);
       scale_blocks(row, dim, c.block_exponent_step);
+      for (float& x : row) x = std::ldexp(x, c.key_exponent_shift);
       keys.write(s, j, row.data());
       const auto back = keys.read(s, j);
       decoded[s].insert(decoded[s].end(), back.begin(), back.end());
@@ -88,8 +91,9 @@ void check_index_scores(const ScoresCase& c) {
   }
   if (c.q_dtype == DType::bf16) q = testing::rounded_to_bf16(q);
   // The engine's head weights are bf16 values of either sign in reference precision.
-  const auto weights = c.bf16_rounding ? testing::rounded_to_bf16(testing::random_floats(tokens * c.heads, c.seed + 2, -0.1f, 0.1f))
-                                       : testing::random_floats(tokens * c.heads, c.seed + 2, 0.0f, 0.1f);
+  auto weights = testing::random_floats(tokens * c.heads, c.seed + 2, c.bf16_rounding ? -0.1f : 0.0f, 0.1f);
+  if (c.extreme_weights) weights[1] = 1e-40f, weights[c.heads + 2] = std::ldexp(1.0f, 120);
+  if (c.bf16_rounding) weights = testing::rounded_to_bf16(weights);
 
   std::vector<int32_t> sequence(tokens), position(tokens), candidates;
   for (int64_t t = 0; t < tokens; ++t) std::tie(sequence[t], position[t]) = c.tokens[t];
@@ -308,6 +312,29 @@ TEST_F(CudaTest, IndexScoresTensorCoresPrefillChunks) {
                          .implementation = fp4_pick(KvRowFormat::index_mxfp4, 16)};
   for (int32_t t = 0; t < 200; ++t) alternating.tokens.push_back({t % 3, 900 + 17 * t});
   check_index_scores(alternating);
+}
+
+// The wgmma kernels weight the fast rows' dots with hs·w, the head's power of two folded into its
+// weight, only where that is exact (fp4_dots.cuh, "Folded weights"): a token with a subnormal
+// weight or one whose folded weight overflows takes the plain path, and so do (bf16_rounding) key
+// rows whose scales are too small for the bf16 rounding to commute with hs. Decode tokens (one per
+// CTA) and a prefill run, both precisions.
+TEST_F(CudaTest, IndexScoresTensorCoresWeightsThatDoNotFoldAndTinyKeys) {
+  for (const bool bf16_rounding : {true, false}) {
+    ScoresCase c{.heads = 32, .bf16_rounding = bf16_rounding, .ratio = 1, .tokens = {{0, 700}, {1, 900}, {2, 300}},
+                 .seed = 1001, .fp4_queries = true, .extreme_weights = true,
+                 .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)};
+    check_index_scores(c);
+    c.tokens.clear();
+    for (int32_t p = 400; p < 470; ++p) c.tokens.push_back({0, p});
+    check_index_scores(c);
+    c.extreme_weights = false;
+    c.key_exponent_shift = -116;  // ue8m0 scales of about 2^-117: P = dot / hs is subnormal
+    c.seed = 1002;
+    check_index_scores(c);
+    c.tokens = {{0, 500}, {1, 333}};
+    check_index_scores(c);
+  }
 }
 
 // fp4_queries promises FP4 values: a head with a block that is not FP4 gets NaN dots (every score

@@ -26,6 +26,14 @@
 // the reference's fp32 head sum order (here also in head order: equal unless the host contracts
 // multiply-adds). Blocks whose exponents lie more than 38 octaves apart could differ in the last
 // bit of the dot's fp32 rounding (neither side sums exactly then).
+//
+// Folded weights. With P = Σ_b acc_b·2^ek_b (exact on the fast path) and hs = 2^(12 + eqmin_h),
+// relu(P·hs)·w = relu(P)·(hs·w) bit for bit whenever hs·w is exact: both round the same real
+// product once. So a kernel may skip the head scale and weight the fast rows' P with hs·w
+// (TokenQueries::folded_weights) when every head of the token has an exact hs·w (kWeightsFold).
+// The bf16 rounding of the dot commutes with hs as well, bf16(P·hs) = hs·bf16(P), where P and P·hs
+// are normal: P is a multiple of 2^(ek_lo − 14) and P·hs of 2^(E_min − 2), so the fast path that
+// allows the fold there (FastBounds' normal_dots) also asks ek_lo >= -112 and E_min >= -124.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,6 +52,8 @@ namespace dsv4::cuda::index_fp4 {
 inline constexpr int kBlockChannels = 32;  // the MMA's K; the MXFP4 scale tile
 inline constexpr int kFastSpread = 9;      // see "Exactness" above
 inline constexpr int kFastMinExponent = -147;
+inline constexpr int kNormalDotMinExponent = -124;  // bf16(P·hs) = hs·bf16(P): see "Folded weights"
+inline constexpr int kNormalPartialMinScale = 15;   // the scale byte of ek = -112
 inline constexpr int kFastMaxExponent = 114;
 inline constexpr int kMaxPartialExponent = 126;
 inline constexpr int kMaxFoldShift = 12;     // 6 · 2^(12 − 6) = 384 <= 448, the e4m3 maximum
@@ -89,16 +99,29 @@ __device__ __forceinline__ ExponentRange key_exponents(uint32_t scales) {
   return {lo, hi};
 }
 
-// The fast path's bounds for one token (stats: its query exponent bounds; see "Exactness") on
-// the key rows' exponent range: holds(range) tells whether the fp32 sums of a row's block terms
-// are exact for every head of the token. normal_scales also excludes the scale bytes 0 (2^-127, a
-// subnormal) and 255 (NaN), so that a kernel may form the fast rows' scales as byte << 23.
+// A token's entries in TokenQueries::stats.
+enum TokenStat {
+  kEqLow,        // the smallest exponent eqmin_h of its FP4 heads' nonzero blocks
+  kEqHigh,       // their largest
+  kEqSpread,     // the largest eq spread of one head
+  kSequence,     // the token's sequence
+  kWeightsFold,  // 1 when hs·w is exact for every head (see "Folded weights")
+  kTokenStats = 8  // per token (32 bytes: the arrays after stats stay aligned)
+};
+
+// The fast path's bounds for one token (stats: its TokenStat entries; see "Exactness") on the key
+// rows' exponent range: holds(range) tells whether the fp32 sums of a row's block terms are exact
+// for every head of the token. normal_scales also excludes the scale bytes 0 (2^-127, a subnormal)
+// and 255 (NaN), so that a kernel may form the fast rows' scales as byte << 23; normal_dots also
+// keeps P and P·hs normal, so that bf16 rounding commutes with hs ("Folded weights").
 struct FastBounds {
   int spread, lo, hi;  // on scale bytes
-  __device__ FastBounds(const int* stats, bool normal_scales)
-      : spread(kFastSpread - stats[2]), lo(kFastMinExponent - stats[0] + 127),
-        hi(min(kFastMaxExponent - stats[1], kMaxPartialExponent - stats[2]) + 127) {
+  __device__ FastBounds(const int* stats, bool normal_scales, bool normal_dots)
+      : spread(kFastSpread - stats[kEqSpread]),
+        lo((normal_dots ? kNormalDotMinExponent : kFastMinExponent) - stats[kEqLow] + 127),
+        hi(min(kFastMaxExponent - stats[kEqHigh], kMaxPartialExponent - stats[kEqSpread]) + 127) {
     if (normal_scales) lo = max(lo, 1), hi = min(hi, 254);
+    if (normal_dots) lo = max(lo, kNormalPartialMinScale);
   }
   __device__ bool holds(ExponentRange key) const {
     return (key.hi - key.lo <= spread) & (key.lo >= lo) & (key.hi <= hi);
@@ -127,6 +150,15 @@ __device__ __forceinline__ float2 bf16_weighted_terms(float dot0, float dot1, fl
 __device__ __forceinline__ float scaled_by_power_of_two(float x, int k) {
   const int k1 = k / 2;
   return __fmul_rn(__fmul_rn(x, __int_as_float((127 + k1) << 23)), __int_as_float((127 + k - k1) << 23));
+}
+
+// Whether scaled = w·hs (hs a power of two or NaN) is the exact product, for "Folded weights": so it
+// is between normal numbers, for w = 0 or ±inf, and where hs is NaN (every term is NaN either way).
+// Subnormal weights are taken as inexact.
+__device__ __forceinline__ bool scales_exactly(float w, float scaled) {
+  const float normal = 1.17549435e-38f;  // FLT_MIN
+  return isnan(scaled) || w == 0.0f || isinf(w) ||
+         (fabsf(w) >= normal && fabsf(scaled) >= normal && !isinf(scaled));
 }
 
 // Whether y is ±0, ±0.5, ±1, ±1.5, ±2, ±3, ±4 or ±6 (an e2m1 value; NaN is not).
@@ -167,8 +199,9 @@ struct TokenQueries {
   float* head_scales;   // [tokens, padded heads] 2^(12 + eqmin_h); NaN: a head with a block that is not FP4
   float* block_scales;  // [tokens, padded heads, blocks] 2^(12 + eq_b − d_b), the slow path's block factors
   float* weights;       // [tokens, padded heads] (0 for padding heads)
+  float* folded_weights;  // [tokens, padded heads] hs·w (see "Folded weights")
   int16_t* exponents;   // [tokens, padded heads, blocks] eq_b, kNoExponent (zero block) or kNotFp4
-  int* stats;           // [tokens, 4] eq low, eq high, largest per-head eq spread, sequence
+  int* stats;           // [tokens, kTokenStats] TokenStat
   int64_t* visible;     // [tokens] min(n_vis(p), entries)
 };
 
@@ -179,13 +212,15 @@ struct TokenArrays {
   __host__ __device__ static size_t align16(size_t n) { return (n + 15) / 16 * 16; }
   __host__ __device__ size_t block_scales() const { return tokens * heads * 4; }
   __host__ __device__ size_t weights() const { return block_scales() + tokens * heads * blocks * 4; }
-  __host__ __device__ size_t exponents() const { return weights() + tokens * heads * 4; }
+  __host__ __device__ size_t folded_weights() const { return weights() + tokens * heads * 4; }
+  __host__ __device__ size_t exponents() const { return folded_weights() + tokens * heads * 4; }
   __host__ __device__ size_t stats() const { return align16(exponents() + tokens * heads * blocks * 2); }
-  __host__ __device__ size_t visible() const { return stats() + tokens * 16; }
+  __host__ __device__ size_t visible() const { return stats() + tokens * kTokenStats * 4; }
   __host__ __device__ size_t bytes() const { return align16(visible() + tokens * 8); }
   __device__ TokenQueries at(uint8_t* base) const {
     return {reinterpret_cast<float*>(base), reinterpret_cast<float*>(base + block_scales()),
-            reinterpret_cast<float*>(base + weights()), reinterpret_cast<int16_t*>(base + exponents()),
+            reinterpret_cast<float*>(base + weights()), reinterpret_cast<float*>(base + folded_weights()),
+            reinterpret_cast<int16_t*>(base + exponents()),
             reinterpret_cast<int*>(base + stats()), reinterpret_cast<int64_t*>(base + visible())};
   }
 };
@@ -194,8 +229,9 @@ struct TokenArrays {
 template <int kThreads>
 __device__ void init_tokens(const IndexScoresLaunch& a, int64_t t0, int count, const TokenQueries& s) {
   for (int i = threadIdx.x; i < count; i += kThreads) {
-    s.stats[4 * i] = INT_MAX, s.stats[4 * i + 1] = INT_MIN, s.stats[4 * i + 2] = 0;
-    s.stats[4 * i + 3] = a.token_sequence ? a.token_sequence[t0 + i] : 0;
+    int* stats = s.stats + kTokenStats * i;
+    stats[kEqLow] = INT_MAX, stats[kEqHigh] = INT_MIN, stats[kEqSpread] = 0, stats[kWeightsFold] = 1;
+    stats[kSequence] = a.token_sequence ? a.token_sequence[t0 + i] : 0;
     const int64_t n_vis = visible_entries(a.token_position[t0 + i], a.compress_ratio);
     s.visible[i] = n_vis < a.entries ? n_vis : a.entries;
   }
@@ -233,17 +269,23 @@ __device__ void prepare_queries(const IndexScoresLaunch& a, int64_t t0, int coun
     const float nan = __int_as_float(0x7fc00000);
     s.block_scales[task] = !fp4 ? nan : ldexpf(1.0f, 12 + (folded ? lo : eq == kNoExponent ? 0 : eq));
     if (b == 0) {
-      s.head_scales[i * padded_heads + h] = fp4 ? ldexpf(1.0f, 12 + lo) : nan;
+      int* stats = s.stats + kTokenStats * i;
+      const float head_scale = fp4 ? ldexpf(1.0f, 12 + lo) : nan, w = s.weights[i * padded_heads + h];
+      s.head_scales[i * padded_heads + h] = head_scale;
+      s.folded_weights[i * padded_heads + h] = __fmul_rn(head_scale, w);
+      if (!scales_exactly(w, __fmul_rn(head_scale, w))) atomicAnd(&stats[kWeightsFold], 0);
       if (fp4 && nonzero && h < a.heads) {
-        atomicMin(&s.stats[4 * i], lo);
-        atomicMax(&s.stats[4 * i + 1], hi);
-        atomicMax(&s.stats[4 * i + 2], hi - lo);
+        atomicMin(&stats[kEqLow], lo);
+        atomicMax(&stats[kEqHigh], hi);
+        atomicMax(&stats[kEqSpread], hi - lo);
       }
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < count; i += kThreads)
-    if (s.stats[4 * i] > s.stats[4 * i + 1]) s.stats[4 * i] = s.stats[4 * i + 1] = 0;  // no nonzero FP4 block
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    int* stats = s.stats + kTokenStats * i;
+    if (stats[kEqLow] > stats[kEqHigh]) stats[kEqLow] = stats[kEqHigh] = 0;  // no nonzero FP4 block
+  }
   __syncthreads();
 }
 

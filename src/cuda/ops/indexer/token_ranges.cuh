@@ -56,8 +56,9 @@ struct TokenRun {
   __device__ TokenRun(const CtaRange& r, int first, const TokenQueries& tq) {
     end = first + 1;
     int64_t visible = tq.visible[first];
-    while (end < r.count && tq.stats[4 * end + 3] == tq.stats[4 * first + 3]) visible = max(visible, tq.visible[end++]);
-    sequence = tq.stats[4 * first + 3];
+    auto sequence_of = [&](int i) { return tq.stats[kTokenStats * i + kSequence]; };
+    while (end < r.count && sequence_of(end) == sequence_of(first)) visible = max(visible, tq.visible[end++]);
+    sequence = sequence_of(first);
     load_end = visible < r.k1 ? visible : r.k1;
   }
 };

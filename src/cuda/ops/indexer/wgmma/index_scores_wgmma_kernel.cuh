@@ -20,11 +20,12 @@
 // half by half, the A operand and the rows' scales, which stay in registers while the run's tokens
 // are scored.
 //
-// Epilogue. A unit is one token and one half of a stage. A lane holds 2 rows x 8 heads of each
-// block's accumulators: it combines the blocks with the rows' scales (in block order, as mma_f16
-// does), forms the weighted terms and writes them to one of the two 16-row slots of its warp's
-// term buffer; once both slots hold a unit (a token's two halves, or two units of a run), each
-// lane adds one row's terms in head order (the reference's order) and stores the score.
+// Epilogue. A unit is one token and one half of a stage. A lane holds 2 rows x 8 heads of each block's accumulators: it combines the blocks with the
+// rows' scales (in block order, as mma_f16 does), forms the weighted terms (with the folded
+// weights hs·w where the token and the warp's rows allow: fp4_dots.cuh, "Folded weights") and
+// writes them to one of the two 16-row slots of its warp's term buffer; once both slots hold a
+// unit (a token's two halves, or two units of a run), each lane adds one row's terms in head order
+// (the reference's order) and stores the score.
 //
 // K order. A lane's A register of a block holds the codes of the 4 bytes ldmatrix gives it (bytes
 // 4c … 4c + 3 of the block's 16 bytes): the low nibbles are logical k = 4c … 4c + 3, the high ones
@@ -114,11 +115,10 @@ inline __device__ __noinline__ void stage_query_block(const uint16_t* q, int h, 
   wgmma::fence_shared_for_async_proxy();  // the MMAs read the tile through the async proxy
 }
 
-// A key row's scales as a unit's epilogue reads them.
+// A key row's scales as a unit's epilogue reads them (the double path rereads its scale bytes).
 template <int kBlocks>
 struct RowScales {
-  uint32_t word;         // its kBlocks ue8m0 scale bytes
-  ExponentRange range;   // their smallest and largest
+  ExponentRange range;   // its scale bytes' smallest and largest
   bool addressable;      // else the row's score is -inf and its scales are never read
   float scale[kBlocks];  // 2^ek_b (for normal scale bytes: the fast path's rows)
 };
@@ -148,7 +148,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
       }))
     return;
   // Read by every unit of a token (the first stage's barrier orders these stores before them).
-  for (int i = threadIdx.x; i < count; i += kThreads) token_bounds[i] = FastBounds(tq.stats + 4 * i, true);
+  for (int i = threadIdx.x; i < count; i += kThreads) token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding);
+  uint32_t folding_tokens = 0;  // bit i: token i's weights fold (kWeightsFold), in a register for every unit
+  for (int i = 0; i < count; ++i) folding_tokens |= static_cast<uint32_t>(tq.stats[kTokenStats * i + kWeightsFold] != 0) << i;
 
   const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
   const uint32_t stage_base = shared_address(stages);
@@ -204,6 +206,13 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
       const uint32_t rows = stage_base + slot * Layout::kStageBytes;
       const uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords;
       auto addressable = [&](int row) { return ((masks[row / 32] >> (row % 32)) & 1u) != 0; };
+      // A row's kBlocks ue8m0 scale bytes.
+      auto scale_word = [&](int row) {
+        const uint32_t word = scale_words[slot * kStageRows + row];
+        if constexpr (kBlocks == 2)
+          return (masks[Layout::kMaskWords + row / 32] >> (row % 32)) & 1u ? word >> 16 : word & 0xffffu;
+        return word;
+      };
 
       // The work of one unit (one token, one 64-row half of the stage), in the pieces both loop
       // orders below share. The A operand of the warp's 16 rows from warp_row: rows g and g + 8 of
@@ -236,40 +245,41 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
         for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
         wgmma::pin(frag);
       };
-      // Row g + 8r of the warp's rows from warp_row: its scale word, exponent range, scales 2^ek_b
-      // (normal scales: the fast path's rows) and whether it is addressable.
+      // Row g + 8r of the warp's rows from warp_row: its exponent range, scales 2^ek_b (normal
+      // scales: the fast path's rows) and whether it is addressable.
       auto row_scales = [&](int warp_row, int r) {
         const int row = warp_row + g + 8 * r;
+        const uint32_t word = scale_word(row);
         RowScales<kBlocks> rs;
-        rs.word = scale_words[slot * kStageRows + row];
-        if constexpr (kBlocks == 2)
-          rs.word = (masks[Layout::kMaskWords + row / 32] >> (row % 32)) & 1u ? rs.word >> 16 : rs.word & 0xffffu;
-        rs.range = key_exponents<kBlocks>(rs.word);
+        rs.range = key_exponents<kBlocks>(word);
         rs.addressable = addressable(row);
 #pragma unroll
-        for (int b = 0; b < kBlocks; ++b) rs.scale[b] = __uint_as_float(((rs.word >> (8 * b)) & 0xffu) << 23);
+        for (int b = 0; b < kBlocks; ++b) rs.scale[b] = __uint_as_float(((word >> (8 * b)) & 0xffu) << 23);
         return rs;
       };
-      // This lane's heads' scales and, in a token run, weights (heads 8j + 2c, + 1 of n tile j) for
-      // token i, read while the MMAs run. (One token's kernel reads the weights where it uses them:
-      // eight more live registers make it spill at 128.)
+      // This lane's heads' folded weights hs·w (heads 8j + 2c, + 1 of n tile j) for token i. A token
+      // run reads them while the MMAs run; one token's kernel once the MMAs are done (eight more live
+      // registers across them make it spill at 128).
+      auto folded_weight = [&](int i, int j) {
+        return *reinterpret_cast<const float2*>(tq.folded_weights + i * kHeads + 8 * j + 2 * c);
+      };
       struct HeadFactors {
-        float2 scale[kHeads / 8], weight[kHeads / 8];
+        float2 weight[kHeads / 8];
       };
       auto load_head_factors = [&](int i) {
         HeadFactors f;
 #pragma unroll
-        for (int j = 0; j < kHeads / 8; ++j) {
-          f.scale[j] = *reinterpret_cast<const float2*>(tq.head_scales + i * kHeads + 8 * j + 2 * c);
-          if constexpr (kTokenRuns) f.weight[j] = *reinterpret_cast<const float2*>(tq.weights + i * kHeads + 8 * j + 2 * c);
-        }
+        for (int j = 0; j < kHeads / 8; ++j) f.weight[j] = folded_weight(i, j);
         return f;
       };
-      // Token i's dots of this lane's 2 rows x 8 heads from the finished MMAs, their weighted terms
-      // into buffer slot `slot` of the warp's term buffer.
+      // Token i's dots of this lane's 2 rows x 8 heads of the warp's rows from warp_row, from the
+      // finished MMAs; their weighted terms into buffer slot `slot` of the warp's term buffer.
       auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
-                             const bool (&fast)[2], const HeadFactors& head, int slot) {
-        float dot[kHeads / 8][2][2];  // [n tile j][row r][head 8j + 2c + k]
+                             const bool (&fast)[2], const HeadFactors& head, int warp_row, int slot) {
+        float2 folded[kHeads / 8];  // read before the block combine, whose FMAs cover the loads
+#pragma unroll
+        for (int j = 0; j < kHeads / 8; ++j) folded[j] = head.weight[j];
+        float value[kHeads / 8][2][2];  // [n tile j][row r][head 8j + 2c + k]: P, then (unfolded) the dot
 #pragma unroll
         for (int j = 0; j < kHeads / 8; ++j) {
 #pragma unroll
@@ -279,40 +289,51 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
               float partial = __fmul_rn(acc[0][j][2 * r + k], rs[r].scale[0]);
 #pragma unroll
               for (int b = 1; b < kBlocks; ++b) partial = __fmaf_rn(acc[b][j][2 * r + k], rs[r].scale[b], partial);
-              dot[j][r][k] = __fmul_rn(partial, k ? head.scale[j].y : head.scale[j].x);
+              value[j][r][k] = partial;
             }
         }
-        if (__any_sync(kFullMask, !fast[0] || !fast[1])) {  // rows outside the fast path: the double sum
-          const float* bs = tq.block_scales + size_t(i) * kHeads * kBlocks;
+        auto store = [&](int j, int r, float2 weight) {
+          const float x = value[j][r][0], y = value[j][r][1];
+          float2 term;
+          if constexpr (kBf16Rounding) term = bf16_weighted_terms(x, y, weight);
+          else term = make_float2(__fmul_rn(relu(x), weight.x), __fmul_rn(relu(y), weight.y));
+          *reinterpret_cast<float2*>(terms + (slot * kWarpRows + g + 8 * r) * kTermsStride + 8 * j + 2 * c) = term;
+        };
+        if (((folding_tokens >> i) & 1u) != 0 && __all_sync(kFullMask, fast[0] && fast[1])) {
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            if (fast[r]) continue;
+          for (int j = 0; j < kHeads / 8; ++j) store(j, 0, folded[j]), store(j, 1, folded[j]);
+          return;
+        }
+        // Else the dots themselves: P·hs, or for rows outside the fast path the double sum.
 #pragma unroll
-            for (int j = 0; j < kHeads / 8; ++j)
+        for (int j = 0; j < kHeads / 8; ++j) {
+          const float2 hs = *reinterpret_cast<const float2*>(tq.head_scales + i * kHeads + 8 * j + 2 * c);
 #pragma unroll
-              for (int k = 0; k < 2; ++k) {
-                const int h = 8 * j + 2 * c + k;
-                double sum = 0.0;
+          for (int r = 0; r < 2; ++r) value[j][r][0] = __fmul_rn(value[j][r][0], hs.x), value[j][r][1] = __fmul_rn(value[j][r][1], hs.y);
+        }
+        const float* bs = tq.block_scales + size_t(i) * kHeads * kBlocks;
 #pragma unroll
-                for (int b = 0; b < kBlocks; ++b)
-                  sum = __fma_rn(static_cast<double>(acc[b][j][2 * r + k]) *
-                                     static_cast<double>(ue8m0_to_float(static_cast<uint8_t>(rs[r].word >> (8 * b)))),
-                                 static_cast<double>(bs[h * kBlocks + b]), sum);
-                dot[j][r][k] = __double2float_rn(sum);
-              }
-          }
+        for (int r = 0; r < 2; ++r) {
+          if (fast[r]) continue;
+          const uint32_t word = scale_word(warp_row + g + 8 * r);
+#pragma unroll
+          for (int j = 0; j < kHeads / 8; ++j)
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+              const int h = 8 * j + 2 * c + k;
+              double sum = 0.0;
+#pragma unroll
+              for (int b = 0; b < kBlocks; ++b)
+                sum = __fma_rn(static_cast<double>(acc[b][j][2 * r + k]) *
+                                   static_cast<double>(ue8m0_to_float(static_cast<uint8_t>(word >> (8 * b)))),
+                               static_cast<double>(bs[h * kBlocks + b]), sum);
+              value[j][r][k] = __double2float_rn(sum);
+            }
         }
 #pragma unroll
         for (int j = 0; j < kHeads / 8; ++j) {
-          const int h = 8 * j + 2 * c;
-          const float2 weight = kTokenRuns ? head.weight[j] : *reinterpret_cast<const float2*>(tq.weights + i * kHeads + h);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float2 term;
-            if constexpr (kBf16Rounding) term = bf16_weighted_terms(dot[j][r][0], dot[j][r][1], weight);
-            else term = make_float2(__fmul_rn(relu(dot[j][r][0]), weight.x), __fmul_rn(relu(dot[j][r][1]), weight.y));
-            *reinterpret_cast<float2*>(terms + (slot * kWarpRows + g + 8 * r) * kTermsStride + h) = term;
-          }
+          const float2 weight = *reinterpret_cast<const float2*>(tq.weights + i * kHeads + 8 * j + 2 * c);
+          store(j, 0, weight), store(j, 1, weight);
         }
       };
       // Each lane adds the terms of one buffer row (slot lane / 16, row lane % 16: row sum_row of
@@ -354,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
           const RowScales<kBlocks> rs[2] = {row_scales(warp_row, 0), row_scales(warp_row, 1)};
           const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
           finish_mmas(acc, frag);
-          store_terms(first, acc, rs, fast, head, half);
+          store_terms(first, acc, rs, fast, head, warp_row, half);
         }
         sum_terms((lane / kWarpRows) * kTileRows + lane_row, first, true);
       } else {
@@ -379,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
             const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
             finish_mmas(acc, frag);
             const int buffer_slot = unit & 1;
-            store_terms(i, acc, rs, fast, head, buffer_slot);
+            store_terms(i, acc, rs, fast, head, warp_row, buffer_slot);
             (buffer_slot == 0 ? slot_units[0] : slot_units[1]) = make_int2(half, i);
             const bool last = half == 1 && i == end - 1;
             if (buffer_slot == 0 && !last) continue;  // the pair is not full yet
