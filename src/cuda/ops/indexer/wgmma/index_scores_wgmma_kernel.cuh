@@ -257,28 +257,22 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
         for (int b = 0; b < kBlocks; ++b) rs.scale[b] = __uint_as_float(((word >> (8 * b)) & 0xffu) << 23);
         return rs;
       };
-      // This lane's heads' folded weights hs·w (heads 8j + 2c, + 1 of n tile j) for token i. A token
-      // run reads them while the MMAs run; one token's kernel once the MMAs are done (eight more live
-      // registers across them make it spill at 128).
-      auto folded_weight = [&](int i, int j) {
-        return *reinterpret_cast<const float2*>(tq.folded_weights + i * kHeads + 8 * j + 2 * c);
-      };
+      // This lane's heads' folded weights hs·w (heads 8j + 2c, + 1 of n tile j) for token i, read
+      // while the MMAs run. (The plain path, rare, reads hs and w where it uses them.)
       struct HeadFactors {
         float2 weight[kHeads / 8];
       };
       auto load_head_factors = [&](int i) {
         HeadFactors f;
 #pragma unroll
-        for (int j = 0; j < kHeads / 8; ++j) f.weight[j] = folded_weight(i, j);
+        for (int j = 0; j < kHeads / 8; ++j)
+          f.weight[j] = *reinterpret_cast<const float2*>(tq.folded_weights + i * kHeads + 8 * j + 2 * c);
         return f;
       };
       // Token i's dots of this lane's 2 rows x 8 heads of the warp's rows from warp_row, from the
       // finished MMAs; their weighted terms into buffer slot `slot` of the warp's term buffer.
       auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
                              const bool (&fast)[2], const HeadFactors& head, int warp_row, int slot) {
-        float2 folded[kHeads / 8];  // read before the block combine, whose FMAs cover the loads
-#pragma unroll
-        for (int j = 0; j < kHeads / 8; ++j) folded[j] = head.weight[j];
         float value[kHeads / 8][2][2];  // [n tile j][row r][head 8j + 2c + k]: P, then (unfolded) the dot
 #pragma unroll
         for (int j = 0; j < kHeads / 8; ++j) {
@@ -301,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
         };
         if (((folding_tokens >> i) & 1u) != 0 && __all_sync(kFullMask, fast[0] && fast[1])) {
 #pragma unroll
-          for (int j = 0; j < kHeads / 8; ++j) store(j, 0, folded[j]), store(j, 1, folded[j]);
+          for (int j = 0; j < kHeads / 8; ++j) store(j, 0, head.weight[j]), store(j, 1, head.weight[j]);
           return;
         }
         // Else the dots themselves: P·hs, or for rows outside the fast path the double sum.
