@@ -57,12 +57,15 @@ struct SequenceRows {
     table = r.block_table + sequence * r.blocks_per_sequence;
     first = r.first_logical_page ? r.first_logical_page[sequence] : 0;
   }
-  __device__ RowRef at(RowSplit s) const {
-    if (r.block_table == nullptr) return row_in_page(r, s.block, s.row);
+  // The pool page holding split s's block (-1: none), which a kernel may read a step before it
+  // needs the row, and the row itself.
+  __device__ int64_t page(RowSplit s) const {
+    if (r.block_table == nullptr) return s.block;
     const int64_t block = s.block - first;
-    if (table == nullptr || block < 0 || block >= r.blocks_per_sequence) return {};
-    return row_in_page(r, table[block], s.row);
+    if (table == nullptr || block < 0 || block >= r.blocks_per_sequence) return -1;
+    return table[block];
   }
+  __device__ RowRef at(RowSplit s) const { return row_in_page(r, page(s), s.row); }
 };
 
 // Row `row` (a position or an entry index) of sequence `sequence`, through the block table (flat

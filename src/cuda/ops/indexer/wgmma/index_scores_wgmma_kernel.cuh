@@ -164,16 +164,19 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
 
     // Thread t copies row t of stage n: its chunks (zero-filled when not addressable) and its
     // scale word; lane 0 of each warp records which of its rows are addressable. Stages are issued
-    // in order, so the thread follows its row's (page, row) instead of dividing per stage.
+    // in order, so the thread follows its row's (page, row) instead of dividing per stage, and
+    // reads the block table a stage ahead (else each stage's copies wait for that load).
     const SequenceRows sequence_rows(a.keys, sequence);
     RowSplit next = split_rows(k0 + threadIdx.x, a.keys.rows_per_page);
+    int64_t next_page = sequence_rows.page(next);
     auto issue = [&](int n) {
       const int slot = n % kStages;
       const int64_t row0 = k0 + int64_t{n} * kStageRows;
       if (n < stage_count && row0 < load_end) {
         const int64_t j = row0 + threadIdx.x;
-        const RowRef ref = j < load_end ? sequence_rows.at(next) : RowRef{};
+        const RowRef ref = j < load_end ? row_in_page(a.keys, next_page, next.row) : RowRef{};
         for (next.row += kStageRows; next.row >= a.keys.rows_per_page; ++next.block) next.row -= a.keys.rows_per_page;
+        next_page = sequence_rows.page(next);
         const uint8_t* data = ref.valid() ? ref.data : a.keys.pages;
         const uint32_t rows = stage_base + slot * Layout::kStageBytes;
 #pragma unroll
@@ -355,9 +358,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
       const int lane_row = warp * kWarpRows + lane % kWarpRows;  // of its half
 
       if constexpr (!kTokenRuns) {
-        // One token: its two halves fill the two buffer slots.
+        // One token: its two halves fill the two buffer slots. Unrolled, so that the lane's
+        // addresses are formed once per stage: in a loop ptxas rebuilt them from threadIdx.x in
+        // each half, and the S2R's latency stalled the half's first instructions (3 % at 64 x 128K).
         const FastBounds bounds = token_bounds[first];
-#pragma unroll 1
+#pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int warp_row = half * kTileRows + warp * kWarpRows;  // the warp's first row in the stage
           uint32_t frag[kBlocks][4];
