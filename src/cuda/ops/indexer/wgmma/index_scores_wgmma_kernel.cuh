@@ -338,6 +338,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
       // (when `stores`). Padding heads (zero queries and weights) add +0, which leaves the sum
       // alone: it starts at +0 and a round-to-nearest sum is never -0 unless both terms are.
       auto sum_terms = [&](int sum_row, int token, bool stores) {
+        const int64_t fj = row0 + sum_row;
+        const bool in_range = stores && fj < k1;
+        // The row's mask first: its loads are in flight while the terms are added.
+        const bool visible = addressable(sum_row) & (fj < tq.visible[token]);
         __syncwarp();
         float score = 0.0f;
 #pragma unroll
@@ -345,13 +349,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
           const float4 t = *reinterpret_cast<const float4*>(terms + lane * kTermsStride + k);
           score = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(score, t.x), t.y), t.z), t.w);
         }
-        const int64_t fj = row0 + sum_row;
-        if (stores && fj < k1) {
+        if (in_range) {
           const bool listed = !a.candidates || contains_block(a.candidates + (t0 + token) * a.num_candidates,
                                                               a.num_candidates, split_rows(fj, a.candidate_block_size).block);
-          const bool scored = addressable(sum_row) && fj < tq.visible[token] && listed;
           a.scores[(t0 + token) * a.entries + fj] =
-              !scored ? -INFINITY : kBf16Rounding && !a.partial ? bf16_rounded(score) : score;
+              !(visible && listed) ? -INFINITY : kBf16Rounding && !a.partial ? bf16_rounded(score) : score;
         }
         __syncwarp();
       };
