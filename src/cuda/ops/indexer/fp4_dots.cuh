@@ -39,6 +39,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <climits>
 #include <cstdint>
 
@@ -156,9 +157,7 @@ __device__ __forceinline__ float scaled_by_power_of_two(float x, int k) {
 // is between normal numbers, for w = 0 or ±inf, and where hs is NaN (every term is NaN either way).
 // Subnormal weights are taken as inexact.
 __device__ __forceinline__ bool scales_exactly(float w, float scaled) {
-  const float normal = 1.17549435e-38f;  // FLT_MIN
-  return isnan(scaled) || w == 0.0f || isinf(w) ||
-         (fabsf(w) >= normal && fabsf(scaled) >= normal && !isinf(scaled));
+  return isnan(scaled) || w == 0.0f || isinf(w) || (fabsf(w) >= FLT_MIN && fabsf(scaled) >= FLT_MIN && !isinf(scaled));
 }
 
 // Whether y is ±0, ±0.5, ±1, ±1.5, ±2, ±3, ±4 or ±6 (an e2m1 value; NaN is not).
@@ -271,9 +270,10 @@ __device__ void prepare_queries(const IndexScoresLaunch& a, int64_t t0, int coun
     if (b == 0) {
       int* stats = s.stats + kTokenStats * i;
       const float head_scale = fp4 ? ldexpf(1.0f, 12 + lo) : nan, w = s.weights[i * padded_heads + h];
+      const float folded_weight = __fmul_rn(head_scale, w);
       s.head_scales[i * padded_heads + h] = head_scale;
-      s.folded_weights[i * padded_heads + h] = __fmul_rn(head_scale, w);
-      if (!scales_exactly(w, __fmul_rn(head_scale, w))) atomicAnd(&stats[kWeightsFold], 0);
+      s.folded_weights[i * padded_heads + h] = folded_weight;
+      if (!scales_exactly(w, folded_weight)) atomicAnd(&stats[kWeightsFold], 0);
       if (fp4 && nonzero && h < a.heads) {
         atomicMin(&stats[kEqLow], lo);
         atomicMax(&stats[kEqHigh], hi);

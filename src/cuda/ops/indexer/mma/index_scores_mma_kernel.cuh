@@ -299,8 +299,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) index_scores_mma_ke
         for (int i = first; i < end; ++i) {
           const int* token_stats = stats + kTokenStats * i;
           // index_fp8: the fp32 path whenever every head is folded (fp32 precision only).
-          const bool own_fast =
-              kFp8 ? token_stats[kEqSpread] <= kMaxFoldShift : !own_row || FastBounds(token_stats, false, false).holds(own_range);
+          const bool own_fast = kFp8 ? token_stats[kEqSpread] <= kMaxFoldShift
+                                     : !own_row || FastBounds(token_stats, false, false).holds(own_range);
           const uint32_t fast_rows = __ballot_sync(kFullMask, own_fast) >> (16 * f);
           const bool all_fast = (fast_rows & 0xffffu) == 0xffffu;  // warp-uniform
           const bool fast[2] = {((fast_rows >> g) & 1u) != 0, ((fast_rows >> (g + 8)) & 1u) != 0};

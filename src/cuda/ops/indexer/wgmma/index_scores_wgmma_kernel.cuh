@@ -20,12 +20,12 @@
 // half by half, the A operand and the rows' scales, which stay in registers while the run's tokens
 // are scored.
 //
-// Epilogue. A unit is one token and one half of a stage. A lane holds 2 rows x 8 heads of each block's accumulators: it combines the blocks with the
-// rows' scales (in block order, as mma_f16 does), forms the weighted terms (with the folded
-// weights hs·w where the token and the warp's rows allow: fp4_dots.cuh, "Folded weights") and
-// writes them to one of the two 16-row slots of its warp's term buffer; once both slots hold a
-// unit (a token's two halves, or two units of a run), each lane adds one row's terms in head order
-// (the reference's order) and stores the score.
+// Epilogue. A unit is one token and one half of a stage. A lane holds 2 rows x 8 heads of each
+// block's accumulators: it combines the blocks with the rows' scales (in block order, as mma_f16
+// does), forms the weighted terms (with the folded weights hs·w where the token and the warp's
+// rows allow: fp4_dots.cuh, "Folded weights") and writes them to one of the two 16-row slots of
+// its warp's term buffer; once both slots hold a unit (a token's two halves, or two units of a
+// run), each lane adds one row's terms in head order (the reference's order) and stores the score.
 //
 // K order. A lane's A register of a block holds the codes of the 4 bytes ldmatrix gives it (bytes
 // 4c … 4c + 3 of the block's 16 bytes): the low nibbles are logical k = 4c … 4c + 3, the high ones
@@ -148,9 +148,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
       }))
     return;
   // Read by every unit of a token (the first stage's barrier orders these stores before them).
-  for (int i = threadIdx.x; i < count; i += kThreads) token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding);
+  for (int i = threadIdx.x; i < count; i += kThreads)
+    token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding);
   uint32_t folding_tokens = 0;  // bit i: token i's weights fold (kWeightsFold), in a register for every unit
-  for (int i = 0; i < count; ++i) folding_tokens |= static_cast<uint32_t>(tq.stats[kTokenStats * i + kWeightsFold] != 0) << i;
+  for (int i = 0; i < count; ++i)
+    folding_tokens |= static_cast<uint32_t>(tq.stats[kTokenStats * i + kWeightsFold] != 0) << i;
 
   const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
   const uint32_t stage_base = shared_address(stages);
@@ -306,7 +308,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
         for (int j = 0; j < kHeads / 8; ++j) {
           const float2 hs = *reinterpret_cast<const float2*>(tq.head_scales + i * kHeads + 8 * j + 2 * c);
 #pragma unroll
-          for (int r = 0; r < 2; ++r) value[j][r][0] = __fmul_rn(value[j][r][0], hs.x), value[j][r][1] = __fmul_rn(value[j][r][1], hs.y);
+          for (int r = 0; r < 2; ++r)
+            value[j][r][0] = __fmul_rn(value[j][r][0], hs.x), value[j][r][1] = __fmul_rn(value[j][r][1], hs.y);
         }
         const float* bs = tq.block_scales + size_t(i) * kHeads * kBlocks;
 #pragma unroll
