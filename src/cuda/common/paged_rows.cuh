@@ -57,15 +57,16 @@ struct SequenceRows {
     table = r.block_table + sequence * r.blocks_per_sequence;
     first = r.first_logical_page ? r.first_logical_page[sequence] : 0;
   }
-  // The pool page holding split s's block (-1: none), which a kernel may read a step before it
-  // needs the row, and the row itself.
-  __device__ int64_t page(RowSplit s) const {
-    if (r.block_table == nullptr) return s.block;
+  // The block-table entry of split s's block (-1: none; 0 for a flat cache, which has no table),
+  // which a kernel may read a step before it needs the row; the pool page it names; the row.
+  __device__ int32_t entry(RowSplit s) const {
+    if (r.block_table == nullptr) return 0;
     const int64_t block = s.block - first;
     if (table == nullptr || block < 0 || block >= r.blocks_per_sequence) return -1;
     return table[block];
   }
-  __device__ RowRef at(RowSplit s) const { return row_in_page(r, page(s), s.row); }
+  __device__ int64_t page(RowSplit s, int32_t entry) const { return r.block_table == nullptr ? s.block : entry; }
+  __device__ RowRef at(RowSplit s) const { return row_in_page(r, page(s, entry(s)), s.row); }
 };
 
 // Row `row` (a position or an entry index) of sequence `sequence`, through the block table (flat

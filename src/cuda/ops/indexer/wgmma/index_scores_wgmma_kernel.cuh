@@ -170,15 +170,16 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
     // reads the block table a stage ahead (else each stage's copies wait for that load).
     const SequenceRows sequence_rows(a.keys, sequence);
     RowSplit next = split_rows(k0 + threadIdx.x, a.keys.rows_per_page);
-    int64_t next_page = sequence_rows.page(next);
+    int32_t next_entry = sequence_rows.entry(next);  // 32 bits until used: nothing waits for the load
     auto issue = [&](int n) {
       const int slot = n % kStages;
       const int64_t row0 = k0 + int64_t{n} * kStageRows;
       if (n < stage_count && row0 < load_end) {
         const int64_t j = row0 + threadIdx.x;
-        const RowRef ref = j < load_end ? row_in_page(a.keys, next_page, next.row) : RowRef{};
+        const RowRef ref =
+            j < load_end ? row_in_page(a.keys, sequence_rows.page(next, next_entry), next.row) : RowRef{};
         for (next.row += kStageRows; next.row >= a.keys.rows_per_page; ++next.block) next.row -= a.keys.rows_per_page;
-        next_page = sequence_rows.page(next);
+        next_entry = sequence_rows.entry(next);
         const uint8_t* data = ref.valid() ? ref.data : a.keys.pages;
         const uint32_t rows = stage_base + slot * Layout::kStageBytes;
 #pragma unroll
