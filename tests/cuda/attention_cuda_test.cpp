@@ -335,6 +335,18 @@ TEST_F(CudaTest, SparseAttentionPrefillChunksFp8DsMla) {
   check_attention(c);
 }
 
+TEST_F(CudaTest, SparseAttentionBf16RoundingPrefillChunksBf16Rows) {
+  // Prefill chunks over bf16 rows in reference precision (wgmma copies them straight into its
+  // tiles): one chunk from position 0 (rows before the window is full), one continuing at 300
+  // (several tiles per token, the last one partial), 64 heads, window 128, 200 picks with -1s.
+  AttentionCase c{.window_format = KvRowFormat::bf16, .compressed_format = KvRowFormat::bf16, .heads = 64,
+                  .window = 128, .ratio = 1, .num_picks = 200, .first_window_page = {0, 1}, .out_dtype = DType::bf16,
+                  .bf16_rounding = true, .seed = 25};
+  for (int32_t p = 0; p < 23; ++p) c.tokens.push_back({0, p});
+  for (int32_t p = 300; p < 341; ++p) c.tokens.push_back({1, p});
+  check_attention(c);
+}
+
 TEST_F(CudaTest, SparseAttentionBf16InterleavedPages) {
   AttentionCase c{.window_format = KvRowFormat::bf16, .compressed_format = KvRowFormat::v41_fp4,
                   .placement = PagePlacement::interleaved, .heads = 8, .window = 40, .ratio = 2, .num_picks = 33,
@@ -404,7 +416,9 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingHeadsFormatsAndTopK) {
                              Shape{32, KvRowFormat::v41_fp8, KvRowFormat::fp8_ds_mla, 100, 2, DType::f32},
                              Shape{128, KvRowFormat::fp8_ds_mla, KvRowFormat::v41_fp4, 512, 1, DType::bf16},
                              Shape{64, KvRowFormat::v41_fp8, KvRowFormat::bf16, 512, 1, DType::bf16},
-                             Shape{20, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, 77, 1, DType::bf16}}) {
+                             Shape{20, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, 77, 1, DType::bf16},
+                             Shape{128, KvRowFormat::bf16, KvRowFormat::bf16, 1024, 2, DType::f32},
+                             Shape{20, KvRowFormat::bf16, KvRowFormat::bf16, 77, 1, DType::bf16}}) {
     SCOPED_TRACE(std::to_string(shape.heads) + " heads, " + kv_row_format_name(shape.window_format) + " + " +
                  kv_row_format_name(shape.compressed_format) + ", " + std::to_string(shape.num_picks) + " picks");
     AttentionCase c{.window_format = shape.window_format, .compressed_format = shape.compressed_format,
@@ -727,30 +741,33 @@ TEST(SparseAttentionCudaDispatch, ChoosesMmaForReferencePrecision) {
   SparseAttentionParams per_tensor = p;
   per_tensor.window.geometry = page_geometry(KvRowFormat::fp8_per_tensor, kHeadDim, 32);
   expect_simt_only(per_tensor, "cache 'window' has format fp8_per_tensor, whose values need not be exact in bf16",
-                   "cache 'window' has format fp8_per_tensor, expected a quantized format (v41_fp8, v41_fp4, fp8_ds_mla)");
+                   "cache 'window' has format fp8_per_tensor, expected v41_fp8, v41_fp4, fp8_ds_mla or bf16 rows");
   // Precision::fp32's f32 rows and f32 queries stay on SIMT, even with bf16_rounding.
   SparseAttentionParams f32_rows = p;
   f32_rows.window.geometry = page_geometry(KvRowFormat::f32, kHeadDim, 64);
   expect_simt_only(f32_rows, "cache 'window' has format f32, whose values need not be exact in bf16",
-                   "cache 'window' has format f32, expected a quantized format (v41_fp8, v41_fp4, fp8_ds_mla)");
+                   "cache 'window' has format f32, expected v41_fp8, v41_fp4, fp8_ds_mla or bf16 rows");
   SparseAttentionParams f32_q = p;
   f32_q.q.dtype = DType::f32;
   expect_simt_only(f32_q, "needs bf16 q (the tensor cores read q as bf16)", "needs bf16 q (the tensor cores read q as bf16)");
-  // wgmma takes the V4.1 native pair and fp8_ds_mla rows; other pairs and bf16 rows (too large for
-  // its raw ring) go to decode_mma.
+  // wgmma takes the V4.1 native pair, fp8_ds_mla rows and bf16 rows; other pairs go to decode_mma.
   SparseAttentionParams ds_mla = p;
   ds_mla.window.geometry = page_geometry(KvRowFormat::fp8_ds_mla, kHeadDim, 32);
   EXPECT_STREQ(choose_sparse_attention(ds_mla, h200).name, "wgmma");
   SparseAttentionParams fp4_window = p;
   fp4_window.window.geometry = page_geometry(KvRowFormat::v41_fp4, kHeadDim, 32);
   EXPECT_EQ(kSparseAttentionWgmma.supports(fp4_window, h200),
-            "needs window v41_fp8 with compressed v41_fp4, or fp8_ds_mla for both");
+            "needs window v41_fp8 with compressed v41_fp4, or fp8_ds_mla or bf16 for both");
   EXPECT_STREQ(choose_sparse_attention(fp4_window, h200).name, "decode_mma");
   SparseAttentionParams bf16_rows = p;
   bf16_rows.window.geometry = page_geometry(KvRowFormat::bf16, kHeadDim, 32);
-  EXPECT_EQ(kSparseAttentionWgmma.supports(bf16_rows, h200),
-            "cache 'window' has format bf16, expected a quantized format (v41_fp8, v41_fp4, fp8_ds_mla)");
-  EXPECT_STREQ(choose_sparse_attention(bf16_rows, h200).name, "decode_mma");
+  EXPECT_STREQ(choose_sparse_attention(bf16_rows, h200).name, "wgmma");
+  SparseAttentionParams bf16_with_fp4 = bf16_rows;
+  bf16_with_fp4.compressed = bf16_rows.window;
+  bf16_with_fp4.compressed.geometry = page_geometry(KvRowFormat::v41_fp4, kHeadDim, 32);
+  EXPECT_EQ(kSparseAttentionWgmma.supports(bf16_with_fp4, h200),
+            "needs window v41_fp8 with compressed v41_fp4, or fp8_ds_mla or bf16 for both");
+  EXPECT_STREQ(choose_sparse_attention(bf16_with_fp4, h200).name, "decode_mma");
 }
 
 // On an H100 / H200 reference precision over the V4.1 native rows goes to wgmma (what dsv4 bench

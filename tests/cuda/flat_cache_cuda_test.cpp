@@ -10,6 +10,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "cuda/cuda_test_util.h"
@@ -167,6 +168,104 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(kv_row_format_name(std::get<0>(info.param))) +
              (std::get<1>(info.param) == PagePlacement::segregated ? "_segregated" : "_interleaved");
     });
+
+// run_cache_stage decodes whole pages into bf16 pages, bit for bit the host codec's values: pages
+// staged in shuffled order, one twice, a negative id and one past the source (zeros); the staged
+// page beyond the list keeps its poison.
+class CacheStage : public CudaTest, public ::testing::WithParamInterface<std::tuple<KvRowFormat, PagePlacement>> {};
+
+TEST_P(CacheStage, StagedPagesHoldTheHostCodecsValues) {
+  const auto [format, placement] = GetParam();
+  const PageGeometry g = page_geometry(format, kDim, 16, placement), staged_g = page_geometry(KvRowFormat::bf16, kDim, 16);
+  constexpr int64_t kSourcePages = 5, kStagedPages = 8;
+  const std::vector<std::byte> host_pages = random_pages(g, kSourcePages, 11);
+  const std::vector<int32_t> pages = {3, 0, 4, -1, 2, 3, kSourcePages};  // one staged page left over
+  Stream stream;
+  auto d_source = testing::device_array(host_pages, DType::u8, {kSourcePages, g.page_stride});
+  auto d_pages = testing::device_array(pages, DType::i32, {static_cast<int64_t>(pages.size())});
+  auto d_staged = testing::poisoned_tensor(DType::u8, {kStagedPages, staged_g.page_stride});
+  const std::vector<std::byte> poison = testing::download_as<std::byte>(d_staged.view);
+  run_cache_stage({.source = {.pages = d_source.view, .geometry = g},
+                   .pages = d_pages.view,
+                   .staged = {.pages = d_staged.view, .geometry = staged_g}},
+                  stream.get());
+  stream.synchronize();
+  const std::vector<std::byte> staged = testing::download_as<std::byte>(d_staged.view);
+  for (int64_t i = 0; i < kStagedPages; ++i)
+    for (int64_t r = 0; r < g.rows_per_page; ++r) {
+      std::vector<float> want(static_cast<size_t>(kDim), 0.0f);
+      const bool listed = i < static_cast<int64_t>(pages.size());
+      const int32_t source = listed ? pages[i] : -1;
+      if (source >= 0 && source < kSourcePages) {
+        const int64_t slot = source * g.rows_per_page + r;
+        decode_rows(g, std::span<const std::byte>(host_pages), &slot, 1, want.data());
+      }
+      const int64_t at = i * staged_g.page_stride + staged_g.data_offset(r);
+      for (int64_t c = 0; c < kDim; ++c) {
+        const size_t byte = static_cast<size_t>(at + 2 * c);
+        uint16_t got_bits;
+        std::memcpy(&got_bits, staged.data() + byte, 2);
+        if (!listed) {
+          uint16_t poison_bits;
+          std::memcpy(&poison_bits, poison.data() + byte, 2);
+          ASSERT_EQ(got_bits, poison_bits) << "unlisted staged page " << i << " row " << r << " channel " << c;
+          continue;
+        }
+        // The codec's values are exact in bf16: the upper half of their f32 bits.
+        const uint32_t want_bits = std::bit_cast<uint32_t>(want[static_cast<size_t>(c)]);
+        ASSERT_EQ(want_bits & 0xffffu, 0u) << "value not exact in bf16";
+        ASSERT_EQ(got_bits, static_cast<uint16_t>(want_bits >> 16))
+            << "staged page " << i << " (source " << source << ") row " << r << " channel " << c;
+      }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, CacheStage,
+    ::testing::Values(std::tuple{KvRowFormat::v41_fp8, PagePlacement::segregated},
+                      std::tuple{KvRowFormat::v41_fp8, PagePlacement::interleaved},
+                      std::tuple{KvRowFormat::v41_fp4, PagePlacement::segregated},
+                      std::tuple{KvRowFormat::v41_fp4, PagePlacement::interleaved},
+                      std::tuple{KvRowFormat::fp8_ds_mla, PagePlacement::segregated},
+                      std::tuple{KvRowFormat::bf16, PagePlacement::segregated}),
+    [](const auto& info) {
+      return std::string(kv_row_format_name(std::get<0>(info.param))) +
+             (std::get<1>(info.param) == PagePlacement::segregated ? "_segregated" : "_interleaved");
+    });
+
+TEST(CacheStageValidation, NamesTheBadArgument) {
+  using testing::error_of;
+  CacheStageParams p;
+  p.source.geometry = page_geometry(KvRowFormat::v41_fp4, kDim, 16);
+  p.source.pages = testing::fake_device_view(DType::u8, {4, p.source.geometry.page_stride});
+  p.pages = testing::fake_device_view(DType::i32, {3});
+  p.staged.geometry = page_geometry(KvRowFormat::bf16, kDim, 16);
+  p.staged.pages = testing::fake_device_view(DType::u8, {3, p.staged.geometry.page_stride});
+  EXPECT_NO_THROW(validate_cache_stage(p));
+  CacheStageParams bad = p;
+  bad.pages = testing::fake_device_view(DType::i64, {3});
+  EXPECT_EQ(error_of([&] { validate_cache_stage(bad); }),
+            "dsv4: cache_stage: argument 'pages' has dtype I64, expected I32");
+  bad = p;
+  bad.source.geometry = page_geometry(KvRowFormat::f32, kDim, 16);
+  bad.source.pages = testing::fake_device_view(DType::u8, {4, bad.source.geometry.page_stride});
+  EXPECT_EQ(error_of([&] { validate_cache_stage(bad); }),
+            "dsv4: cache_stage: cache 'source' has format f32, expected one of v41_fp8, v41_fp4, fp8_ds_mla, bf16");
+  bad = p;
+  bad.staged.geometry = page_geometry(KvRowFormat::bf16, kDim, 32);
+  bad.staged.pages = testing::fake_device_view(DType::u8, {3, bad.staged.geometry.page_stride});
+  EXPECT_EQ(error_of([&] { validate_cache_stage(bad); }),
+            "dsv4: cache_stage: cache 'staged' has 32 rows per page, expected the source's 16");
+  bad = p;
+  bad.staged.pages = testing::fake_device_view(DType::u8, {2, p.staged.geometry.page_stride});
+  EXPECT_EQ(error_of([&] { validate_cache_stage(bad); }),
+            "dsv4: cache_stage: cache 'staged' has 2 pages, expected at least 3 (one per entry of 'pages')");
+  bad = p;
+  bad.source.geometry = page_geometry(KvRowFormat::fp8_ds_mla, kDim, 16, PagePlacement::interleaved);
+  bad.source.pages = testing::fake_device_view(DType::u8, {4, bad.source.geometry.page_stride});
+  EXPECT_EQ(error_of([&] { validate_cache_stage(bad); }),
+            "dsv4: cache_stage: cache 'source' has row data that is not 16-byte aligned");
+}
 
 TEST(CacheDecodeValidation, NamesTheBadArgument) {
   CacheDecodeParams p;

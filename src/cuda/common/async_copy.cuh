@@ -38,6 +38,29 @@ __device__ __forceinline__ void cp_async_wait() {
 // Commits the thread's outstanding copies and waits for all of them.
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// Shared-memory mbarriers (sm_80+ for the cp.async arrive, sm_90 for try_wait): a phase completes
+// once `count` arrivals have happened; waiters name the phase by its parity.
+__device__ __forceinline__ void mbarrier_init(uint32_t barrier, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(count) : "memory");
+}
+// An arrival (release: the thread's earlier writes are visible to whoever waits for the phase).
+__device__ __forceinline__ void mbarrier_arrive(uint32_t barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
+}
+// An arrival once every cp.async the thread issued so far has landed (counted in `count`: noinc).
+__device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t barrier) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
+}
+// Waits (acquire) until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t barrier, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait;\n}\n" ::"r"(barrier),
+      "r"(parity)
+      : "memory");
+}
+
 // Four 8x8 b16 matrices: lanes 8m … 8m + 7 give the row addresses of matrix m, which lands in
 // r[m] (lane l holds row l / 4, bytes 4·(l % 4) … + 3 of each).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {

@@ -73,15 +73,15 @@ struct E2m1Table {
 // Eight e2m1 codes (packed, the even channel in the low nibble) times the table's scale as bf16.
 __device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t codes, const E2m1Table& table) { return table.lookup8(codes); }
 
-// Channels c0 … c0 + 15 (c0 a multiple of 16) of a raw row of format F in shared memory (its data
-// bytes, then its scale bytes) as bf16, in two halves of 8 channels: `first` = c0 + 8·upper … + 7,
+// Channels c0 … c0 + 15 (c0 a multiple of 16) of a row of format F (its data bytes at `row_data`,
+// its scale bytes at `scales`) as bf16, in two halves of 8 channels: `first` = c0 + 8·upper … + 7,
 // `second` the other half (upper 0 or 1: the order a lane stores them in). The values are the row
 // codec's (code x scale), which are exact in bf16 for every format taken here.
 template <KvRowFormat F>
-__device__ __forceinline__ void decode16(const uint8_t* raw, int c0, int upper, uint4& first, uint4& second) {
+__device__ __forceinline__ void decode16(const uint8_t* row_data, const uint8_t* scales, int c0, int upper,
+                                         uint4& first, uint4& second) {
   const int c_first = c0 + 8 * upper, c_second = c0 + 8 * (upper ^ 1);
-  const uint8_t* scales = raw + row_codec::data_bytes(F, kRowChannels);
-  auto data = [&](int c) { return raw + row_codec::channel_offset<F>(c); };
+  auto data = [&](int c) { return row_data + row_codec::channel_offset<F>(c); };
   switch (row_codec::channel_code<F>(c0)) {
     case row_codec::ChannelCode::bf16:
       first = *reinterpret_cast<const uint4*>(data(c_first)), second = *reinterpret_cast<const uint4*>(data(c_second));
@@ -102,6 +102,12 @@ __device__ __forceinline__ void decode16(const uint8_t* raw, int c0, int upper, 
     }
     default: return;  // f32 rows are not decoded here
   }
+}
+
+// The same of a raw row copied into shared memory: its data bytes, then its scale bytes.
+template <KvRowFormat F>
+__device__ __forceinline__ void decode16(const uint8_t* raw, int c0, int upper, uint4& first, uint4& second) {
+  decode16<F>(raw, raw + row_codec::data_bytes(F, kRowChannels), c0, upper, first, second);
 }
 
 __device__ __forceinline__ void decode16(KvRowFormat format, const uint8_t* raw, int c0, int upper, uint4& first,

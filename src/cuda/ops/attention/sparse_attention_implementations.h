@@ -44,12 +44,14 @@ struct SparseAttentionImplementation {
 };
 
 // Hopper warpgroup MMAs (wgmma, sm_90a) with the row gathers and decodes on their own warpgroup, for
-// bf16_rounding calls with bf16 q over the V4.1 native caches (v41_fp8 window, v41_fp4 compressed)
-// or fp8_ds_mla rows (wgmma/): the H100 / H200 in reference precision, decode steps and prefill chunks.
+// bf16_rounding calls with bf16 q over the V4.1 native caches (v41_fp8 window, v41_fp4 compressed),
+// fp8_ds_mla rows or bf16 rows (wgmma/): the H100 / H200 in reference precision, decode steps and
+// prefill chunks.
 extern const SparseAttentionImplementation kSparseAttentionWgmma;
 // Tensor cores with the row gathers and decodes on their own warps (mma.sync bf16, sm_90 only: its
 // machine code, setmaxnreg), for bf16_rounding calls with bf16 q over caches exact in bf16 (mma/): on
-// the H100 / H200 the calls wgmma does not take (bf16 rows, other format pairs).
+// the H100 / H200 the calls wgmma does not take (other format pairs, such as bf16 window rows with
+// v41_fp4 picks).
 extern const SparseAttentionImplementation kSparseAttentionDecodeMma;
 // Tensor cores (mma.sync bf16, sm_80+ with 227 KB of shared memory per block: A100 has less), for
 // bf16_rounding calls with bf16 q over caches whose rows are exact in bf16 (mma/).

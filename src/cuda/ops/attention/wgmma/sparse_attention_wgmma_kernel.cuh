@@ -1,6 +1,7 @@
 // The Hopper warpgroup-MMA sparse MQA attention kernel ("wgmma", see include/dsv4/cuda/attention.h),
 // for reference precision (bf16_rounding: the exp-scores P are bf16 on the tensor cores) over the
-// quantized cache rows (v41_fp8, v41_fp4, fp8_ds_mla), decode steps and prefill chunks alike.
+// quantized cache rows (v41_fp8, v41_fp4, fp8_ds_mla) or bf16 rows, decode steps and prefill chunks
+// alike.
 //
 // One block per (token, 64 heads, split of rows), three warpgroups:
 //   * the producer warpgroup gathers the raw bytes of the rows (window rows, then picks, as
@@ -21,7 +22,9 @@
 //     consumer warp decodes 8 of its rows while its P·V MMAs of the previous tile run and frees the
 //     ring (kRawFree), and a consumer barrier marks the decoded tile;
 //   * else (fp8_ds_mla, three slots) the producer does, slot by slot with all but one slot in
-//     flight, and hands over the tiles with kFull (bar.arrive) / kEmpty (the consumers' bar.arrive).
+//     flight, and hands over the tiles with kFull (bar.arrive) / kEmpty (the consumers' bar.arrive);
+//   * bf16 rows need none: the producer copies them straight into the tiles, each tile's copies
+//     landing on an mbarrier (cp.async.mbarrier.arrive), so that it never waits for them.
 // Nothing depends on the other tokens of the step; split blocks write their unnormalized P·V and
 // (max, sum) for run_split_kv_combine, which merges them in a fixed order.
 #pragma once
@@ -78,12 +81,14 @@ constexpr size_t kTileBytes = size_t{kTileRows} * mma::kRowBytes;
 inline constexpr int kValidStages = 4;
 constexpr size_t kValidBytes = kValidStages * kSlotsPerTile * kProducerWarps;  // [stage][slot][producer warp]
 constexpr size_t kExchangeBytes = 2 * kHeadsPerBlock * sizeof(float);  // [consumer warpgroup][head]
+constexpr size_t kTileBarrierBytes = 2 * sizeof(uint64_t);  // bf16 rows: an mbarrier per tile stage
 // What the H100 / H200 give a block, less P and Q, the two bf16 tiles, the valid bits, the
 // warpgroups' exchange and the slack that aligns the dynamic shared memory to 1024 bytes: the raw
 // ring's share.
 constexpr size_t kSharedLimit = 232448;
 constexpr size_t ring_limit(int q_register_steps) {
-  return kSharedLimit - q_bytes(q_register_steps) - 2 * kTileBytes - kValidBytes - kExchangeBytes - 1024;
+  return kSharedLimit - q_bytes(q_register_steps) - 2 * kTileBytes - kValidBytes - kExchangeBytes - kTileBarrierBytes -
+         1024;
 }
 
 // The raw ring of a (window, compressed) format pair, and what its room leaves of Q in registers. A
@@ -101,6 +106,9 @@ constexpr size_t ring_limit(int q_register_steps) {
 //   * Else (fp8_ds_mla's larger rows) the producer decodes, slot by slot of 16 rows (the larger
 //     row's place), as many slots as fit beside Q's last 448 channels, at most 4, all but the one
 //     being decoded in flight; its decode takes the registers the consumers would need for more of Q.
+//   * bf16 rows need no decode (kDirect): there is no ring, the producer copies a tile's rows
+//     straight into their places in a bf16 tile stage (two stages: tile u + 1's copies land while
+//     the consumers compute tile u; tile u + 2's are issued as soon as they are done with tile u).
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
 struct Ring {
   static constexpr int64_t row_bytes(KvRowFormat f) {
@@ -115,7 +123,10 @@ struct Ring {
   static constexpr int kNarrowRowBytes = static_cast<int>(row_bytes(kCompressed));
   static constexpr size_t kNarrowStageBytes = size_t{kTileRows} * kNarrowRowBytes;
   static constexpr size_t kWideTileBytes = size_t{kTileRows} * kRowBytes;
-  static constexpr bool kConsumersDecode = 2 * kNarrowStageBytes <= ring_limit(8) && kWideTileBytes <= ring_limit(8);
+  static constexpr bool kDirect = kWindow == KvRowFormat::bf16 && kCompressed == KvRowFormat::bf16;
+  static constexpr bool kConsumersDecode =
+      !kDirect && 2 * kNarrowStageBytes <= ring_limit(8) && kWideTileBytes <= ring_limit(8);
+  static constexpr bool kProducerDecodes = !kDirect && !kConsumersDecode;
   static constexpr int kQRegisterSteps = kConsumersDecode ? 8 : 4;
   static constexpr int kQSharedFirst = 16 * kQRegisterSteps;  // Q's first channel in shared memory
   static constexpr size_t kQBytes = q_bytes(kQRegisterSteps);
@@ -124,10 +135,12 @@ struct Ring {
   static constexpr int kSlots = kRingLimit / kSlotBytes < 4 ? static_cast<int>(kRingLimit / kSlotBytes) : 4;
   static constexpr int kAhead = kSlots - 1;
   static constexpr size_t kRingBytes =
-      kConsumersDecode ? (kWideTileBytes > 2 * kNarrowStageBytes ? kWideTileBytes : 2 * kNarrowStageBytes)
-                       : kSlots * kSlotBytes;
-  static constexpr size_t kSharedBytes = kQBytes + 2 * kTileBytes + kRingBytes + kValidBytes + kExchangeBytes + 1024;
-  static_assert(kSlots >= 2 && kSharedBytes <= kSharedLimit && kAhead < kLookupSlots);
+      kDirect            ? 0
+      : kConsumersDecode ? (kWideTileBytes > 2 * kNarrowStageBytes ? kWideTileBytes : 2 * kNarrowStageBytes)
+                         : kSlots * kSlotBytes;
+  static constexpr size_t kSharedBytes =
+      kQBytes + 2 * kTileBytes + kRingBytes + kValidBytes + kExchangeBytes + kTileBarrierBytes + 1024;
+  static_assert((!kProducerDecodes || kSlots >= 2) && kSharedBytes <= kSharedLimit && kAhead < kLookupSlots);
   // Where the consumers-decode ring holds tile u's raw rows: a wide tile takes the whole ring, a
   // narrow one the stage of its parity.
   static __device__ __forceinline__ uint8_t* tile_rows(uint8_t* ring, bool wide, int u) {
@@ -150,9 +163,10 @@ inline constexpr int kRawFreeBarrier = 10;  // + tile parity (2)
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
 // within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores and its
 // addresses (without the hand-over ptxas spills), and where it decodes a row pipeline while
-// its P·V MMAs run; the producer's lookups and, where it decodes, four rows' decodes in flight.
+// its P·V MMAs run; the producer's lookups and, where it decodes, four rows' decodes in flight (or
+// where it copies bf16 rows into the tiles, a tile's 256 pieces: at 88 it spills).
 // 128 x (168 - 88) released = 256 x (208 - 168) claimed where the consumers decode (and hold 32 of
-// Q's registers), 128 x (168 - 120) = 256 x (192 - 168) where the producer does.
+// Q's registers), 128 x (168 - 120) = 256 x (192 - 168) where they do not.
 inline constexpr int kLaunchRegisters = 168;
 template <bool kConsumersDecode>
 inline constexpr int kProducerRegisters = kConsumersDecode ? 88 : 120;
@@ -252,6 +266,12 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   uint8_t* const ring = tiles + 2 * kTileBytes;              // raw rows: see Ring
   uint8_t* const valid_bits = ring + R::kRingBytes;          // [kValidStages][slot][producer warp]
   float* const exchange = reinterpret_cast<float*>(valid_bits + kValidBytes);  // [consumer warpgroup][head]
+  // bf16 rows: tile stage s has landed (every producer thread's copies and its valid bits).
+  const uint32_t tile_landed = shared_address(exchange + 2 * kHeadsPerBlock);  // [stage] mbarrier
+  if constexpr (R::kDirect) {
+    if (threadIdx.x < 2) mbarrier_init(tile_landed + 8 * threadIdx.x, kProducerThreads + kProducerWarps);
+    __syncthreads();
+  }
 
   const int64_t t = blockIdx.x;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -318,17 +338,16 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     RowRef ref_current = ref_of(0, page0);
     RowRef ref_next = ref_of(1, page1);
     int current_batch = 0;
-    // Copies the warp's rows of slot j to `to` (the slot's first row; rows row_bytes apart), one
+    // Copies the warp's rows of slot j, piece c of its row r to shared address place(r, c), one
     // cp.async group, invalid rows zero-filled (they then decode to zeros: no stale bytes reach the
     // MMAs); returns the valid bits. A slot of window rows only or picks only spreads its rows'
     // 16-byte pieces over the lanes (one round of shuffles per 32 pieces); else each row's pieces go
     // round the lanes.
-    auto request = [&](int j, uint8_t* to, int row_bytes) {
+    auto request = [&](int j, auto place) {
       const RowRef ref = j / kLookupSlots == current_batch ? ref_current : ref_next;
       const int source = (j % kLookupSlots) * kRowsPerProducerWarp;
       const uint32_t valid = (__ballot_sync(kFullMask, ref.valid()) >> source) & ((1u << kRowsPerProducerWarp) - 1);
       const int window_rows = rows.window_rows_in_tile(row_index(j, 0), kRowsPerProducerWarp);
-      const uint32_t slot = shared_address(to) + producer_warp * kRowsPerProducerWarp * row_bytes;
       auto copy_piece = [&](int r, int c, int data_pieces) {
         const uint8_t* data = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), source + r));
         const uint8_t* scales = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), source + r));
@@ -344,7 +363,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
         for (int round = 0; round < (kTotal + kWarpSize - 1) / kWarpSize; ++round) {
           const int k = round * kWarpSize + lane, r = min(k / kPieces, kRowsPerProducerWarp - 1), c = k - r * kPieces;
           const auto [from, present] = copy_piece(r, c, kData);
-          if (k < kTotal) cp_async<kCopy>(slot + r * row_bytes + kCopy * c, from, present);
+          if (k < kTotal) cp_async<kCopy>(place(r, c), from, present);
         }
       };
       if (kCopy == 16 && window_rows == 0)
@@ -357,7 +376,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
           const int pieces = r < window_rows ? kWindowPieces : kCompressedPieces;
           for (int c0 = 0; c0 < pieces; c0 += kWarpSize) {
             const auto [from, present] = copy_piece(r, c0 + lane, data_pieces);
-            if (c0 + lane < pieces) cp_async<kCopy>(slot + r * row_bytes + kCopy * (c0 + lane), from, present);
+            if (c0 + lane < pieces) cp_async<kCopy>(place(r, c0 + lane), from, present);
           }
         }
       cp_async_commit();
@@ -377,6 +396,41 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     auto row_bits = [](uint32_t valids, int s) {
       return static_cast<uint8_t>((valids >> (kRowsPerProducerWarp * s)) & ((1u << kRowsPerProducerWarp) - 1));
     };
+    // The warp's rows of a raw-ring slot from `to` (its first row; rows row_bytes apart).
+    auto in_ring = [&](uint8_t* to, int row_bytes) {
+      const uint32_t slot = shared_address(to) + producer_warp * kRowsPerProducerWarp * row_bytes;
+      return [slot, row_bytes](int r, int c) { return slot + r * row_bytes + kCopy * c; };
+    };
+    if constexpr (R::kDirect) {
+      // bf16 rows, straight into slot s of tile u's stage (pieces of 8 channels). Nothing waits
+      // for the copies here: each thread's land on the stage's mbarrier (with the warp's valid
+      // bits, stored first), so tile u + 1's are in flight while the consumers compute tile u, and
+      // tile u + 2's are issued as soon as they are done with tile u.
+      static_assert(kCopy == 16);
+      for (int u = 0; u < n_tiles; ++u) {
+        if (u >= 2) barrier_sync(kEmptyBarrier + u % 2, kThreads);  // the consumers are done with tile u - 2
+        const uint32_t tile = shared_address(tiles + (u % 2) * kTileBytes);
+        uint32_t valids = 0;
+#pragma unroll
+        for (int s = 0; s < kSlotsPerTile; ++s) {
+          const int row0 = s * kSlotRows + producer_warp * kRowsPerProducerWarp;
+          advance_lookups(u * kSlotsPerTile + s);
+          valids |= request(u * kSlotsPerTile + s, [tile, row0](int r, int c) {
+                      return tile + wgmma::sw128_offset(kTileRows, row0 + r, 8 * c);
+                    }) << (kRowsPerProducerWarp * s);
+        }
+        const uint32_t landed = tile_landed + 8 * (u % 2);
+        cp_async_mbarrier_arrive(landed);
+        if (lane == 0) {
+#pragma unroll
+          for (int s = 0; s < kSlotsPerTile; ++s)
+            valid_bits[((u % kValidStages) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
+          mbarrier_arrive(landed);
+        }
+      }
+      cp_async_wait<0>();
+      return;
+    }
     if constexpr (R::kConsumersDecode) {
       // A tile at a time, as soon as its place in the ring is decoded: a wide tile needs the whole
       // ring (every earlier tile decoded), a narrow one its stage, last held by tile u - 2 (or by a
@@ -395,7 +449,8 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
 #pragma unroll
         for (int s = 0; s < kSlotsPerTile; ++s) {
           advance_lookups(u * kSlotsPerTile + s);
-          valids |= request(u * kSlotsPerTile + s, to + s * kSlotRows * row_bytes, row_bytes) << (kRowsPerProducerWarp * s);
+          valids |= request(u * kSlotsPerTile + s, in_ring(to + s * kSlotRows * row_bytes, row_bytes))
+                    << (kRowsPerProducerWarp * s);
         }
         cp_async_wait<0>();
         if (lane == 0)
@@ -412,14 +467,16 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     uint32_t valids = 0;
 #pragma unroll
     for (int j = 0; j < R::kAhead; ++j) {
-      if (j < n_slots) valids |= request(j, ring + (j % R::kSlots) * R::kSlotBytes, R::kRowBytes) << (kRowsPerProducerWarp * j);
+      if (j < n_slots)
+        valids |= request(j, in_ring(ring + (j % R::kSlots) * R::kSlotBytes, R::kRowBytes)) << (kRowsPerProducerWarp * j);
       else cp_async_commit();
     }
     for (int j = 0; j < n_slots; ++j) {
       const int issued = j + R::kAhead;
       advance_lookups(issued);
       if (issued < n_slots)
-        valids |= request(issued, ring + (issued % R::kSlots) * R::kSlotBytes, R::kRowBytes) << (kRowsPerProducerWarp * R::kAhead);
+        valids |= request(issued, in_ring(ring + (issued % R::kSlots) * R::kSlotBytes, R::kRowBytes))
+                  << (kRowsPerProducerWarp * R::kAhead);
       else cp_async_commit();  // an empty group: the wait below then always means slot j
       cp_async_wait<R::kAhead>();
       __syncwarp();  // every lane's bytes of slot j have landed
@@ -511,9 +568,15 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     if (n_tiles > 0) decode_tile(0);
   for (int i = 0; i < n_tiles; ++i) {
     const int stage = i % 2;
-    // Tile i is decoded (and every consumer is done with tile i - 1).
-    if constexpr (R::kConsumersDecode) barrier_sync(kConsumerBarrier, kConsumerThreads);
-    else barrier_sync(kFullBarrier + stage, kThreads);
+    // Tile i is decoded (and every consumer is done with tile i - 1), or its bf16 rows have landed.
+    if constexpr (R::kConsumersDecode) {
+      barrier_sync(kConsumerBarrier, kConsumerThreads);
+    } else if constexpr (R::kDirect) {
+      mbarrier_wait(tile_landed + 8 * stage, (i / 2) & 1);
+      wgmma::fence_shared_for_async_proxy();  // the copies' writes, before the MMAs read the tile
+    } else {
+      barrier_sync(kFullBarrier + stage, kThreads);
+    }
     const uint32_t tile = tiles_address + stage * kTileBytes;
     const uint64_t key_descriptor = wgmma::k_major(tile + half * kWarpgroupRows * 128);
     const uint64_t value_descriptor = wgmma::mn_major(tile + half * 4 * kTileRows * 128, kTileRows);

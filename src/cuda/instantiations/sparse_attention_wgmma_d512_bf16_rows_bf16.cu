@@ -1,0 +1,7 @@
+// Warpgroup-MMA (wgmma, sm_90a) sparse attention, head_dim 512, bf16 window and compressed rows, bf16 output.
+#include "cuda/ops/attention/wgmma/sparse_attention_wgmma_kernel.cuh"
+
+namespace dsv4::cuda {
+template void launch_sparse_attention_wgmma<uint16_t, KvRowFormat::bf16, KvRowFormat::bf16>(const SparseAttentionLaunch&,
+                                                                              cudaStream_t);
+}  // namespace dsv4::cuda
