@@ -1,6 +1,8 @@
 // run_sparse_attention against reference::sparse_attention on random caches in every format, with
 // and without splitting a token's rows over several blocks, in every implementation that runs the
-// call on this device (sparse_attention_implementations(), run directly, not through the chooser).
+// call on this device (sparse_attention_implementations(), run directly, not through the chooser);
+// where wgmma runs a call over quantized rows, the same call over its caches' pages staged to bf16
+// (run_cache_stage) gives the same bits.
 //
 // The reference gets the rows the kernel must attend (window rows that have a page, valid picks),
 // decoded on the host by kv_format's decode_rows. Tolerance: both compute in fp32 (the reference
@@ -21,6 +23,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <optional>
 #include <tuple>
 
@@ -28,6 +31,7 @@
 #include "cuda/ops/attention/mma/mma_fragment_probe.h"
 #include "cuda/ops/attention/sparse_attention_implementations.h"
 #include "dsv4/cuda/attention.h"
+#include "dsv4/cuda/cache.h"
 #include "reference/ops.h"
 #include "test_seed.h"
 
@@ -302,6 +306,42 @@ void check_attention(const AttentionCase& c) {
         << name << ": token " << t << " alone gave other bits than in its batch";
   }
   EXPECT_GT(implementations_run, 0);
+
+  // Where wgmma runs the call on quantized rows: its caches' pages staged to bf16 (run_cache_stage)
+  // hold the values the kernel decodes into its tiles, so attending them gives the same bits,
+  // unsplit and split.
+  const bool quantized = c.window_format != KvRowFormat::bf16 || (compressed && *c.compressed_format != KvRowFormat::bf16);
+  if (!quantized || std::string(choose_sparse_attention(p, device_info()).name) != "wgmma") return;
+  auto stage = [&](const PagedCache& source, DeviceTensor& ids, DeviceTensor& pages) {
+    const PageGeometry g = page_geometry(KvRowFormat::bf16, kHeadDim, source.geometry.rows_per_page);
+    const int64_t n = source.pages.shape[0];
+    std::vector<int32_t> identity(static_cast<size_t>(n));
+    std::iota(identity.begin(), identity.end(), 0);
+    ids = testing::device_array(identity, DType::i32, {n});
+    pages = testing::poisoned_tensor(DType::u8, {n, g.page_stride});
+    PagedCache staged = source;
+    staged.pages = pages.view;
+    staged.geometry = g;
+    run_cache_stage({.source = source, .pages = ids.view, .staged = staged}, stream.get());
+    return staged;
+  };
+  DeviceTensor window_ids, window_pages, compressed_ids, compressed_pages;
+  SparseAttentionParams from_staged = p;
+  from_staged.window = stage(p.window, window_ids, window_pages);
+  if (compressed) from_staged.compressed = stage(p.compressed, compressed_ids, compressed_pages);
+  EXPECT_STREQ(choose_sparse_attention(from_staged, device_info()).name, "wgmma");
+  for (const bool split : {false, true}) {
+    DeviceBuffer workspace(split ? sparse_attention_workspace_bytes(p) : 0);
+    HostTensor outputs[2];
+    for (const bool staged : {false, true}) {
+      dout.buffer.fill_bytes(0xff);
+      run_sparse_attention(staged ? from_staged : p, workspace.data(), stream.get());
+      stream.synchronize("attention of staged pages");
+      outputs[staged] = to_host(dout.view);
+    }
+    EXPECT_EQ(std::memcmp(outputs[0].data(), outputs[1].data(), outputs[0].nbytes()), 0)
+        << "the staged bf16 pages gave other bits than the quantized rows" << (split ? ", split rows" : "");
+  }
 }
 
 TEST_F(CudaTest, SparseAttentionDecodeNativeFormats) {
