@@ -9,7 +9,9 @@
 //   attention-decode   sparse attention of one decode token per sequence: window rows (v41_fp8)
 //                      plus index_topk picked entries (v41_fp4) out of `context`
 //   attention-prefill  sparse attention of a `context`-token prefill chunk per sequence, each token
-//                      attending its window and min(index_topk, p + 1) picked entries
+//                      attending its window and min(index_topk, p + 1) picked entries; with
+//                      quantized caches also staged: both caches' pages decoded to bf16 pages
+//                      first (cache_stage), then attended from them
 //   compressor         the ratio-2 compressor of a `context`-token chunk per sequence: the fused
 //                      [wkv; wgate] projection and the pooling with its state ring
 //   linear             wq_b (q_lora_rank -> heads x head_dim) of a `context`-token chunk per
