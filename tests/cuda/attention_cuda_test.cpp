@@ -335,7 +335,8 @@ void check_attention(const AttentionCase& c) {
     HostTensor outputs[2];
     for (const bool staged : {false, true}) {
       dout.buffer.fill_bytes(0xff);
-      run_sparse_attention(staged ? from_staged : p, workspace.data(), stream.get());
+      if (split) run_sparse_attention(staged ? from_staged : p, workspace.data(), stream.get());
+      else run_sparse_attention(staged ? from_staged : p, stream.get());
       stream.synchronize("attention of staged pages");
       outputs[staged] = to_host(dout.view);
     }

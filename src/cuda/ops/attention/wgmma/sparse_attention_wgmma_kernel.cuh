@@ -18,15 +18,13 @@
 // The raw rows are decoded exactly to bf16 (row_decode.cuh) into one of two 64-row tiles in the
 // SW128 layout the MMAs read, by whoever has the time:
 //   * where the ring holds a whole tile (the V4.1 native pair, Ring::kConsumersDecode) the
-//     consumers do: the producer copies a tile into the ring, its copies landing on the tile's
-//     mbarrier (cp.async.mbarrier.arrive: the producer never waits for them, so the next tile's
-//     copies follow at once where the ring has room), every consumer warp decodes 8 of its rows
-//     while its P·V MMAs of the previous tile run and frees the ring (kRawFree), and a consumer
-//     barrier marks the decoded tile;
+//     consumers do: the producer copies a tile into the ring and hands it over (kRawReady), every
+//     consumer warp decodes 8 of its rows while its P·V MMAs of the previous tile run and frees the
+//     ring (kRawFree), and a consumer barrier marks the decoded tile;
 //   * else (fp8_ds_mla, three slots) the producer does, slot by slot with all but one slot in
 //     flight, and hands over the tiles with kFull (bar.arrive) / kEmpty (the consumers' bar.arrive);
-//   * bf16 rows need none: the producer copies them straight into the tiles (landing on the
-//     tile's mbarrier as above).
+//   * bf16 rows need none: the producer copies them straight into the tiles, each tile's copies
+//     landing on an mbarrier (cp.async.mbarrier.arrive), so that it never waits for them.
 // Nothing depends on the other tokens of the step; split blocks write their unnormalized P·V and
 // (max, sum) for run_split_kv_combine, which merges them in a fixed order.
 #pragma once
@@ -83,13 +81,13 @@ constexpr size_t kTileBytes = size_t{kTileRows} * mma::kRowBytes;
 inline constexpr int kValidStages = 4;
 constexpr size_t kValidBytes = kValidStages * kSlotsPerTile * kProducerWarps;  // [stage][slot][producer warp]
 constexpr size_t kExchangeBytes = 2 * kHeadsPerBlock * sizeof(float);  // [consumer warpgroup][head]
-constexpr size_t kLandedBytes = 2 * sizeof(uint64_t);  // an mbarrier per tile parity: its copies have landed
+constexpr size_t kTileBarrierBytes = 2 * sizeof(uint64_t);  // bf16 rows: an mbarrier per tile stage
 // What the H100 / H200 give a block, less P and Q, the two bf16 tiles, the valid bits, the
 // warpgroups' exchange and the slack that aligns the dynamic shared memory to 1024 bytes: the raw
 // ring's share.
 constexpr size_t kSharedLimit = 232448;
 constexpr size_t ring_limit(int q_register_steps) {
-  return kSharedLimit - q_bytes(q_register_steps) - 2 * kTileBytes - kValidBytes - kExchangeBytes - kLandedBytes -
+  return kSharedLimit - q_bytes(q_register_steps) - 2 * kTileBytes - kValidBytes - kExchangeBytes - kTileBarrierBytes -
          1024;
 }
 
@@ -141,7 +139,7 @@ struct Ring {
       : kConsumersDecode ? (kWideTileBytes > 2 * kNarrowStageBytes ? kWideTileBytes : 2 * kNarrowStageBytes)
                          : kSlots * kSlotBytes;
   static constexpr size_t kSharedBytes =
-      kQBytes + 2 * kTileBytes + kRingBytes + kValidBytes + kExchangeBytes + kLandedBytes + 1024;
+      kQBytes + 2 * kTileBytes + kRingBytes + kValidBytes + kExchangeBytes + kTileBarrierBytes + 1024;
   static_assert((!kProducerDecodes || kSlots >= 2) && kSharedBytes <= kSharedLimit && kAhead < kLookupSlots);
   // Where the consumers-decode ring holds tile u's raw rows: a wide tile takes the whole ring, a
   // narrow one the stage of its parity.
@@ -151,15 +149,16 @@ struct Ring {
 };
 
 // Named barriers (0 is __syncthreads', unused). The producer decodes: kFull / kEmpty per tile stage.
-// The consumers decode: kRawFree (the consumers have decoded a tile's raw rows) per tile parity,
-// since the producer runs a tile ahead (that the rows have landed is an mbarrier's, `landed`);
-// kConsumer also marks each decoded tile. bf16 rows: kEmpty per tile stage (landed: the mbarrier).
-// kConsumer also orders the consumers' exchanges: the maxima, P, the final sums.
+// The consumers decode: kRawReady (a tile's raw rows have landed in the ring) and kRawFree (the
+// consumers have decoded them), one of each per tile parity, since the producer runs a tile ahead;
+// kConsumer also marks each decoded tile. kConsumer also orders the consumers' exchanges: the
+// maxima, P, the final sums.
 inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
 inline constexpr int kStagedBarrier = 6;    // + consumer warpgroup (2): its results are staged
-inline constexpr int kRawFreeBarrier = 8;  // + tile parity (2)
+inline constexpr int kRawReadyBarrier = 8;  // + tile parity (2)
+inline constexpr int kRawFreeBarrier = 10;  // + tile parity (2)
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
 // within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores and its
@@ -267,12 +266,10 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   uint8_t* const ring = tiles + 2 * kTileBytes;              // raw rows: see Ring
   uint8_t* const valid_bits = ring + R::kRingBytes;          // [kValidStages][slot][producer warp]
   float* const exchange = reinterpret_cast<float*>(valid_bits + kValidBytes);  // [consumer warpgroup][head]
-  // Where the producer does not decode: tile u's copies (every producer thread's) and its valid
-  // bits have landed, one mbarrier per tile parity (u % 2; phase parity (u / 2) % 2).
-  const uint32_t landed = shared_address(exchange + 2 * kHeadsPerBlock);
-  auto landed_at = [landed](int u) { return landed + 8 * (u % 2); };
-  if constexpr (!R::kProducerDecodes) {
-    if (threadIdx.x < 2) mbarrier_init(landed + 8 * threadIdx.x, kProducerThreads + kProducerWarps);
+  // bf16 rows: tile stage s has landed (every producer thread's copies and its valid bits).
+  const uint32_t tile_landed = shared_address(exchange + 2 * kHeadsPerBlock);  // [stage] mbarrier
+  if constexpr (R::kDirect) {
+    if (threadIdx.x < 2) mbarrier_init(tile_landed + 8 * threadIdx.x, kProducerThreads + kProducerWarps);
     __syncthreads();
   }
 
@@ -404,17 +401,6 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
       const uint32_t slot = shared_address(to) + producer_warp * kRowsPerProducerWarp * row_bytes;
       return [slot, row_bytes](int r, int c) { return slot + r * row_bytes + kCopy * c; };
     };
-    // Tile u's copies are issued: they land on its mbarrier (nothing here waits for them), after
-    // the warp's valid bits.
-    auto hand_over = [&](int u, uint32_t valids) {
-      cp_async_mbarrier_arrive(landed_at(u));
-      if (lane == 0) {
-#pragma unroll
-        for (int s = 0; s < kSlotsPerTile; ++s)
-          valid_bits[((u % kValidStages) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
-        mbarrier_arrive(landed_at(u));
-      }
-    };
     if constexpr (R::kDirect) {
       // bf16 rows, straight into slot s of tile u's stage (pieces of 8 channels). Nothing waits
       // for the copies here: each thread's land on the stage's mbarrier (with the warp's valid
@@ -433,7 +419,14 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
                       return tile + wgmma::sw128_offset(kTileRows, row0 + r, 8 * c);
                     }) << (kRowsPerProducerWarp * s);
         }
-        hand_over(u, valids);
+        const uint32_t landed = tile_landed + 8 * (u % 2);
+        cp_async_mbarrier_arrive(landed);
+        if (lane == 0) {
+#pragma unroll
+          for (int s = 0; s < kSlotsPerTile; ++s)
+            valid_bits[((u % kValidStages) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
+          mbarrier_arrive(landed);
+        }
       }
       cp_async_wait<0>();
       return;
@@ -459,10 +452,14 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
           valids |= request(u * kSlotsPerTile + s, in_ring(to + s * kSlotRows * row_bytes, row_bytes))
                     << (kRowsPerProducerWarp * s);
         }
-        hand_over(u, valids);
+        cp_async_wait<0>();
+        if (lane == 0)
+#pragma unroll
+          for (int s = 0; s < kSlotsPerTile; ++s)
+            valid_bits[((u % kValidStages) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
+        barrier_arrive(kRawReadyBarrier + u % 2, kThreads);
       }
       wait_decoded(n_tiles - 1);  // every hand-back met once
-      cp_async_wait<0>();
       return;
     }
     // Slots j + 1 … j + kAhead in flight while j is decoded (their valid bits in `valids`, slot j
@@ -546,7 +543,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   // Consumers that decode: the warp's rows of tile `tile_index` from the ring into its stage, once
   // the producer has handed them over; the ring then takes the next tile's.
   auto decode_tile = [&](int tile_index) {
-    mbarrier_wait(landed_at(tile_index), (tile_index / 2) & 1);
+    barrier_sync(kRawReadyBarrier + tile_index % 2, kThreads);
     uint8_t* const tile = tiles + (tile_index % 2) * kTileBytes;
     const bool wide = is_wide_tile(rows, first_row, tile_index);
     const uint8_t* const raw = R::tile_rows(ring, wide, tile_index);
@@ -575,7 +572,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     if constexpr (R::kConsumersDecode) {
       barrier_sync(kConsumerBarrier, kConsumerThreads);
     } else if constexpr (R::kDirect) {
-      mbarrier_wait(landed_at(i), (i / 2) & 1);
+      mbarrier_wait(tile_landed + 8 * stage, (i / 2) & 1);
       wgmma::fence_shared_for_async_proxy();  // the copies' writes, before the MMAs read the tile
     } else {
       barrier_sync(kFullBarrier + stage, kThreads);
