@@ -321,7 +321,9 @@ void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& 
     run_cache_stage(staged_compressed.stage, stream.get());
     run_sparse_attention(from_staged, staged_workspace.data(), stream.get());
   });
-  auto page_bytes = [](const cuda::PagedCache& c) { return static_cast<double>(c.pages.shape[0] * c.geometry.page_stride); };
+  auto page_bytes = [](const cuda::PagedCache& cache) {
+    return static_cast<double>(cache.pages.shape[0] * cache.geometry.page_stride);
+  };
   const double staged_bytes = page_bytes(staged_window.stage.staged) + page_bytes(staged_compressed.stage.staged);
   Workload ws = w;
   ws.what += ", the caches' pages staged to bf16 first (cache_stage)";

@@ -39,20 +39,21 @@ enum class FormatPair { v41_native, fp8_ds_mla, bf16, other };
 FormatPair format_pair(const SparseAttentionParams& p) {
   const bool window = is_present(p.window.pages), compressed = is_present(p.compressed.pages);
   auto is = [](const PagedCache& c, KvRowFormat f) { return c.geometry.format == f; };
-  auto both = [&](KvRowFormat w, KvRowFormat c) { return (!window || is(p.window, w)) && (!compressed || is(p.compressed, c)); };
+  auto both = [&](KvRowFormat w, KvRowFormat c) {
+    return (!window || is(p.window, w)) && (!compressed || is(p.compressed, c));
+  };
   if (both(KvRowFormat::v41_fp8, KvRowFormat::v41_fp4)) return FormatPair::v41_native;
   if (both(KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla)) return FormatPair::fp8_ds_mla;
   if (both(KvRowFormat::bf16, KvRowFormat::bf16)) return FormatPair::bf16;
   return FormatPair::other;
 }
 
-constexpr KvRowFormat kFormats[] = {KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, KvRowFormat::fp8_ds_mla, KvRowFormat::bf16};
+constexpr KvRowFormat kFormats[] = {KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, KvRowFormat::fp8_ds_mla,
+                                    KvRowFormat::bf16};
 
-template <KvRowFormat kWindow, KvRowFormat kCompressed>
-using Ring = attention_wgmma::Ring<kWindow, kCompressed>;
-using Native = Ring<KvRowFormat::v41_fp8, KvRowFormat::v41_fp4>;
-using DsMla = Ring<KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla>;
-using Bf16Rows = Ring<KvRowFormat::bf16, KvRowFormat::bf16>;
+using Native = attention_wgmma::Ring<KvRowFormat::v41_fp8, KvRowFormat::v41_fp4>;
+using DsMla = attention_wgmma::Ring<KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla>;
+using Bf16Rows = attention_wgmma::Ring<KvRowFormat::bf16, KvRowFormat::bf16>;
 
 // sm_90a machine code only (wgmma, setmaxnreg).
 std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
@@ -89,11 +90,15 @@ void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
   };
   using F = KvRowFormat;
   switch (format_pair(p)) {
-    case FormatPair::v41_native: launch(std::integral_constant<F, F::v41_fp8>{}, std::integral_constant<F, F::v41_fp4>{}); break;
+    case FormatPair::v41_native:
+      launch(std::integral_constant<F, F::v41_fp8>{}, std::integral_constant<F, F::v41_fp4>{});
+      break;
     case FormatPair::fp8_ds_mla:
       launch(std::integral_constant<F, F::fp8_ds_mla>{}, std::integral_constant<F, F::fp8_ds_mla>{});
       break;
-    default: launch(std::integral_constant<F, F::bf16>{}, std::integral_constant<F, F::bf16>{}); break;  // supports() took no other
+    default:  // bf16: supports() took no other pair
+      launch(std::integral_constant<F, F::bf16>{}, std::integral_constant<F, F::bf16>{});
+      break;
   }
   check_launch("sparse_attention (wgmma)");
   if (a.splits > 1) combine_sparse_attention_splits(a, p.out.dtype, kHeadDim, stream);

@@ -468,7 +468,8 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
 #pragma unroll
     for (int j = 0; j < R::kAhead; ++j) {
       if (j < n_slots)
-        valids |= request(j, in_ring(ring + (j % R::kSlots) * R::kSlotBytes, R::kRowBytes)) << (kRowsPerProducerWarp * j);
+        valids |= request(j, in_ring(ring + (j % R::kSlots) * R::kSlotBytes, R::kRowBytes))
+                  << (kRowsPerProducerWarp * j);
       else cp_async_commit();
     }
     for (int j = 0; j < n_slots; ++j) {
