@@ -307,8 +307,11 @@ void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& 
     std::iota(ids.begin(), ids.end(), 0);
     st.pages = poisoned_tensor(DType::u8, {n, g.page_stride});
     st.ids = device_array(ids, DType::i32, {n});
-    st.stage = {.source = source.view, .pages = st.ids.view, .staged = {.pages = st.pages.view, .geometry = g}};
-    st.stage.staged.block_table = source.view.block_table;
+    st.stage.source = source.view;
+    st.stage.pages = st.ids.view;
+    st.stage.staged = source.view;  // its block table and first logical pages, bf16 pages
+    st.stage.staged.pages = st.pages.view;
+    st.stage.staged.geometry = g;
     return st;
   };
   const Staged staged_window = staged(window), staged_compressed = staged(compressed);
