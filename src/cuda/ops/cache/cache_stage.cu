@@ -2,8 +2,8 @@
 // attention kernels' row decode (row_decode.cuh) and writing them as one 32-byte piece of the row.
 #include <climits>
 #include <cstdint>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
