@@ -1,16 +1,19 @@
 // Device inputs shared by the CUDA tests (tests/cuda/cuda_test_util.h) and the benchmarks
 // (bench/): random values, host tensors in the kernels' dtypes, device tensors with their buffers,
-// poisoned outputs and downloads. Free of gtest.
+// poisoned outputs and downloads, caches staged to bf16 pages. Free of gtest.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <utility>
 #include <vector>
 
+#include "dsv4/cuda/cache.h"
 #include "dsv4/cuda/runtime.h"
 #include "dsv4/error.h"
+#include "dsv4/kv_format.h"
 #include "dsv4/numeric.h"
 #include "dsv4/tensor.h"
 
@@ -101,6 +104,29 @@ std::vector<T> download_as(const TensorView& v) {
   std::vector<T> out(static_cast<size_t>(h.nbytes() / sizeof(T)));
   std::memcpy(out.data(), h.data(), out.size() * sizeof(T));
   return out;
+}
+
+// A cache's pages staged to bf16 pages (run_cache_stage's params: page i into staged page i, so the
+// staged view keeps the source's block table), poisoned until run_cache_stage fills them.
+struct StagedCache {
+  DeviceTensor pages, ids;
+  CacheStageParams stage;
+};
+
+inline StagedCache staged_cache(const PagedCache& source) {
+  const PageGeometry g = page_geometry(KvRowFormat::bf16, source.geometry.row.dims, source.geometry.rows_per_page);
+  const int64_t n = source.pages.shape[0];
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  std::iota(ids.begin(), ids.end(), 0);
+  StagedCache st;
+  st.pages = poisoned_tensor(DType::u8, {n, g.page_stride});
+  st.ids = device_array(ids, DType::i32, {n});
+  st.stage.source = source;
+  st.stage.pages = st.ids.view;
+  st.stage.staged = source;  // its block table and first logical pages, bf16 pages
+  st.stage.staged.pages = st.pages.view;
+  st.stage.staged.geometry = g;
+  return st;
 }
 
 }  // namespace dsv4::cuda::inputs

@@ -295,26 +295,8 @@ void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& 
   // The same chunk with its caches' pages decoded once into bf16 pages (run_cache_stage; page i
   // into staged page i, so the block tables stay), then attended from them: a prefill that decodes
   // each row once instead of once per token that attends it.
-  struct Staged {
-    DeviceTensor pages, ids;
-    cuda::CacheStageParams stage;
-  };
-  auto staged = [&](const Cache& source) {
-    Staged st;
-    const int64_t n = source.view.pages.shape[0];
-    const PageGeometry g = page_geometry(KvRowFormat::bf16, D, source.view.geometry.rows_per_page);
-    std::vector<int32_t> ids(static_cast<size_t>(n));
-    std::iota(ids.begin(), ids.end(), 0);
-    st.pages = poisoned_tensor(DType::u8, {n, g.page_stride});
-    st.ids = device_array(ids, DType::i32, {n});
-    st.stage.source = source.view;
-    st.stage.pages = st.ids.view;
-    st.stage.staged = source.view;  // its block table and first logical pages, bf16 pages
-    st.stage.staged.pages = st.pages.view;
-    st.stage.staged.geometry = g;
-    return st;
-  };
-  const Staged staged_window = staged(window), staged_compressed = staged(compressed);
+  const cuda::inputs::StagedCache staged_window = cuda::inputs::staged_cache(window.view),
+                                  staged_compressed = cuda::inputs::staged_cache(compressed.view);
   cuda::SparseAttentionParams from_staged = p;
   from_staged.window = staged_window.stage.staged;
   from_staged.compressed = staged_compressed.stage.staged;

@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <numeric>
 #include <optional>
 #include <tuple>
 
@@ -312,23 +311,16 @@ void check_attention(const AttentionCase& c) {
   // unsplit and split.
   const bool quantized = c.window_format != KvRowFormat::bf16 || (compressed && *c.compressed_format != KvRowFormat::bf16);
   if (!quantized || std::string(choose_sparse_attention(p, device_info()).name) != "wgmma") return;
-  auto stage = [&](const PagedCache& source, DeviceTensor& ids, DeviceTensor& pages) {
-    const PageGeometry g = page_geometry(KvRowFormat::bf16, kHeadDim, source.geometry.rows_per_page);
-    const int64_t n = source.pages.shape[0];
-    std::vector<int32_t> identity(static_cast<size_t>(n));
-    std::iota(identity.begin(), identity.end(), 0);
-    ids = testing::device_array(identity, DType::i32, {n});
-    pages = testing::poisoned_tensor(DType::u8, {n, g.page_stride});
-    PagedCache staged = source;
-    staged.pages = pages.view;
-    staged.geometry = g;
-    run_cache_stage({.source = source, .pages = ids.view, .staged = staged}, stream.get());
-    return staged;
-  };
-  DeviceTensor window_ids, window_pages, compressed_ids, compressed_pages;
+  const inputs::StagedCache staged_window = inputs::staged_cache(p.window);
+  std::optional<inputs::StagedCache> staged_compressed;
   SparseAttentionParams from_staged = p;
-  from_staged.window = stage(p.window, window_ids, window_pages);
-  if (compressed) from_staged.compressed = stage(p.compressed, compressed_ids, compressed_pages);
+  run_cache_stage(staged_window.stage, stream.get());
+  from_staged.window = staged_window.stage.staged;
+  if (compressed) {
+    staged_compressed = inputs::staged_cache(p.compressed);
+    run_cache_stage(staged_compressed->stage, stream.get());
+    from_staged.compressed = staged_compressed->stage.staged;
+  }
   EXPECT_STREQ(choose_sparse_attention(from_staged, device_info()).name, "wgmma");
   for (const bool split : {false, true}) {
     DeviceBuffer workspace(split ? sparse_attention_workspace_bytes(p) : 0);

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cache/row_codec.h"
 #include "cuda/ops/attention/mma/mma_fragments.cuh"
@@ -110,14 +111,21 @@ __device__ __forceinline__ void decode16(const uint8_t* raw, int c0, int upper, 
   decode16<F>(raw, raw + row_codec::data_bytes(F, kRowChannels), c0, upper, first, second);
 }
 
+// Calls f(std::integral_constant<KvRowFormat, F>{}) for the format decode16 takes: v41_fp8, v41_fp4,
+// fp8_ds_mla, else bf16 (its callers admit no other).
+template <class Visit>
+__host__ __device__ __forceinline__ void visit_decoded_format(KvRowFormat format, Visit&& f) {
+  switch (format) {
+    case KvRowFormat::v41_fp8: f(std::integral_constant<KvRowFormat, KvRowFormat::v41_fp8>{}); return;
+    case KvRowFormat::v41_fp4: f(std::integral_constant<KvRowFormat, KvRowFormat::v41_fp4>{}); return;
+    case KvRowFormat::fp8_ds_mla: f(std::integral_constant<KvRowFormat, KvRowFormat::fp8_ds_mla>{}); return;
+    default: f(std::integral_constant<KvRowFormat, KvRowFormat::bf16>{}); return;
+  }
+}
+
 __device__ __forceinline__ void decode16(KvRowFormat format, const uint8_t* raw, int c0, int upper, uint4& first,
                                          uint4& second) {
-  switch (format) {
-    case KvRowFormat::v41_fp8: decode16<KvRowFormat::v41_fp8>(raw, c0, upper, first, second); return;
-    case KvRowFormat::v41_fp4: decode16<KvRowFormat::v41_fp4>(raw, c0, upper, first, second); return;
-    case KvRowFormat::fp8_ds_mla: decode16<KvRowFormat::fp8_ds_mla>(raw, c0, upper, first, second); return;
-    default: decode16<KvRowFormat::bf16>(raw, c0, upper, first, second); return;  // supports() admits no other
-  }
+  visit_decoded_format(format, [&](auto f) { decode16<decltype(f)::value>(raw, c0, upper, first, second); });
 }
 
 // 8-byte chunks of a row's data and of its scales (every format decode_mma takes has both multiples of 8).

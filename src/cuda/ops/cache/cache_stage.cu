@@ -3,7 +3,6 @@
 #include <climits>
 #include <cstdint>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -65,16 +64,10 @@ void run_cache_stage(const CacheStageParams& p, cudaStream_t stream) {
   if (rows == 0) return;
   const int64_t blocks = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
   DSV4_CHECK(blocks <= INT_MAX, "cache_stage: ", rows, " rows are too many for one launch");
-  auto launch = [&](auto format) {
+  row_decode::visit_decoded_format(source.format, [&](auto format) {  // validated: one of kSourceFormats
     cache_stage_kernel<decltype(format)::value><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
         source, p.pages.ptr<const int32_t>(), staged, rows);
-  };
-  switch (source.format) {
-    case KvRowFormat::v41_fp8: launch(std::integral_constant<KvRowFormat, KvRowFormat::v41_fp8>{}); break;
-    case KvRowFormat::v41_fp4: launch(std::integral_constant<KvRowFormat, KvRowFormat::v41_fp4>{}); break;
-    case KvRowFormat::fp8_ds_mla: launch(std::integral_constant<KvRowFormat, KvRowFormat::fp8_ds_mla>{}); break;
-    default: launch(std::integral_constant<KvRowFormat, KvRowFormat::bf16>{}); break;  // validated: bf16
-  }
+  });
   check_launch("cache_stage");
 }
 
