@@ -291,6 +291,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     constexpr int kCompressedData = static_cast<int>(row_codec::data_bytes(kCompressed, kHeadDim) / kCopy);
     constexpr int kCompressedPieces =
         kCompressedData + static_cast<int>(row_codec::scale_bytes(kCompressed, kHeadDim) / kCopy);
+    constexpr bool kSameRows = kWindowPieces == kCompressedPieces && kWindowData == kCompressedData;
     // The warp's row r of slot j, and the first of its rows.
     auto row_index = [&](int j, int r) {
       return first_row + int64_t{j} * kSlotRows + producer_warp * kRowsPerProducerWarp + r;
@@ -340,33 +341,50 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     int current_batch = 0;
     // Copies the warp's rows of slot j, piece c of its row r to shared address place(r, c), one
     // cp.async group, invalid rows zero-filled (they then decode to zeros: no stale bytes reach the
-    // MMAs); returns the valid bits. A slot of window rows only or picks only spreads its rows'
-    // 16-byte pieces over the lanes (one round of shuffles per 32 pieces); else each row's pieces go
+    // MMAs); returns the valid bits. A slot of rows of one size (window rows only, picks only, or
+    // both formats alike) spreads its rows' 16-byte pieces over the lanes; else each row's pieces go
     // round the lanes.
     auto request = [&](int j, auto place) {
       const RowRef ref = j / kLookupSlots == current_batch ? ref_current : ref_next;
       const int source = (j % kLookupSlots) * kRowsPerProducerWarp;
       const uint32_t valid = (__ballot_sync(kFullMask, ref.valid()) >> source) & ((1u << kRowsPerProducerWarp) - 1);
       const int window_rows = rows.window_rows_in_tile(row_index(j, 0), kRowsPerProducerWarp);
-      auto copy_piece = [&](int r, int c, int data_pieces) {
-        const uint8_t* data = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), source + r));
-        const uint8_t* scales = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), source + r));
-        const bool present = data != nullptr;
+      // Row r's data and scales (from the lane that looked it up), then its piece c.
+      auto row_of = [&](int r) {
+        return RowRef{reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), source + r)),
+                      reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), source + r))};
+      };
+      auto piece_of = [&](const RowRef& row, int c, int data_pieces) {
+        const bool present = row.valid();
         const uint8_t* from = !present ? reinterpret_cast<const uint8_t*>(a.q)  // any readable address; not read
-                              : c < data_pieces ? data + kCopy * c : scales + kCopy * (c - data_pieces);
+                              : c < data_pieces ? row.data + kCopy * c : row.scales + kCopy * (c - data_pieces);
         return std::pair<const uint8_t*, bool>{from, present};
       };
       auto copy_uniform = [&](auto pieces_constant, auto data_constant) {
         constexpr int kPieces = decltype(pieces_constant)::value, kData = decltype(data_constant)::value;
-        constexpr int kTotal = kRowsPerProducerWarp * kPieces;
+        if constexpr (kPieces % kWarpSize == 0) {
+          // A row is whole rounds (bf16 rows: two): its address is shuffled once, not per piece.
 #pragma unroll
-        for (int round = 0; round < (kTotal + kWarpSize - 1) / kWarpSize; ++round) {
-          const int k = round * kWarpSize + lane, r = min(k / kPieces, kRowsPerProducerWarp - 1), c = k - r * kPieces;
-          const auto [from, present] = copy_piece(r, c, kData);
-          if (k < kTotal) cp_async<kCopy>(place(r, c), from, present);
+          for (int r = 0; r < kRowsPerProducerWarp; ++r) {
+            const RowRef row = row_of(r);
+#pragma unroll
+            for (int round = 0; round < kPieces / kWarpSize; ++round) {
+              const int c = round * kWarpSize + lane;
+              const auto [from, present] = piece_of(row, c, kData);
+              cp_async<kCopy>(place(r, c), from, present);
+            }
+          }
+        } else {
+          constexpr int kTotal = kRowsPerProducerWarp * kPieces;
+#pragma unroll
+          for (int round = 0; round < (kTotal + kWarpSize - 1) / kWarpSize; ++round) {
+            const int k = round * kWarpSize + lane, r = min(k / kPieces, kRowsPerProducerWarp - 1), c = k - r * kPieces;
+            const auto [from, present] = piece_of(row_of(r), c, kData);
+            if (k < kTotal) cp_async<kCopy>(place(r, c), from, present);
+          }
         }
       };
-      if (kCopy == 16 && window_rows == 0)
+      if (kCopy == 16 && (kSameRows || window_rows == 0))
         copy_uniform(std::integral_constant<int, kCompressedPieces>{}, std::integral_constant<int, kCompressedData>{});
       else if (kCopy == 16 && window_rows == kRowsPerProducerWarp)
         copy_uniform(std::integral_constant<int, kWindowPieces>{}, std::integral_constant<int, kWindowData>{});
@@ -375,7 +393,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
           const int data_pieces = r < window_rows ? kWindowData : kCompressedData;
           const int pieces = r < window_rows ? kWindowPieces : kCompressedPieces;
           for (int c0 = 0; c0 < pieces; c0 += kWarpSize) {
-            const auto [from, present] = copy_piece(r, c0 + lane, data_pieces);
+            const auto [from, present] = piece_of(row_of(r), c0 + lane, data_pieces);
             if (c0 + lane < pieces) cp_async<kCopy>(place(r, c0 + lane), from, present);
           }
         }
@@ -505,7 +523,9 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   // channels [256·half, 256·half + 256).
   claim_registers<kConsumerRegisters<R::kConsumersDecode>>();
   constexpr int kQRegisterSteps = R::kQRegisterSteps, kQSharedChannels = kHeadDim - R::kQSharedFirst;
-  const int half = threadIdx.x / 128, warp_in_group = warp % 4;
+  // Broadcast from lane 0, so that ptxas knows it is warp-uniform: the descriptors built from it
+  // then stay in uniform registers (else each wgmma's costs a 64-bit add and two R2UR moves).
+  const int half = __shfl_sync(kFullMask, static_cast<int>(threadIdx.x) / 128, 0), warp_in_group = warp % 4;
   const uint32_t q_address = shared_address(q_tile), tiles_address = shared_address(tiles);
   for (int item = threadIdx.x; item < kHeadsPerBlock * (kQSharedChannels / 8); item += kConsumerThreads) {
     const int h = item / (kQSharedChannels / 8), offset = (item % (kQSharedChannels / 8)) * 8;
