@@ -64,18 +64,28 @@ __device__ __forceinline__ void scaled_tile_max(float (&s)[kScoreTiles][4], uint
   }
 }
 
-// Then: s as exp-scores relative to the new running max (max of the state's and tile_max; none
-// yet: every exp-score 0), their unrounded sum added to the state, and in `correction` the factor
-// the accumulators must be rescaled by.
+// How far (log2 units) a tile's max may exceed the running max before the running max is raised.
+// Until then the tile's exp-scores are relative to the old max, at most 2^8, which fp32 sums and
+// bf16 exp-scores carry as well as values up to 1 (a bf16 keeps its relative precision), and the
+// accumulators need no rescale: 128 multiplies per lane that would otherwise run on nearly every
+// tile, since some head of a warp's 16 usually reaches a new max.
+inline constexpr float kMaxSlack = 8.0f;
+
+// Then: s as exp-scores relative to the new running max (the state's, raised to tile_max where that
+// exceeds it by more than kMaxSlack or where there was none; none at all: every exp-score 0), their
+// unrounded sum added to the state, and in `correction` the factor the accumulators must be
+// rescaled by (1 where the max stays, or where nothing was accumulated yet).
 template <int kScoreTiles>
 __device__ __forceinline__ void exp_scores(float (&s)[kScoreTiles][4], const float (&tile_max)[2], SoftmaxState& state,
                                            float (&correction)[2]) {
   float new_max[2], tile_sum[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    new_max[r] = fmaxf(state.running_max[r], tile_max[r]);
-    // No valid row yet: nothing to rescale, every exp-score 0.
-    correction[r] = new_max[r] == -INFINITY ? 1.0f : exp2_flushed(state.running_max[r] - new_max[r]);
+    const float old_max = state.running_max[r];
+    const bool raise = old_max == -INFINITY || tile_max[r] > old_max + kMaxSlack;
+    new_max[r] = raise ? tile_max[r] : old_max;
+    // No valid row before this tile: the accumulators hold zeros (every earlier exp-score was 0).
+    correction[r] = raise && old_max != -INFINITY ? exp2_flushed(old_max - new_max[r]) : 1.0f;
   }
 #pragma unroll
   for (int j = 0; j < kScoreTiles; ++j)
