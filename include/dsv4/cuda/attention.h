@@ -14,7 +14,9 @@
 // Each row is key and value at once (K = V, RoPE dims included), decoded exactly from any cache
 // format. Rows that are not addressable (page outside the table or the pool) are skipped.
 //   out[t, h] = Σ_i e_i · row_i / (Σ_i e_i + exp(sink[h] - m)),  e_i = exp(scale · q[t, h]·row_i - m)
-// in fp32 with an online softmax over tiles of rows (m: the running max over rows); a token with
+// in fp32 with an online softmax over tiles of rows (m: a running max over rows, which the
+// tensor-core kernels raise only where a tile's max exceeds it by more than 8 log2 units, so e_i
+// <= 2^8 and their accumulators are rarely rescaled; every m gives the same result); a token with
 // no attended row gets zeros. With bf16_rounding (reference precision, SPEC §5.2) each e_i is
 // rounded to bf16 before it multiplies its row, while the denominator sums the unrounded e_i, as
 // reference::sparse_attention(bf16 = true) does; e_i is relative to the running max, so the

@@ -291,7 +291,8 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     constexpr int kCompressedData = static_cast<int>(row_codec::data_bytes(kCompressed, kHeadDim) / kCopy);
     constexpr int kCompressedPieces =
         kCompressedData + static_cast<int>(row_codec::scale_bytes(kCompressed, kHeadDim) / kCopy);
-    constexpr bool kSameRows = kWindowPieces == kCompressedPieces && kWindowData == kCompressedData;
+    constexpr int kLanesPerRow = kWarpSize / kRowsPerProducerWarp;  // a producer warp's lanes per row of a slot
+    constexpr auto kRounds = [](int pieces) { return (pieces + kLanesPerRow - 1) / kLanesPerRow; };
     // The warp's row r of slot j, and the first of its rows.
     auto row_index = [&](int j, int r) {
       return first_row + int64_t{j} * kSlotRows + producer_warp * kRowsPerProducerWarp + r;
@@ -341,62 +342,32 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     int current_batch = 0;
     // Copies the warp's rows of slot j, piece c of its row r to shared address place(r, c), one
     // cp.async group, invalid rows zero-filled (they then decode to zeros: no stale bytes reach the
-    // MMAs); returns the valid bits. A slot of rows of one size (window rows only, picks only, or
-    // both formats alike) spreads its rows' 16-byte pieces over the lanes; else each row's pieces go
-    // round the lanes.
+    // MMAs); returns the valid bits. Lane l copies pieces l % 8, l % 8 + 8, … of the warp's row
+    // l / 8, so that it fetches that row's address once per slot (per piece, the shuffles and the
+    // piece's row and place cost ~50 instructions per cp.async); a slot of picks only takes the
+    // rounds of the smaller rows.
     auto request = [&](int j, auto place) {
       const RowRef ref = j / kLookupSlots == current_batch ? ref_current : ref_next;
       const int source = (j % kLookupSlots) * kRowsPerProducerWarp;
       const uint32_t valid = (__ballot_sync(kFullMask, ref.valid()) >> source) & ((1u << kRowsPerProducerWarp) - 1);
       const int window_rows = rows.window_rows_in_tile(row_index(j, 0), kRowsPerProducerWarp);
-      // Row r's data and scales (from the lane that looked it up), then its piece c.
-      auto row_of = [&](int r) {
-        return RowRef{reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), source + r)),
-                      reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), source + r))};
-      };
-      auto piece_of = [&](const RowRef& row, int c, int data_pieces) {
-        const bool present = row.valid();
-        const uint8_t* from = !present ? reinterpret_cast<const uint8_t*>(a.q)  // any readable address; not read
-                              : c < data_pieces ? row.data + kCopy * c : row.scales + kCopy * (c - data_pieces);
-        return std::pair<const uint8_t*, bool>{from, present};
-      };
-      auto copy_uniform = [&](auto pieces_constant, auto data_constant) {
-        constexpr int kPieces = decltype(pieces_constant)::value, kData = decltype(data_constant)::value;
-        if constexpr (kPieces % kWarpSize == 0) {
-          // A row is whole rounds (bf16 rows: two): its address is shuffled once, not per piece.
+      const int r = lane / kLanesPerRow, first_piece = lane % kLanesPerRow;
+      const RowRef row{reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), source + r)),
+                       reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), source + r))};
+      const bool present = row.valid(), window_row = r < window_rows;
+      const int data_pieces = window_row ? kWindowData : kCompressedData;
+      const int pieces = window_row ? kWindowPieces : kCompressedPieces;
+      auto copy_rounds = [&](auto rounds_constant) {
 #pragma unroll
-          for (int r = 0; r < kRowsPerProducerWarp; ++r) {
-            const RowRef row = row_of(r);
-#pragma unroll
-            for (int round = 0; round < kPieces / kWarpSize; ++round) {
-              const int c = round * kWarpSize + lane;
-              const auto [from, present] = piece_of(row, c, kData);
-              cp_async<kCopy>(place(r, c), from, present);
-            }
-          }
-        } else {
-          constexpr int kTotal = kRowsPerProducerWarp * kPieces;
-#pragma unroll
-          for (int round = 0; round < (kTotal + kWarpSize - 1) / kWarpSize; ++round) {
-            const int k = round * kWarpSize + lane, r = min(k / kPieces, kRowsPerProducerWarp - 1), c = k - r * kPieces;
-            const auto [from, present] = piece_of(row_of(r), c, kData);
-            if (k < kTotal) cp_async<kCopy>(place(r, c), from, present);
-          }
+        for (int round = 0; round < decltype(rounds_constant)::value; ++round) {
+          const int c = first_piece + round * kLanesPerRow;
+          const uint8_t* from = !present ? reinterpret_cast<const uint8_t*>(a.q)  // any readable address; not read
+                                : c < data_pieces ? row.data + kCopy * c : row.scales + kCopy * (c - data_pieces);
+          if (c < pieces) cp_async<kCopy>(place(r, c), from, present);
         }
       };
-      if (kCopy == 16 && (kSameRows || window_rows == 0))
-        copy_uniform(std::integral_constant<int, kCompressedPieces>{}, std::integral_constant<int, kCompressedData>{});
-      else if (kCopy == 16 && window_rows == kRowsPerProducerWarp)
-        copy_uniform(std::integral_constant<int, kWindowPieces>{}, std::integral_constant<int, kWindowData>{});
-      else
-        for (int r = 0; r < kRowsPerProducerWarp; ++r) {
-          const int data_pieces = r < window_rows ? kWindowData : kCompressedData;
-          const int pieces = r < window_rows ? kWindowPieces : kCompressedPieces;
-          for (int c0 = 0; c0 < pieces; c0 += kWarpSize) {
-            const auto [from, present] = piece_of(row_of(r), c0 + lane, data_pieces);
-            if (c0 + lane < pieces) cp_async<kCopy>(place(r, c0 + lane), from, present);
-          }
-        }
+      if (window_rows == 0) copy_rounds(std::integral_constant<int, kRounds(kCompressedPieces)>{});
+      else copy_rounds(std::integral_constant<int, kRounds(kWindowPieces > kCompressedPieces ? kWindowPieces : kCompressedPieces)>{});
       cp_async_commit();
       return valid;
     };
