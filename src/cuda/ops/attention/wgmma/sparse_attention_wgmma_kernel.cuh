@@ -343,9 +343,9 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     // Copies the warp's rows of slot j, piece c of its row r to shared address place(r, c), one
     // cp.async group, invalid rows zero-filled (they then decode to zeros: no stale bytes reach the
     // MMAs); returns the valid bits. Lane l copies pieces l % 8, l % 8 + 8, … of the warp's row
-    // l / 8, so that it fetches that row's address once per slot (per piece, the shuffles and the
-    // piece's row and place cost ~50 instructions per cp.async); a slot of picks only takes the
-    // rounds of the smaller rows.
+    // l / 8, so that it fetches that row's address once per slot (spreading a slot's pieces over
+    // the lanes in rounds, each piece shuffling its row's address and deriving its row and place,
+    // took ~50 instructions per cp.async); a slot of picks only takes the rounds of the smaller rows.
     auto request = [&](int j, auto place) {
       const RowRef ref = j / kLookupSlots == current_batch ? ref_current : ref_next;
       const int source = (j % kLookupSlots) * kRowsPerProducerWarp;
