@@ -18,8 +18,8 @@
 // computes a tile as mma_bf16 does, over 32 rows instead of 64, and wgmma over 64 (warpgroup MMAs):
 // the same bounds hold (measured on an H200: wgmma at most 0.66 of the bound with a 2^-8 slack on
 // random rows, mean |Δ| 8.2e-8 to the rounded-e_i recomputation; 1.02–1.05 of it on the rows of
-// SparseAttentionBf16RoundingRaisesTheRunningMax, hence 2^-7). lse is checked against a double recomputation (measured: |Δ| <= 9.5e-7, 0.015 of the
-// bound).
+// SparseAttentionBf16RoundingRaisesTheRunningMax, hence 2^-7). lse is checked against a double
+// recomputation (measured: |Δ| <= 9.5e-7, 0.015 of the bound).
 #include <gtest/gtest.h>
 
 #include <algorithm>
