@@ -49,6 +49,13 @@ struct EngineOptions {
   // on (a cudaStream_t; the caller keeps it alive while the engine exists). nullptr: the engine
   // creates a stream of its own (Engine::cuda_stream()).
   CUstream_st* cuda_stream = nullptr;
+  // cuda backend on Hopper (sm_90), reference precision: device memory for a prefill step's
+  // attended cache pages decoded to bf16. A step whose tokens attend each cached row many times
+  // (prefill chunks) then decodes every page of a layer's window and kv source once and attends
+  // the bf16 rows, instead of decoding each row once per token that attends it; the outputs are the
+  // same bits. A layer whose pages need more than this attends the quantized rows directly, as do
+  // decode steps. 0: never stage.
+  int64_t attention_stage_bytes = int64_t{512} << 20;
 
   // One rank of a tensor-parallel group (dsv4/parallel.h, docs/parallel.md): the config and weights
   // given to create are the rank's shard (make_rank_shard). The partial output of the rank's heads

@@ -22,6 +22,8 @@ std::unique_ptr<Engine> Engine::create(const ModelConfig& config, std::shared_pt
   DSV4_CHECK(options.max_context >= 1, "engine: create: max_context is ", options.max_context, ", expected >= 1");
   DSV4_CHECK(options.max_rollback >= 0 && options.max_rollback <= options.max_context, "engine: create: max_rollback is ",
              options.max_rollback, ", expected 0 ... max_context (", options.max_context, ")");
+  DSV4_CHECK(options.attention_stage_bytes >= 0, "engine: create: attention_stage_bytes is ",
+             options.attention_stage_bytes, ", expected >= 0");
   DSV4_CHECK(options.cache_storage == CacheStorage::paged || options.kv_format.empty(), "engine: create: kv_format '",
              options.kv_format, "' is given with cache_storage float_rows, which has no byte format");
   if (!options.kv_format.empty()) kv_format_set(options.kv_format);  // an unknown name fails, naming the known ones

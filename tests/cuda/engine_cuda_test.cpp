@@ -29,7 +29,9 @@
 #include <string>
 #include <vector>
 
+#include "cuda/common/dispatch.h"
 #include "cuda/cuda_test_util.h"
+#include "cuda/engine/cuda_engine.h"
 #include "dsv4/config.h"
 #include "dsv4/engine.h"
 #include "dsv4/weights.h"
@@ -485,6 +487,73 @@ TEST_F(EngineCudaGraph, DecodeStepsReplayTheGraphOfTheirKey) {
   }
   EXPECT_EQ(captures, 2);
   EXPECT_EQ(replays, 38);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill over staged pages (EngineOptions::attention_stage_bytes): on Hopper a step whose tokens
+// attend each cached row many times decodes its layers' window and kv source pages to bf16 once and
+// attends those. Against an engine that never stages, in lockstep (the staging one through step
+// graphs: every step of it is captured, as an engine's first step of a key is): long prefill chunks
+// beside decode tokens, a fork that shares pages, a release. Every layer's output must be the same
+// bits, the long steps must have staged, the decode steps not.
+
+using EngineCudaStaging = CudaTest;
+
+TEST_F(EngineCudaStaging, PrefillOverStagedPagesGivesTheSameBits) {
+  if (cuda::device_info().compute_capability != 90) GTEST_SKIP() << "pages are staged on Hopper (sm_90) only";
+  for (const char* preset : {"tiny-v4.1", "tiny-v4"}) {
+    SCOPED_TRACE(preset);
+    const Model m = tiny_model(preset);
+    EngineOptions options = engine_options(Backend::cuda, Precision::reference, "");
+    options.max_tokens_per_step = 640;
+    options.max_context = 1024;
+    auto staging = Engine::create(m.config, m.weights, options);
+    options.attention_stage_bytes = 0;
+    auto direct = Engine::create(m.config, m.weights, options);
+    const auto& staging_engine = dynamic_cast<const cuda::CudaEngine&>(*staging);
+    std::vector<std::pair<SequenceId, SequenceId>> ids;
+    const auto add = [&] { ids.push_back({staging->add_sequence(), direct->add_sequence()}); };
+    add();
+    add();
+    const int64_t H = m.config.hidden_size;
+    DeviceLayers a = device_layers(m, options.max_tokens_per_step), b = device_layers(m, options.max_tokens_per_step);
+    int step = 0;
+    const auto run = [&](const std::vector<std::pair<int, int64_t>>& work, bool stages) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      std::vector<StepEntry> on_staging, on_direct;
+      int64_t T = 0;
+      for (const auto& [h, n] : work) {
+        on_staging.push_back({ids[static_cast<size_t>(h)].first, n});
+        on_direct.push_back({ids[static_cast<size_t>(h)].second, n});
+        T += n;
+      }
+      fill_layers(m, a, T, 300 + static_cast<uint32_t>(step));
+      fill_layers(m, b, T, 300 + static_cast<uint32_t>(step));
+      staging->begin_step(on_staging);
+      direct->begin_step(on_direct);
+      if (stages) EXPECT_GT(staging_engine.staged_attention_layers(), 0);
+      else EXPECT_EQ(staging_engine.staged_attention_layers(), 0);
+      EXPECT_FALSE(staging->run_step_graph([&] { run_layers(*staging, m, a, T); }));
+      run_layers(*direct, m, b, T);
+      for (Engine* e : {staging.get(), direct.get()}) DSV4_CUDA_CHECK(cudaStreamSynchronize(e->cuda_stream()));
+      for (int l = 0; l < m.topology.size(); ++l) {
+        const std::vector<float> got = download(a.out[l], T * H), want = download(b.out[l], T * H);
+        EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << "layer " << l;
+      }
+      staging->end_step();
+      direct->end_step();
+      ++step;
+    };
+    run({{0, 500}, {1, 100}}, true);
+    run({{0, 1}, {1, 1}}, false);
+    ids.push_back({staging->fork_sequence(ids[0].first), direct->fork_sequence(ids[0].second)});
+    run({{2, 300}, {0, 1}, {1, 237}}, true);  // the fork's first step copies its shared pages on write
+    staging->release_sequence(ids[1].first);
+    direct->release_sequence(ids[1].second);
+    add();
+    run({{0, 1}, {2, 1}, {3, 421}}, true);
+    run({{0, 1}, {2, 1}, {3, 1}}, false);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ struct RunOptions {
   int64_t speculative = 0;
   double check_tolerance = 0.0;
   int threads = 0;
+  int64_t attention_stage_mib = EngineOptions{}.attention_stage_bytes >> 20;
   std::string trace_path;
   std::optional<int> device_fill;
   TensorParallelFlags parallel;
@@ -809,6 +810,7 @@ int run(const RunOptions& o) {
   options.max_context = w.longest() + (w.speculative > 0 && config.has_dspark() ? config.dspark_block_size : 0);
   options.max_rollback = w.speculative;
   options.num_threads = o.threads;
+  options.attention_stage_bytes = o.attention_stage_mib << 20;
   setup_start = Clock::now();
   // A tensor-parallel rank's engine runs the rank's shard of every layer (docs/parallel.md).
   const RankShard shard = ranks ? make_rank_shard(config, *weights, options, ranks, o.parallel.indexer_sharding())
@@ -946,6 +948,11 @@ const CommandRegistration registration{
                      "KV cache format set, or float (default: v4.1-native for V4.1 models, fp8_ds_mla for V4.0)");
       app.add_option("--seed", o->seed, "Seed of the random weights, prompt lengths and inputs")->capture_default_str();
       app.add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();
+      app.add_option("--attention-stage-mib", o->attention_stage_mib,
+                     "cuda backend on Hopper: MiB of device memory for a prefill step's attended pages decoded to "
+                     "bf16 once per layer (the same outputs; 0: attend the quantized pages directly)")
+          ->capture_default_str()
+          ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
       app.add_option("--trace", o->trace_path,
                      "Write a line per step and layer with hashes of its inputs, outputs and picks to this file "
                      "(diff two runs to find where they part)");

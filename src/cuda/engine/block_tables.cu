@@ -32,7 +32,34 @@ __global__ void step_slots_kernel(const DevicePoolTable* pools, int64_t* const* 
   slots[blockIdx.y][t] = slot;
 }
 
+// A thread per entry (i / width, i % width) of the staged table.
+__global__ void staged_pages_kernel(DevicePoolTable pool, int64_t pool_pages, const StagedRun* runs, int64_t n_runs,
+                                    int32_t* source_pages, int32_t* staged_table, int32_t* staged_first) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= n_runs * pool.width) return;
+  const int64_t run = i / pool.width, j = i % pool.width;
+  const StagedRun r = runs[run];
+  int32_t staged = -1;
+  if (j < r.pages) {
+    const int32_t page = pool.table[int64_t{r.slot} * pool.width + j];
+    const bool valid = page >= 0 && page < pool_pages;
+    staged = valid ? r.first + static_cast<int32_t>(j) : -1;
+    source_pages[r.first + j] = valid ? page : -1;
+  }
+  staged_table[i] = staged;
+  if (j == 0) staged_first[run] = pool.first[r.slot];
+}
+
 }  // namespace
+
+void launch_staged_pages(const DevicePoolTable& pool, int64_t pool_pages, const StagedRun* runs, int64_t n_runs,
+                         int32_t* source_pages, int32_t* staged_table, int32_t* staged_first, cudaStream_t stream) {
+  const int64_t entries = n_runs * pool.width;
+  if (entries == 0) return;
+  staged_pages_kernel<<<static_cast<unsigned>((entries + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      pool, pool_pages, runs, n_runs, source_pages, staged_table, staged_first);
+  check_launch("staged_pages");
+}
 
 void launch_apply_table_changes(const TableChangeRecord* records, int64_t n, const int32_t* pages,
                                 const DevicePoolTable* pools, cudaStream_t stream) {

@@ -40,4 +40,21 @@ void launch_apply_table_changes(const TableChangeRecord* records, int64_t n, con
 void launch_step_slots(const DevicePoolTable* pools, int64_t* const* slots, int n_pools, const int32_t* token_slot,
                        const int32_t* token_position, int64_t tokens, cudaStream_t stream);
 
+// One sequence's pages of a pool in a step whose attention reads staged pages (StepMetadata):
+// staged pages first … first + pages - 1 hold the pool's pages of table row `slot`, in order.
+struct StagedRun {
+  int32_t slot;
+  int32_t first;
+  int32_t pages;  // <= the pool's table width
+};
+
+// A pool's pages staged for the step's `n_runs` sequences (runs: device memory), which take
+// staged pages 0 … P - 1 together: source_pages [P] gets the pool page each staged page is decoded
+// from (-1 where the table has no page of the pool's `pool_pages`), staged_table [n_runs,
+// pool.width] the staged page of each table entry (-1 where it has none) and staged_first
+// [n_runs] the first logical page of each row: the block table of the staged pages, whose rows
+// are the sequences' indices among the runs.
+void launch_staged_pages(const DevicePoolTable& pool, int64_t pool_pages, const StagedRun* runs, int64_t n_runs,
+                         int32_t* source_pages, int32_t* staged_table, int32_t* staged_first, cudaStream_t stream);
+
 }  // namespace dsv4::cuda

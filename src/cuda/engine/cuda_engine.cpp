@@ -1,5 +1,6 @@
 #include "cuda/engine/cuda_engine.h"
 
+#include "cuda/common/dispatch.h"
 #include "dsv4/cuda/qkv.h"
 #include "dsv4/kv_format.h"
 #include "dsv4/parallel.h"
@@ -65,7 +66,16 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
   }
   caches_ = std::make_unique<DeviceCaches>(config, topo, cache_options, rings, options.max_context,
                                            options.max_tokens_per_step, stream_);
-  step_metadata_ = std::make_unique<StepMetadata>(topo, *caches_, options.max_tokens_per_step, options.max_context);
+  // Staged pages are attended by the Hopper kernel (wgmma over bf16 rows), which reference
+  // precision's bf16 queries and exp-scores take; elsewhere the quantized rows are attended directly.
+  AttentionStaging staging;
+  if (device_info().compute_capability == 90 && options.precision == Precision::reference)
+    staging.bytes = options.attention_stage_bytes;
+  staging.max_sequences = options.max_sequences;
+  staging.window = config.sliding_window;
+  staging.index_topk = config.index_topk;
+  step_metadata_ =
+      std::make_unique<StepMetadata>(topo, *caches_, options.max_tokens_per_step, options.max_context, staging);
 
   // DSpark: the draft blocks' metadata and keys (the draft layers share the window format).
   const int first_draft = config.num_layers;
@@ -78,6 +88,7 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
     draft_window.tensor_scale = caches_->manager().pool(CacheKind::window, first_draft).tensor_scale();
   }
   workspace_ = make_workspace(config, recipes(), options, drafts ? &draft_window : nullptr);
+  workspace_.attention_stage = make_attention_stage(*caches_, *step_metadata_, staging, options.max_tokens_per_step);
   if (!options.communicator) {
     aux_stream_.emplace();
     aux_blas_.emplace();
@@ -125,6 +136,12 @@ EngineMemory CudaEngine::memory() const {
                                      BlasLt::kWorkspaceBytes * (aux_blas_ ? 2 : 1) + main_rope_.bytes() +
                                      compress_rope_.bytes());
   return m;
+}
+
+int CudaEngine::staged_attention_layers() const {
+  int n = 0;
+  for (int l = 0; l < topology().size(); ++l) n += step_metadata_->layer(l).stages_attention ? 1 : 0;
+  return n;
 }
 
 void CudaEngine::prepare_step(const StepLayout& step) {

@@ -53,6 +53,9 @@ class CudaEngine final : public StepEngine {
   // Diagnostics: window rows [first, first + n) of a sequence in `layer`'s cache, decoded
   // ([n, head_dim] f32; the rows must be readable). Waits for the stream.
   std::vector<float> window_rows(SequenceId sequence, int layer, int64_t first, int64_t n) const;
+  // Diagnostics: the layers whose attention reads staged bf16 pages in the current step
+  // (EngineOptions::attention_stage_bytes).
+  int staged_attention_layers() const;
 
  private:
   void add_sequence_caches(SequenceId id) override { caches_->add_sequence(id); }

@@ -4,6 +4,7 @@
 
 #include "cuda/engine/glue.h"
 #include "dsv4/cuda/attention.h"
+#include "dsv4/cuda/cache.h"
 #include "dsv4/cuda/compressor.h"
 #include "dsv4/cuda/indexer.h"
 #include "dsv4/cuda/projection.h"
@@ -539,7 +540,42 @@ void LayerPipeline::attend(int layer) {
       a.picks = view(ws.entry_picks, DType::i32, {T, source.entries});
     }
   }
+  if (in_.step->layer(layer).stages_attention) stage_attended_pages(layer, a);
   run_sparse_attention(a, ws.scratch, in_.stream);
+}
+
+void LayerPipeline::stage_attended_pages(int layer, SparseAttentionParams& a) {
+  const KvCacheManager& manager = in_.caches->manager();
+  const AttentionStage& stage = in_.workspace->attention_stage;
+  const int window = manager.pool_index(CacheKind::window, layer);
+  a.window = stage_pool(window, a.window, stage.window, static_cast<std::byte*>(stage.pages.data()));
+  const int source = recipe(layer).plan.kv_source;
+  if (source >= 0) {
+    const size_t window_bytes =
+        align_workspace(static_cast<size_t>(a.window.pages.shape[0] * a.window.geometry.page_stride));
+    a.compressed = stage_pool(manager.pool_index(CacheKind::compressed, source), a.compressed, stage.compressed,
+                              static_cast<std::byte*>(stage.pages.data()) + window_bytes);
+  }
+  a.token_sequence = in_.step->step_sequence();
+}
+
+PagedCache LayerPipeline::stage_pool(int pool, const PagedCache& source, const AttentionStage::Table& table,
+                                     std::byte* pages) {
+  const StagedPool& staged_pool = in_.step->staged_pool(pool);
+  const DevicePoolTable& mirror = in_.caches->pool_tables()[static_cast<size_t>(pool)];
+  const int64_t S = in_.step->sequences();
+  launch_staged_pages(mirror, source.pages.shape[0], static_cast<const StagedRun*>(staged_pool.runs.data), S,
+                      static_cast<int32_t*>(table.source_pages.data()), static_cast<int32_t*>(table.table.data()),
+                      static_cast<int32_t*>(table.first.data()), in_.stream);
+  CacheStageParams stage;
+  stage.source = source;
+  stage.pages = view(table.source_pages.data(), DType::i32, {staged_pool.pages});
+  stage.staged.geometry = page_geometry(KvRowFormat::bf16, source.geometry.row.dims, source.geometry.rows_per_page);
+  stage.staged.pages = view(pages, DType::u8, {staged_pool.pages, stage.staged.geometry.page_stride});
+  stage.staged.block_table = view(table.table.data(), DType::i32, {S, mirror.width});
+  stage.staged.first_logical_page = view(table.first.data(), DType::i32, {S});
+  run_cache_stage(stage, in_.stream);
+  return stage.staged;
 }
 
 }  // namespace dsv4::cuda

@@ -12,6 +12,7 @@
 #include "cuda/engine/layer_weights.h"
 #include "cuda/engine/step_metadata.h"
 #include "cuda/engine/workspace.h"
+#include "dsv4/cuda/attention.h"
 #include "dsv4/cuda/output.h"
 #include "dsv4/cuda/qkv.h"
 #include "dsv4/engine.h"
@@ -108,6 +109,11 @@ class LayerPipeline {
   void compress(int layer, const Lane& lane);
   void index(int layer, const Lane& lane);
   void attend(int layer);
+  // In a step that stages the layer's attention (StepMetadata): the pages its tokens attend,
+  // decoded to bf16 pages once (run_cache_stage), and `a` pointed at them: the same bits.
+  void stage_attended_pages(int layer, SparseAttentionParams& a);
+  // Pool `pool`'s staged pages at `pages` with the block table `table` by step sequence.
+  PagedCache stage_pool(int pool, const PagedCache& source, const AttentionStage::Table& table, std::byte* pages);
 
   LayerPipelineInputs in_;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;  // the aux lane's start after q_norm and its end

@@ -57,12 +57,51 @@ int64_t entries_bucket(int64_t entries, int64_t limit) {
 
 uint64_t mix(uint64_t hash, uint64_t value) { return (hash ^ value) * 0x100000001b3ull; }
 
+// A staged page is decoded once and then read by the attention of every token that attends its
+// rows. Measured on the H200 (bench/RESULTS.md, fifteenth session): staging costs about as much
+// per row as attending 4.5 rows from the quantized pages instead of bf16 ones; a layer stages when
+// its tokens attend at least this many rows per staged row.
+constexpr int64_t kMinRowReuse = 8;
+
+// The window and compressed pools an attention reads (not the draft layers': their attention is
+// run_draft_block's), in formats run_cache_stage decodes and worth decoding (not bf16 already).
+std::vector<bool> stageable_pools(const ModelTopology& topology, const KvCacheManager& manager,
+                                  const AttentionStaging& staging) {
+  std::vector<bool> stageable(manager.pools().size(), false);
+  if (staging.bytes == 0) return stageable;
+  const auto mark = [&](CacheKind kind, int layer) {
+    const int pool = manager.pool_index(kind, layer);
+    const PageGeometry& g = manager.pool(kind, layer).geometry();
+    const KvRowFormat f = g.format;
+    stageable[static_cast<size_t>(pool)] =
+        g.row.dims == 512 && (f == KvRowFormat::v41_fp8 || f == KvRowFormat::v41_fp4 || f == KvRowFormat::fp8_ds_mla);
+  };
+  for (const LayerPlan& plan : topology.layers) {
+    // A drafter's engine keeps no pools for the backbone layers it does not run.
+    if (plan.kind == AttentionKind::dspark || !manager.has_pool(CacheKind::window, plan.layer)) continue;
+    mark(CacheKind::window, plan.layer);
+    if (plan.kv_source >= 0) mark(CacheKind::compressed, plan.kv_source);
+  }
+  return stageable;
+}
+
+size_t staging_upload_bytes(const std::vector<bool>& stageable, int64_t max_tokens, const AttentionStaging& staging) {
+  const int64_t pools = std::count(stageable.begin(), stageable.end(), true);
+  if (pools == 0) return 0;
+  const int64_t sequences = std::min(max_tokens, staging.max_sequences);
+  return align_workspace(static_cast<size_t>(max_tokens) * 4) +
+         static_cast<size_t>(pools) * align_workspace(static_cast<size_t>(sequences) * sizeof(StagedRun));
+}
+
 }  // namespace
 
 StepMetadata::StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens,
-                           int64_t max_context)
-    : max_tokens_(max_tokens), max_context_(max_context),
-      upload_(4 * align_workspace(static_cast<size_t>(max_tokens) * 4)),
+                           int64_t max_context, const AttentionStaging& staging)
+    : max_tokens_(max_tokens), max_context_(max_context), staging_(staging),
+      stageable_pools_(stageable_pools(topology, caches.manager(), staging)),
+      staged_pools_(caches.manager().pools().size()),
+      upload_(4 * align_workspace(static_cast<size_t>(max_tokens) * 4) +
+              staging_upload_bytes(stageable_pools_, max_tokens, staging)),
       slots_(caches.pool_tables().size() * static_cast<size_t>(max_tokens) * sizeof(int64_t)),
       layers_(static_cast<size_t>(topology.size())) {
   std::vector<int64_t*> rows;
@@ -118,6 +157,7 @@ void StepMetadata::pack(const StepLayout& step, const ModelTopology& topology, D
   window_last_ = upload_.append(std::span<const int32_t>(last), DType::i32, {static_cast<int64_t>(last.size())},
                                 reserve);
   if (step.windows.empty()) window_first_ = window_last_ = TensorView{};
+  pack_staging(step, topology, caches);
   upload_.upload(stream);
   // The tables, then the slots read from them.
   caches.upload_table_changes();
@@ -137,6 +177,89 @@ void StepMetadata::pack(const StepLayout& step, const ModelTopology& topology, D
     const int64_t ratio = topology[l].compress_ratio;
     ls.entries = entries_bucket(longest / ratio, max_context_ / ratio);
     graph_key_ = mix(graph_key_, static_cast<uint64_t>(ls.entries));
+  }
+  graph_key_ = mix(graph_key_, staging_key_);
+}
+
+void StepMetadata::pack_staging(const StepLayout& step, const ModelTopology& topology, const DeviceCaches& caches) {
+  const KvCacheManager& manager = caches.manager();
+  const int64_t T = step.tokens(), S = static_cast<int64_t>(step.chunks.size());
+  sequences_ = S;
+  staging_key_ = 0;
+  step_sequence_ = TensorView{};
+  for (LayerStep& ls : layers_) ls.stages_attention = false;
+  std::fill(staged_pools_.begin(), staged_pools_.end(), StagedPool{});
+  if (std::find(stageable_pools_.begin(), stageable_pools_.end(), true) == stageable_pools_.end()) return;
+
+  // Each pool's runs, counted when a layer first asks.
+  std::vector<std::vector<StagedRun>> runs(stageable_pools_.size());
+  std::vector<int64_t> pages(stageable_pools_.size(), -1);
+  const auto count = [&](int pool) {
+    if (pages[static_cast<size_t>(pool)] >= 0) return pages[static_cast<size_t>(pool)];
+    const int64_t width = caches.pool_tables()[static_cast<size_t>(pool)].width;
+    int64_t first = 0;
+    for (const StepChunk& ch : step.chunks) {
+      const int64_t slot = manager.sequence_slot(ch.sequence);
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(manager.slot_block_table(pool, slot).pages.size()), width);
+      runs[static_cast<size_t>(pool)].push_back(
+          {static_cast<int32_t>(slot), static_cast<int32_t>(first), static_cast<int32_t>(n)});
+      first += n;
+    }
+    return pages[static_cast<size_t>(pool)] = first;
+  };
+  const auto staged_bytes = [&](int pool, int64_t n) {
+    const PagePool& p = *manager.pools()[static_cast<size_t>(pool)];
+    return static_cast<int64_t>(
+        align_workspace(static_cast<size_t>(n * page_geometry(KvRowFormat::bf16, p.dims(), p.rows_per_page()).page_stride)));
+  };
+  std::vector<bool> used(stageable_pools_.size(), false);
+  for (const LayerPlan& plan : topology.layers) {
+    if (plan.kind == AttentionKind::dspark || !manager.has_pool(CacheKind::window, plan.layer)) continue;
+    const int window = manager.pool_index(CacheKind::window, plan.layer);
+    const int compressed = plan.kv_source >= 0 ? manager.pool_index(CacheKind::compressed, plan.kv_source) : -1;
+    if (!stageable_pools_[static_cast<size_t>(window)] ||
+        (compressed >= 0 && !stageable_pools_[static_cast<size_t>(compressed)]))
+      continue;
+    // The rows the step's tokens attend (at most), and the window rows they attend together:
+    // a lower bound of the staged rows that settles decode steps before any page is counted.
+    int64_t attended = 0, window_rows = 0;
+    for (const StepChunk& ch : step.chunks) {
+      const int64_t end = ch.start + ch.tokens;
+      int64_t picks = 0;
+      if (plan.kv_source >= 0) {
+        const int64_t visible = end / topology[plan.kv_source].compress_ratio;
+        picks = plan.index_source >= 0 ? std::min(staging_.index_topk, visible) : visible;
+      }
+      attended += ch.tokens * (std::min(staging_.window, end) + picks);
+      window_rows += std::min(end, staging_.window - 1 + ch.tokens);
+    }
+    if (attended < kMinRowReuse * window_rows) continue;
+    const PagePool& window_pool = *manager.pools()[static_cast<size_t>(window)];
+    int64_t rows = count(window) * window_pool.rows_per_page(), bytes = staged_bytes(window, count(window));
+    if (compressed >= 0) {
+      rows += count(compressed) * manager.pools()[static_cast<size_t>(compressed)]->rows_per_page();
+      bytes += staged_bytes(compressed, count(compressed));
+    }
+    if (attended < kMinRowReuse * rows || bytes > staging_.bytes) continue;
+    layers_[static_cast<size_t>(plan.layer)].stages_attention = true;
+    used[static_cast<size_t>(window)] = true;
+    if (compressed >= 0) used[static_cast<size_t>(compressed)] = true;
+    staging_key_ = mix(mix(mix(staging_key_, static_cast<uint64_t>(plan.layer)), static_cast<uint64_t>(count(window))),
+                       static_cast<uint64_t>(compressed >= 0 ? count(compressed) : 0));
+  }
+  if (std::find(used.begin(), used.end(), true) == used.end()) return;
+  staging_key_ = mix(staging_key_, static_cast<uint64_t>(S));
+  // The step's entries and every stageable pool's runs, each at its fixed offset.
+  std::vector<int32_t> entry(step.chunk_of.begin(), step.chunk_of.end());
+  step_sequence_ = upload_.append(std::span<const int32_t>(entry), DType::i32, {T}, static_cast<size_t>(max_tokens_) * 4);
+  const size_t reserve = static_cast<size_t>(std::min(max_tokens_, staging_.max_sequences)) * sizeof(StagedRun);
+  for (size_t pool = 0; pool < stageable_pools_.size(); ++pool) {
+    if (!stageable_pools_[pool]) continue;
+    const std::vector<StagedRun> none;
+    const std::vector<StagedRun>& r = used[pool] ? runs[pool] : none;
+    const TensorView view = upload_.append(r.data(), r.size() * sizeof(StagedRun), DType::i32,
+                                           {static_cast<int64_t>(r.size()), 3}, reserve);
+    if (used[pool]) staged_pools_[pool] = {view, pages[pool]};
   }
 }
 

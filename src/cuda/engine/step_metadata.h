@@ -21,6 +21,23 @@ struct LayerStep {
   // cache of the step's sequences after it, rounded up (entries_bucket) so that steps of a growing
   // context share it.
   int64_t entries = 0;
+  // Whether the layer's attention reads its window's and kv source's pages staged to bf16 in this
+  // step (StepMetadata::staged_pool).
+  bool stages_attention = false;
+};
+
+// When a step's attention reads staged pages (EngineOptions::attention_stage_bytes).
+struct AttentionStaging {
+  int64_t bytes = 0;          // room for one layer's staged pages; 0: never stage
+  int64_t max_sequences = 0;  // sequences a step holds at most
+  int64_t window = 0;         // the sliding window (rows a token attends in its layer's window)
+  int64_t index_topk = 0;     // the picks a token of a layer with an index source attends
+};
+
+// A pool's pages staged for a step: the step's sequences in order, each a StagedRun.
+struct StagedPool {
+  TensorView runs;    // [step sequences, 3] i32: StagedRun per sequence
+  int64_t pages = 0;  // staged pages the runs take together
 };
 
 // Every array of a step sits at an address fixed at create: the tokens' arrays and slots in
@@ -30,7 +47,8 @@ struct LayerStep {
 class StepMetadata {
  public:
   // Capacity for steps of at most max_tokens tokens, each sequence at most max_context long.
-  StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens, int64_t max_context);
+  StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens, int64_t max_context,
+               const AttentionStaging& staging);
 
   // Uploads `step` (reserved in `caches`) on `stream`: the tokens' arrays, the block tables that
   // changed, then the slots every pool's tokens write (computed on the device).
@@ -48,13 +66,31 @@ class StepMetadata {
   const TensorView& window_last() const { return window_last_; }
   int64_t max_window_rows() const { return max_window_rows_; }
   const LayerStep& layer(int l) const { return layers_[static_cast<size_t>(l)]; }
+  // Steps whose attention stages pages: [step tokens] i32, the token's step entry (the row of the
+  // staged block tables); the step's entries; pool `pool`'s (KvCacheManager::pool_index) runs, for
+  // the pools of the layers that stage.
+  const TensorView& step_sequence() const { return step_sequence_; }
+  int64_t sequences() const { return sequences_; }
+  const StagedPool& staged_pool(int pool) const { return staged_pools_[static_cast<size_t>(pool)]; }
+  // Whether a step may stage pool `pool`.
+  bool stageable(int pool) const { return stageable_pools_[static_cast<size_t>(pool)]; }
   // Equal for two steps exactly when their kernels' arguments are equal: the token count, every
-  // kv source's entries, the image-span window bound.
+  // kv source's entries, the image-span window bound, the staged pages.
   uint64_t graph_key() const { return graph_key_; }
   size_t device_bytes() const { return upload_.capacity() + slots_.bytes() + slot_pointers_.bytes(); }
 
  private:
+  // Decides which layers stage their attention's pages in `step` and appends the runs of their
+  // pools (after the tokens' arrays, each pool's at its fixed offset).
+  void pack_staging(const StepLayout& step, const ModelTopology& topology, const DeviceCaches& caches);
+
   int64_t max_tokens_ = 0, max_context_ = 0;
+  AttentionStaging staging_;
+  std::vector<bool> stageable_pools_;  // by pool index: a window or compressed pool an attention reads
+  TensorView step_sequence_;
+  int64_t sequences_ = 0;
+  std::vector<StagedPool> staged_pools_;
+  uint64_t staging_key_ = 0;  // the staging's part of graph_key_
   StepUpload upload_;     // the tokens' arrays, at fixed offsets
   DeviceBuffer slots_;    // [pools, max_tokens] i64
   DeviceBuffer slot_pointers_;  // [pools] i64*: the rows of slots_

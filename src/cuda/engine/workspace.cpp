@@ -14,6 +14,35 @@ constexpr int64_t kScoreFloats = int64_t{32} << 20;
 
 }  // namespace
 
+size_t AttentionStage::device_bytes() const {
+  size_t bytes = pages.bytes();
+  for (const Table* t : {&window, &compressed}) bytes += t->source_pages.bytes() + t->table.bytes() + t->first.bytes();
+  return bytes;
+}
+
+AttentionStage make_attention_stage(const DeviceCaches& caches, const StepMetadata& metadata,
+                                    const AttentionStaging& staging, int64_t max_tokens) {
+  AttentionStage stage;
+  const KvCacheManager& manager = caches.manager();
+  const std::vector<const PagePool*> pools = manager.pools();
+  int64_t most_pages = 0, widest = 0;
+  for (size_t p = 0; p < pools.size(); ++p) {
+    if (!metadata.stageable(static_cast<int>(p))) continue;
+    const PageGeometry staged = page_geometry(KvRowFormat::bf16, pools[p]->dims(), pools[p]->rows_per_page());
+    most_pages = std::max(most_pages, staging.bytes / staged.page_stride);
+    widest = std::max<int64_t>(widest, caches.pool_tables()[p].width);
+  }
+  if (most_pages == 0) return stage;
+  const int64_t sequences = std::min(max_tokens, staging.max_sequences);
+  stage.pages = DeviceBuffer(static_cast<size_t>(staging.bytes));
+  for (AttentionStage::Table* t : {&stage.window, &stage.compressed}) {
+    t->source_pages = DeviceBuffer(static_cast<size_t>(most_pages) * 4);
+    t->table = DeviceBuffer(static_cast<size_t>(sequences * widest) * 4);
+    t->first = DeviceBuffer(static_cast<size_t>(sequences) * 4);
+  }
+  return stage;
+}
+
 Workspace make_workspace(const ModelConfig& config, const std::vector<LayerRecipe>& recipes,
                          const EngineOptions& options, const PagedCache* draft_window) {
   const int64_t T = options.max_tokens_per_step, hidden = config.hidden_size, H = config.num_heads,

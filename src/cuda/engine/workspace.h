@@ -8,11 +8,32 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda/engine/device_caches.h"
+#include "cuda/engine/step_metadata.h"
 #include "dsv4/cuda/runtime.h"
 #include "dsv4/engine.h"
 #include "model/layer_recipe.h"
 
 namespace dsv4::cuda {
+
+// Room for one layer's attended pages staged to bf16 (EngineOptions::attention_stage_bytes; the
+// step metadata says which layers stage): the window's staged pages, then the kv source's, each
+// cache with the block table of its staged pages by step sequence (launch_staged_pages).
+struct AttentionStage {
+  struct Table {
+    DeviceBuffer source_pages;  // [most staged pages] i32: the pool page of each staged page
+    DeviceBuffer table;         // [most step sequences, widest table] i32
+    DeviceBuffer first;         // [most step sequences] i32
+  };
+  DeviceBuffer pages;  // [attention_stage_bytes] u8
+  Table window, compressed;
+
+  size_t device_bytes() const;
+};
+
+// Sized for the pools `metadata` may stage; empty when it stages none.
+AttentionStage make_attention_stage(const DeviceCaches& caches, const StepMetadata& metadata,
+                                    const AttentionStaging& staging, int64_t max_tokens);
 
 // Row buffers that Precision::fp32 keeps in f32 are sized for f32.
 struct Workspace {
@@ -53,8 +74,11 @@ struct Workspace {
   void* scratch = nullptr;
   DeviceBuffer aux_scratch_memory;  // the aux lane's (LayerPipelineInputs::aux_stream), as large
   void* aux_scratch = nullptr;
+  AttentionStage attention_stage;
 
-  size_t device_bytes() const { return memory.bytes() + scratch_memory.bytes() + aux_scratch_memory.bytes(); }
+  size_t device_bytes() const {
+    return memory.bytes() + scratch_memory.bytes() + aux_scratch_memory.bytes() + attention_stage.device_bytes();
+  }
 };
 
 // Carves every buffer but the scratch (its size depends on the GEMMs: LayerPipeline::scratch_bytes).
