@@ -688,6 +688,9 @@ TEST(EngineCreate, OptionsAndWeightsAreChecked) {
   options.indexer_sharding = IndexerSharding::split;
   EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "indexer_sharding is split but no communicator");
   options = {};
+  options.attention_stage_bytes = -1;
+  EXPECT_DSV4_ERROR(Engine::create(m.config, m.weights, options), "attention_stage_bytes is -1, expected >= 0");
+  options = {};
   options.max_context = 10;
   options.max_sequences = 1;
   auto e = Engine::create(m.config, m.weights, options);

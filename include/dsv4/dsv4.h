@@ -130,6 +130,7 @@ typedef struct dsv4_engine_options {
   int32_t num_threads;       /* cpu: 0 = all cores */
   void* cuda_stream;         /* cuda: the caller's cudaStream_t; NULL: the engine makes its own */
   int64_t max_rollback;      /* speculative decoding: the most tokens one rollback takes back (0: none) */
+  int64_t attention_stage_bytes; /* cuda on Hopper: memory for a prefill step's pages staged to bf16 (0: never) */
 } dsv4_engine_options;
 
 /* The defaults of dsv4::EngineOptions. */

@@ -129,12 +129,14 @@ class Engine:
     "bf16", "fp8") or "" for the precision's defaults. With the cuda backend the engine queues all
     its work on `stream` (a cudaStream_t as an int, or a torch.cuda.Stream); None: torch's current
     stream when torch is imported with CUDA, else a stream of the engine's own. max_rollback: the
-    most tokens rollback_sequence may take back (speculative decoding).
+    most tokens rollback_sequence may take back (speculative decoding). attention_stage_bytes (cuda on
+    Hopper): device memory in which a prefill step's attended cache pages are decoded to bf16 once
+    per layer (the same outputs, faster prefill; 0: never).
     """
 
     def __init__(self, config, weights, backend="cpu", precision="reference", cache_storage="paged", kv_format="",
                  max_sequences=256, max_tokens_per_step=8192, max_context=1 << 16, num_threads=0, stream=None,
-                 max_rollback=0):
+                 max_rollback=0, attention_stage_bytes=512 << 20):
         if backend == "cuda" and stream is None:
             try:
                 stream = _current_torch_stream()
@@ -143,7 +145,8 @@ class Engine:
         if stream is not None and hasattr(stream, "cuda_stream"):
             stream = stream.cuda_stream
         self._h = _dsv4.Engine(config._h, weights._h, backend, precision, cache_storage, kv_format, max_sequences,
-                               max_tokens_per_step, max_context, num_threads, int(stream or 0), max_rollback)
+                               max_tokens_per_step, max_context, num_threads, int(stream or 0), max_rollback,
+                               attention_stage_bytes)
         self.config = Config(self._h.config())
         self.backend = backend
         self._step_tokens = None

@@ -162,7 +162,7 @@ PYBIND11_MODULE(_dsv4, m) {
       .def(py::init([](const Config& c, const Weights& w, const std::string& backend, const std::string& precision,
                        const std::string& cache_storage, const std::string& kv_format, int64_t max_sequences,
                        int64_t max_tokens_per_step, int64_t max_context, int32_t num_threads, uintptr_t cuda_stream,
-                       int64_t max_rollback) {
+                       int64_t max_rollback, int64_t attention_stage_bytes) {
         dsv4_engine_options o;
         dsv4_engine_options_init(&o);
         o.backend = backend.c_str();
@@ -175,6 +175,7 @@ PYBIND11_MODULE(_dsv4, m) {
         o.num_threads = num_threads;
         o.cuda_stream = reinterpret_cast<void*>(cuda_stream);
         o.max_rollback = max_rollback;
+        o.attention_stage_bytes = attention_stage_bytes;
         dsv4_engine* h = nullptr;
         check(dsv4_engine_create(c.h, w.h, &o, &h));
         return std::make_unique<Engine>(h);

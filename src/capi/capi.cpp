@@ -361,7 +361,7 @@ void dsv4_engine_options_init(dsv4_engine_options* options) {
   if (!options) return;
   static const EngineOptions d;
   *options = dsv4_engine_options{"cpu", "reference", "paged", "", d.max_sequences, d.max_tokens_per_step,
-                                 d.max_context, d.num_threads, nullptr, d.max_rollback};
+                                 d.max_context, d.num_threads, nullptr, d.max_rollback, d.attention_stage_bytes};
 }
 
 dsv4_status dsv4_engine_create(const dsv4_config* config, const dsv4_weights* weights,
@@ -392,6 +392,7 @@ dsv4_status dsv4_engine_create(const dsv4_config* config, const dsv4_weights* we
     e.max_tokens_per_step = o.max_tokens_per_step;
     e.max_context = o.max_context;
     e.max_rollback = o.max_rollback;
+    e.attention_stage_bytes = o.attention_stage_bytes;
     e.num_threads = o.num_threads;
     e.cuda_stream = static_cast<CUstream_st*>(o.cuda_stream);
     if (weights->total_layers != config->config.total_layers())
