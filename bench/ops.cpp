@@ -7,7 +7,9 @@
 //   topk-blocks        the candidate blocks' top-k (candidate_topk_blocks) of one row of `context`
 //                      block scores per sequence (a context of E entries has E / candidate_block_size)
 //   attention-decode   sparse attention of one decode token per sequence: window rows (v41_fp8)
-//                      plus index_topk picked entries (v41_fp4) out of `context`
+//                      plus index_topk picked entries (v41_fp4) out of `context`; a call per graph
+//                      replay, then the steady state of many calls per graph on their own inputs
+//                      (FLASHMLA_BASELINE.md's "graph" method)
 //   attention-prefill  sparse attention of a `context`-token prefill chunk per sequence, each token
 //                      attending its window and min(index_topk, p + 1) picked entries; with
 //                      quantized caches also staged: both caches' pages decoded to bf16 pages
@@ -239,6 +241,49 @@ void bench_topk(const BenchOptions& o, const ModelConfig& c, cuda::Stream& strea
   print_result(o, c, w, us);
 }
 
+// Decode calls as a serving loop issues them from a graph, FLASHMLA_BASELINE.md's "graph" method
+// (the figures it gives for FlashMLA): R calls back to back in one graph, each on its own inputs
+// (q, picks, and a window that ends at another position), R such that together they touch more
+// than 3x the L2; the time per call is a replay's / R. A replay of one call (above) also holds the
+// graph's launch and runs on inputs the previous replay left in the L2.
+void bench_attention_steady_state(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream,
+                                  const cuda::SparseAttentionParams& p, const Workload& one_call, void* workspace,
+                                  double call_cache_bytes) {
+  const int64_t B = o.batch, L = o.context, H = c.num_heads, D = c.head_dim, W = c.sliding_window, k = c.index_topk;
+  int device = 0, l2_bytes = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&device));
+  DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  const int64_t R = std::max<int64_t>(2, static_cast<int64_t>(std::ceil(3.0 * l2_bytes / call_cache_bytes)));
+  struct Call {
+    Tokens tokens;
+    DeviceTensor q, picks;
+    cuda::SparseAttentionParams params;
+  };
+  std::vector<Call> calls(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    // Windows that end W rows apart, over the second half of the context.
+    const int64_t span = std::max<int64_t>(1, L / 2), position = L - 1 - (r * W) % span;
+    Call& call = calls[static_cast<size_t>(r)];
+    call.tokens = make_tokens(B, 1, position);
+    call.q = random_device_tensor(DType::bf16, {B, H, D}, static_cast<uint32_t>(1000 + r));
+    call.picks = random_picks(std::vector<int64_t>(static_cast<size_t>(B), position), k, static_cast<uint32_t>(5000 + r));
+    call.params = p;
+    call.params.q = call.q.view;
+    call.params.token_sequence = call.tokens.sequence.view;
+    call.params.token_position = call.tokens.position.view;
+    call.params.picks = call.picks.view;
+  }
+  std::vector<double> us = time_runs(o, stream.get(), [&] {
+    for (const Call& call : calls) run_sparse_attention(call.params, workspace, stream.get());
+  });
+  for (double& t : us) t /= static_cast<double>(R);
+  Workload w = one_call;
+  w.what += format_string("; steady state: %" PRId64 " calls per graph on their own inputs (%.0f MB, %.1fx the L2), "
+                          "time per call",
+                          R, static_cast<double>(R) * call_cache_bytes / 1e6, static_cast<double>(R) * call_cache_bytes / l2_bytes);
+  print_result(o, c, w, us);
+}
+
 void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& stream, bool prefill) {
   const int64_t B = o.batch, L = o.context, H = c.num_heads, D = c.head_dim, W = c.sliding_window, k = c.index_topk;
   // Decode: one token per sequence at position L - 1; prefill: a chunk of L tokens from position 0.
@@ -290,7 +335,11 @@ void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& 
   w.flops = 4.0 * static_cast<double>(H * D) * rows;  // q·row and p·row per head and row
   w.implementation = cuda::sparse_attention_implementation(p);
   print_result(o, c, w, us);
-  if (!prefill || (formats.window == KvRowFormat::bf16 && formats.compressed == KvRowFormat::bf16)) return;
+  if (!prefill) {
+    bench_attention_steady_state(o, c, stream, p, w, workspace.data(), cache_bytes);
+    return;
+  }
+  if (formats.window == KvRowFormat::bf16 && formats.compressed == KvRowFormat::bf16) return;
 
   // The same chunk with its caches' pages decoded once into bf16 pages (run_cache_stage; page i
   // into staged page i, so the block tables stay), then attended from them: a prefill that decodes
