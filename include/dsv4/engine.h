@@ -54,7 +54,7 @@ struct EngineOptions {
   // (prefill chunks) then decodes every page of a layer's window and kv source once and attends
   // the bf16 rows, instead of decoding each row once per token that attends it; the outputs are the
   // same bits. A layer whose pages need more than this attends the quantized rows directly, as do
-  // decode steps. 0: never stage.
+  // decode steps. The engine holds at most what one layer's pools can stage. 0: never stage.
   int64_t attention_stage_bytes = int64_t{512} << 20;
 
   // One rank of a tensor-parallel group (dsv4/parallel.h, docs/parallel.md): the config and weights

@@ -88,7 +88,7 @@ CudaEngine::CudaEngine(const ModelConfig& config, std::shared_ptr<const ModelWei
     draft_window.tensor_scale = caches_->manager().pool(CacheKind::window, first_draft).tensor_scale();
   }
   workspace_ = make_workspace(config, recipes(), options, drafts ? &draft_window : nullptr);
-  workspace_.attention_stage = make_attention_stage(*caches_, *step_metadata_, staging, options.max_tokens_per_step);
+  workspace_.attention_stage = make_attention_stage(*caches_, *step_metadata_, options.max_tokens_per_step);
   if (!options.communicator) {
     aux_stream_.emplace();
     aux_blas_.emplace();

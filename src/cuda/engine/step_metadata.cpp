@@ -85,6 +85,24 @@ std::vector<bool> stageable_pools(const ModelTopology& topology, const KvCacheMa
   return stageable;
 }
 
+// `staging` with its budget cut to what one layer can stage at most (every page of its window pool
+// and of its kv source's compressed pool as bf16 pages), so that a small engine holds no more.
+AttentionStaging clamped(AttentionStaging staging, const ModelTopology& topology, const KvCacheManager& manager) {
+  const auto staged_pool_bytes = [&](CacheKind kind, int layer) {
+    const PagePool& p = manager.pool(kind, layer);
+    return static_cast<int64_t>(align_workspace(static_cast<size_t>(
+        p.num_pages() * page_geometry(KvRowFormat::bf16, p.dims(), p.rows_per_page()).page_stride)));
+  };
+  int64_t most = 0;
+  for (const LayerPlan& plan : topology.layers) {
+    if (plan.kind == AttentionKind::dspark || !manager.has_pool(CacheKind::window, plan.layer)) continue;
+    most = std::max(most, staged_pool_bytes(CacheKind::window, plan.layer) +
+                              (plan.kv_source >= 0 ? staged_pool_bytes(CacheKind::compressed, plan.kv_source) : 0));
+  }
+  staging.bytes = std::min(staging.bytes, most);
+  return staging;
+}
+
 size_t staging_upload_bytes(const std::vector<bool>& stageable, int64_t max_tokens, const AttentionStaging& staging) {
   const int64_t pools = std::count(stageable.begin(), stageable.end(), true);
   if (pools == 0) return 0;
@@ -97,11 +115,11 @@ size_t staging_upload_bytes(const std::vector<bool>& stageable, int64_t max_toke
 
 StepMetadata::StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens,
                            int64_t max_context, const AttentionStaging& staging)
-    : max_tokens_(max_tokens), max_context_(max_context), staging_(staging),
-      stageable_pools_(stageable_pools(topology, caches.manager(), staging)),
+    : max_tokens_(max_tokens), max_context_(max_context), staging_(clamped(staging, topology, caches.manager())),
+      stageable_pools_(stageable_pools(topology, caches.manager(), staging_)),
       staged_pools_(caches.manager().pools().size()),
       upload_(4 * align_workspace(static_cast<size_t>(max_tokens) * 4) +
-              staging_upload_bytes(stageable_pools_, max_tokens, staging)),
+              staging_upload_bytes(stageable_pools_, max_tokens, staging_)),
       slots_(caches.pool_tables().size() * static_cast<size_t>(max_tokens) * sizeof(int64_t)),
       layers_(static_cast<size_t>(topology.size())) {
   std::vector<int64_t*> rows;

@@ -72,8 +72,10 @@ class StepMetadata {
   const TensorView& step_sequence() const { return step_sequence_; }
   int64_t sequences() const { return sequences_; }
   const StagedPool& staged_pool(int pool) const { return staged_pools_[static_cast<size_t>(pool)]; }
-  // Whether a step may stage pool `pool`.
+  // Whether a step may stage pool `pool`; the staging as the steps apply it (its budget at most what
+  // one layer can stage).
   bool stageable(int pool) const { return stageable_pools_[static_cast<size_t>(pool)]; }
+  const AttentionStaging& staging() const { return staging_; }
   // Equal for two steps exactly when their kernels' arguments are equal: the token count, every
   // kv source's entries, the image-span window bound, the staged pages.
   uint64_t graph_key() const { return graph_key_; }

@@ -20,9 +20,9 @@ size_t AttentionStage::device_bytes() const {
   return bytes;
 }
 
-AttentionStage make_attention_stage(const DeviceCaches& caches, const StepMetadata& metadata,
-                                    const AttentionStaging& staging, int64_t max_tokens) {
+AttentionStage make_attention_stage(const DeviceCaches& caches, const StepMetadata& metadata, int64_t max_tokens) {
   AttentionStage stage;
+  const AttentionStaging& staging = metadata.staging();
   const KvCacheManager& manager = caches.manager();
   const std::vector<const PagePool*> pools = manager.pools();
   int64_t most_pages = 0, widest = 0;

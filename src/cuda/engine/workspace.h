@@ -25,15 +25,14 @@ struct AttentionStage {
     DeviceBuffer table;         // [most step sequences, widest table] i32
     DeviceBuffer first;         // [most step sequences] i32
   };
-  DeviceBuffer pages;  // [attention_stage_bytes] u8
+  DeviceBuffer pages;  // [staging budget] u8 (attention_stage_bytes, at most what one layer stages)
   Table window, compressed;
 
   size_t device_bytes() const;
 };
 
-// Sized for the pools `metadata` may stage; empty when it stages none.
-AttentionStage make_attention_stage(const DeviceCaches& caches, const StepMetadata& metadata,
-                                    const AttentionStaging& staging, int64_t max_tokens);
+// Sized for the pools `metadata` may stage and its staging budget; empty when it stages none.
+AttentionStage make_attention_stage(const DeviceCaches& caches, const StepMetadata& metadata, int64_t max_tokens);
 
 // Row buffers that Precision::fp32 keeps in f32 are sized for f32.
 struct Workspace {
