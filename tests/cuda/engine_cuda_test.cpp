@@ -494,8 +494,9 @@ TEST_F(EngineCudaGraph, DecodeStepsReplayTheGraphOfTheirKey) {
 // attend each cached row many times decodes its layers' window and kv source pages to bf16 once and
 // attends those. Against an engine that never stages, in lockstep (the staging one through step
 // graphs: every step of it is captured, as an engine's first step of a key is): long prefill chunks
-// beside decode tokens, a fork that shares pages, a release. Every layer's output must be the same
-// bits, the long steps must have staged, the decode steps not.
+// beside decode tokens, a fork that shares pages, a release, image spans (windows that reach left
+// of the causal one). Every layer's output must be the same bits, the long steps must have staged,
+// the decode steps not.
 
 using EngineCudaStaging = CudaTest;
 
@@ -503,7 +504,8 @@ TEST_F(EngineCudaStaging, PrefillOverStagedPagesGivesTheSameBits) {
   if (cuda::device_info().compute_capability != 90) GTEST_SKIP() << "pages are staged on Hopper (sm_90) only";
   for (const char* preset : {"tiny-v4.1", "tiny-v4"}) {
     SCOPED_TRACE(preset);
-    const Model m = tiny_model(preset);
+    Model m = tiny_model(preset);
+    m.config.vision_max_n_token = 24;
     EngineOptions options = engine_options(Backend::cuda, Precision::reference, "");
     options.max_tokens_per_step = 640;
     options.max_context = 1024;
@@ -518,7 +520,8 @@ TEST_F(EngineCudaStaging, PrefillOverStagedPagesGivesTheSameBits) {
     const int64_t H = m.config.hidden_size;
     DeviceLayers a = device_layers(m, options.max_tokens_per_step), b = device_layers(m, options.max_tokens_per_step);
     int step = 0;
-    const auto run = [&](const std::vector<std::pair<int, int64_t>>& work, bool stages) {
+    const auto run = [&](const std::vector<std::pair<int, int64_t>>& work, bool stages,
+                         const std::vector<ImageSpan>& last_entry_spans = {}) {
       SCOPED_TRACE("step " + std::to_string(step));
       std::vector<StepEntry> on_staging, on_direct;
       int64_t T = 0;
@@ -527,6 +530,7 @@ TEST_F(EngineCudaStaging, PrefillOverStagedPagesGivesTheSameBits) {
         on_direct.push_back({ids[static_cast<size_t>(h)].second, n});
         T += n;
       }
+      on_staging.back().image_spans = on_direct.back().image_spans = last_entry_spans;
       fill_layers(m, a, T, 300 + static_cast<uint32_t>(step));
       fill_layers(m, b, T, 300 + static_cast<uint32_t>(step));
       staging->begin_step(on_staging);
@@ -551,7 +555,7 @@ TEST_F(EngineCudaStaging, PrefillOverStagedPagesGivesTheSameBits) {
     staging->release_sequence(ids[1].first);
     direct->release_sequence(ids[1].second);
     add();
-    run({{0, 1}, {2, 1}, {3, 421}}, true);
+    run({{0, 1}, {2, 1}, {3, 421}}, true, {{100, 123}, {300, 310}});  // the new sequence's positions 0 … 420
     run({{0, 1}, {2, 1}, {3, 1}}, false);
   }
 }
