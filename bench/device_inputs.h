@@ -114,7 +114,7 @@ struct StagedCache {
 };
 
 inline StagedCache staged_cache(const PagedCache& source) {
-  const PageGeometry g = page_geometry(KvRowFormat::bf16, source.geometry.row.dims, source.geometry.rows_per_page);
+  const PageGeometry g = staged_page_geometry(source.geometry);
   const int64_t n = source.pages.shape[0];
   std::vector<int32_t> ids(static_cast<size_t>(n));
   std::iota(ids.begin(), ids.end(), 0);

@@ -33,5 +33,7 @@ struct CacheStageParams {
 
 void validate_cache_stage(const CacheStageParams& p);
 void run_cache_stage(const CacheStageParams& p, cudaStream_t stream);
+// The bf16 page run_cache_stage writes for a page of `source`.
+PageGeometry staged_page_geometry(const PageGeometry& source);
 
 }  // namespace dsv4::cuda

@@ -570,7 +570,7 @@ PagedCache LayerPipeline::stage_pool(int pool, const PagedCache& source, const A
   CacheStageParams stage;
   stage.source = source;
   stage.pages = view(table.source_pages.data(), DType::i32, {staged_pool.pages});
-  stage.staged.geometry = page_geometry(KvRowFormat::bf16, source.geometry.row.dims, source.geometry.rows_per_page);
+  stage.staged.geometry = staged_page_geometry(source.geometry);
   stage.staged.pages = view(pages, DType::u8, {staged_pool.pages, stage.staged.geometry.page_stride});
   stage.staged.block_table = view(table.table.data(), DType::i32, {S, mirror.width});
   stage.staged.first_logical_page = view(table.first.data(), DType::i32, {S});

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "dsv4/cuda/cache.h"
+
 namespace dsv4::cuda {
 namespace {
 
@@ -63,41 +65,57 @@ uint64_t mix(uint64_t hash, uint64_t value) { return (hash ^ value) * 0x10000000
 // its tokens attend at least this many rows per staged row.
 constexpr int64_t kMinRowReuse = 8;
 
-// The window and compressed pools an attention reads (not the draft layers': their attention is
-// run_draft_block's), in formats run_cache_stage decodes and worth decoding (not bf16 already).
-std::vector<bool> stageable_pools(const ModelTopology& topology, const KvCacheManager& manager,
-                                  const AttentionStaging& staging) {
-  std::vector<bool> stageable(manager.pools().size(), false);
-  if (staging.bytes == 0) return stageable;
-  const auto mark = [&](CacheKind kind, int layer) {
-    const int pool = manager.pool_index(kind, layer);
-    const PageGeometry& g = manager.pool(kind, layer).geometry();
-    const KvRowFormat f = g.format;
-    stageable[static_cast<size_t>(pool)] =
-        g.row.dims == 512 && (f == KvRowFormat::v41_fp8 || f == KvRowFormat::v41_fp4 || f == KvRowFormat::fp8_ds_mla);
-  };
+// The layers whose attention a step runs (not the draft layers': their attention is
+// run_draft_block's) with the window and compressed pools it reads.
+std::vector<AttendedPools> attended_pools(const ModelTopology& topology, const KvCacheManager& manager) {
+  std::vector<AttendedPools> attended;
   for (const LayerPlan& plan : topology.layers) {
     // A drafter's engine keeps no pools for the backbone layers it does not run.
     if (plan.kind == AttentionKind::dspark || !manager.has_pool(CacheKind::window, plan.layer)) continue;
-    mark(CacheKind::window, plan.layer);
-    if (plan.kv_source >= 0) mark(CacheKind::compressed, plan.kv_source);
+    attended.push_back({plan.layer, manager.pool_index(CacheKind::window, plan.layer),
+                        plan.kv_source >= 0 ? manager.pool_index(CacheKind::compressed, plan.kv_source) : -1});
   }
+  return attended;
+}
+
+// Bytes of n pages of `pool` staged to bf16 pages, as the staging buffer holds them (aligned).
+int64_t staged_bytes(const PagePool& pool, int64_t n) {
+  return static_cast<int64_t>(
+      align_workspace(static_cast<size_t>(n * staged_page_geometry(pool.geometry()).page_stride)));
+}
+
+// The window and compressed pools an attention reads, in formats run_cache_stage decodes and worth
+// decoding (not bf16 already).
+std::vector<bool> stageable_pools(const std::vector<AttendedPools>& attended, const KvCacheManager& manager,
+                                  const AttentionStaging& staging) {
+  const std::vector<const PagePool*> pools = manager.pools();
+  std::vector<bool> stageable(pools.size(), false);
+  if (staging.bytes == 0) return stageable;
+  for (const AttendedPools& a : attended)
+    for (int pool : {a.window, a.compressed}) {
+      if (pool < 0) continue;
+      const PageGeometry& g = pools[static_cast<size_t>(pool)]->geometry();
+      const KvRowFormat f = g.format;
+      stageable[static_cast<size_t>(pool)] =
+          g.row.dims == 512 && (f == KvRowFormat::v41_fp8 || f == KvRowFormat::v41_fp4 || f == KvRowFormat::fp8_ds_mla);
+    }
   return stageable;
 }
 
 // `staging` with its budget cut to what one layer can stage at most (every page of its window pool
 // and of its kv source's compressed pool as bf16 pages), so that a small engine holds no more.
-AttentionStaging clamped(AttentionStaging staging, const ModelTopology& topology, const KvCacheManager& manager) {
-  const auto staged_pool_bytes = [&](CacheKind kind, int layer) {
-    const PagePool& p = manager.pool(kind, layer);
-    return static_cast<int64_t>(align_workspace(static_cast<size_t>(
-        p.num_pages() * page_geometry(KvRowFormat::bf16, p.dims(), p.rows_per_page()).page_stride)));
-  };
+AttentionStaging clamped(AttentionStaging staging, const std::vector<AttendedPools>& attended,
+                         const KvCacheManager& manager) {
+  const std::vector<const PagePool*> pools = manager.pools();
   int64_t most = 0;
-  for (const LayerPlan& plan : topology.layers) {
-    if (plan.kind == AttentionKind::dspark || !manager.has_pool(CacheKind::window, plan.layer)) continue;
-    most = std::max(most, staged_pool_bytes(CacheKind::window, plan.layer) +
-                              (plan.kv_source >= 0 ? staged_pool_bytes(CacheKind::compressed, plan.kv_source) : 0));
+  for (const AttendedPools& a : attended) {
+    int64_t bytes = 0;
+    for (int pool : {a.window, a.compressed}) {
+      if (pool < 0) continue;
+      const PagePool& p = *pools[static_cast<size_t>(pool)];
+      bytes += staged_bytes(p, p.num_pages());
+    }
+    most = std::max(most, bytes);
   }
   staging.bytes = std::min(staging.bytes, most);
   return staging;
@@ -115,8 +133,9 @@ size_t staging_upload_bytes(const std::vector<bool>& stageable, int64_t max_toke
 
 StepMetadata::StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens,
                            int64_t max_context, const AttentionStaging& staging)
-    : max_tokens_(max_tokens), max_context_(max_context), staging_(clamped(staging, topology, caches.manager())),
-      stageable_pools_(stageable_pools(topology, caches.manager(), staging_)),
+    : max_tokens_(max_tokens), max_context_(max_context), attended_(attended_pools(topology, caches.manager())),
+      staging_(clamped(staging, attended_, caches.manager())),
+      stageable_pools_(stageable_pools(attended_, caches.manager(), staging_)),
       staged_pools_(caches.manager().pools().size()),
       upload_(4 * align_workspace(static_cast<size_t>(max_tokens) * 4) +
               staging_upload_bytes(stageable_pools_, max_tokens, staging_)),
@@ -225,16 +244,10 @@ void StepMetadata::pack_staging(const StepLayout& step, const ModelTopology& top
     }
     return pages[static_cast<size_t>(pool)] = first;
   };
-  const auto staged_bytes = [&](int pool, int64_t n) {
-    const PagePool& p = *manager.pools()[static_cast<size_t>(pool)];
-    return static_cast<int64_t>(
-        align_workspace(static_cast<size_t>(n * page_geometry(KvRowFormat::bf16, p.dims(), p.rows_per_page()).page_stride)));
-  };
+  const std::vector<const PagePool*> pools = manager.pools();
   std::vector<bool> used(stageable_pools_.size(), false);
-  for (const LayerPlan& plan : topology.layers) {
-    if (plan.kind == AttentionKind::dspark || !manager.has_pool(CacheKind::window, plan.layer)) continue;
-    const int window = manager.pool_index(CacheKind::window, plan.layer);
-    const int compressed = plan.kv_source >= 0 ? manager.pool_index(CacheKind::compressed, plan.kv_source) : -1;
+  for (const auto& [layer, window, compressed] : attended_) {
+    const LayerPlan& plan = topology[layer];
     if (!stageable_pools_[static_cast<size_t>(window)] ||
         (compressed >= 0 && !stageable_pools_[static_cast<size_t>(compressed)]))
       continue;
@@ -252,11 +265,12 @@ void StepMetadata::pack_staging(const StepLayout& step, const ModelTopology& top
       window_rows += std::min(end, staging_.window - 1 + ch.tokens);
     }
     if (attended < kMinRowReuse * window_rows) continue;
-    const PagePool& window_pool = *manager.pools()[static_cast<size_t>(window)];
-    int64_t rows = count(window) * window_pool.rows_per_page(), bytes = staged_bytes(window, count(window));
+    const PagePool& window_pool = *pools[static_cast<size_t>(window)];
+    int64_t rows = count(window) * window_pool.rows_per_page(), bytes = staged_bytes(window_pool, count(window));
     if (compressed >= 0) {
-      rows += count(compressed) * manager.pools()[static_cast<size_t>(compressed)]->rows_per_page();
-      bytes += staged_bytes(compressed, count(compressed));
+      const PagePool& compressed_pool = *pools[static_cast<size_t>(compressed)];
+      rows += count(compressed) * compressed_pool.rows_per_page();
+      bytes += staged_bytes(compressed_pool, count(compressed));
     }
     if (attended < kMinRowReuse * rows || bytes > staging_.bytes) continue;
     layers_[static_cast<size_t>(plan.layer)].stages_attention = true;

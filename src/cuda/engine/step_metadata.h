@@ -34,6 +34,14 @@ struct AttentionStaging {
   int64_t index_topk = 0;     // the picks a token of a layer with an index source attends
 };
 
+// The pools a layer's attention reads (KvCacheManager::pool_index): its window pool and its kv
+// source's compressed pool.
+struct AttendedPools {
+  int layer = 0;
+  int window = 0;
+  int compressed = -1;  // -1: the layer has no kv source
+};
+
 // A pool's pages staged for a step: the step's sequences in order, each a StagedRun.
 struct StagedPool {
   TensorView runs;    // [step sequences, 3] i32: StagedRun per sequence
@@ -87,6 +95,9 @@ class StepMetadata {
   void pack_staging(const StepLayout& step, const ModelTopology& topology, const DeviceCaches& caches);
 
   int64_t max_tokens_ = 0, max_context_ = 0;
+  // The layers whose attention a step runs (not the draft layers': their attention is
+  // run_draft_block's), in layer order, with their pools; staging_ and stageable_pools_ use it.
+  std::vector<AttendedPools> attended_;
   AttentionStaging staging_;
   std::vector<bool> stageable_pools_;  // by pool index: a window or compressed pool an attention reads
   TensorView step_sequence_;

@@ -5,6 +5,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "dsv4/cuda/cache.h"
+
 namespace dsv4::cuda {
 namespace {
 
@@ -28,7 +30,7 @@ AttentionStage make_attention_stage(const DeviceCaches& caches, const StepMetada
   int64_t most_pages = 0, widest = 0;
   for (size_t p = 0; p < pools.size(); ++p) {
     if (!metadata.stageable(static_cast<int>(p))) continue;
-    const PageGeometry staged = page_geometry(KvRowFormat::bf16, pools[p]->dims(), pools[p]->rows_per_page());
+    const PageGeometry staged = staged_page_geometry(pools[p]->geometry());
     most_pages = std::max(most_pages, staging.bytes / staged.page_stride);
     widest = std::max<int64_t>(widest, caches.pool_tables()[p].width);
   }

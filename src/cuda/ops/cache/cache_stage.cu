@@ -36,6 +36,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) cache_stage_kernel(Device
 
 }  // namespace
 
+PageGeometry staged_page_geometry(const PageGeometry& source) {
+  return page_geometry(KvRowFormat::bf16, source.row.dims, source.rows_per_page);
+}
+
 void validate_cache_stage(const CacheStageParams& p) {
   constexpr const char* op = "cache_stage";
   std::vector<TensorSpec> specs = paged_cache_specs("source", p.source, false, kAnyDim);
@@ -43,9 +47,11 @@ void validate_cache_stage(const CacheStageParams& p) {
   for (TensorSpec& s : paged_cache_specs("staged", p.staged, false, kAnyDim)) specs.push_back(std::move(s));
   check_tensors(op, specs);
   check_paged_cache(op, "source", p.source, kDims, kSourceFormats);
-  check_paged_cache(op, "staged", p.staged, kDims, {KvRowFormat::bf16});
-  DSV4_CHECK(p.staged.geometry.rows_per_page == p.source.geometry.rows_per_page, op, ": cache 'staged' has ",
-             p.staged.geometry.rows_per_page, " rows per page, expected the source's ", p.source.geometry.rows_per_page);
+  // The source's geometry is valid (checked above), so this does not throw.
+  const PageGeometry expected = staged_page_geometry(p.source.geometry);
+  check_paged_cache(op, "staged", p.staged, expected.row.dims, {expected.format});
+  DSV4_CHECK(p.staged.geometry.rows_per_page == expected.rows_per_page, op, ": cache 'staged' has ",
+             p.staged.geometry.rows_per_page, " rows per page, expected the source's ", expected.rows_per_page);
   DSV4_CHECK(p.staged.pages.shape[0] >= p.pages.shape[0], op, ": cache 'staged' has ", p.staged.pages.shape[0],
              " pages, expected at least ", p.pages.shape[0], " (one per entry of 'pages')");
   // A row's data is read up to 16 bytes at a time (its scales byte by byte) and written in 16-byte pieces.
