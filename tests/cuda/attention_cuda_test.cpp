@@ -262,7 +262,9 @@ void check_attention(const AttentionCase& c) {
     HostTensor unsplit;
     for (const bool split : {false, true}) {
       const std::string what = name + (split ? " attention output, split rows" : " attention output");
-      DeviceBuffer workspace(split ? implementation->workspace_bytes(p) : 0);
+      // Splitting needs a workspace argument, even where the implementation uses none of it (wgmma
+      // merges in its clusters).
+      DeviceBuffer workspace(split ? std::max<size_t>(implementation->workspace_bytes(p), 256) : 0);
       if (split) workspace.fill_bytes(0xa5);  // stale partials: every split writes its own
       dout.buffer.fill_bytes(0xff);
       dlse.buffer.fill_bytes(0xff);
@@ -843,6 +845,36 @@ TEST_F(CudaTest, SparseAttentionChoosesWgmmaOnHopper) {
   SparseAttentionParams p = fake_params();
   p.bf16_rounding = true;
   EXPECT_STREQ(sparse_attention_implementation(p), "wgmma");
+}
+
+// The split of a kernel whose split blocks merge in their cluster, planned from the device's cluster
+// capacity: an H200-like one (132 SMs, clusters of s blocks in 8 GPCs of 16) and one that runs only
+// the portable sizes (up to 8). Needs no device.
+TEST(SparseAttentionCudaValidation, ClusterSplitPlan) {
+  std::vector<int> h200(17), portable(17);
+  for (int s = 1; s <= 16; ++s) h200[s] = s == 1 ? 132 : 8 * (16 / s), portable[s] = s <= 8 ? h200[s] : 0;
+  auto expect_plan = [](const SplitKvPlan& plan, int splits, int64_t per_split, const std::string& what) {
+    EXPECT_EQ(plan.splits, splits) << what;
+    EXPECT_EQ(plan.tiles_per_split, per_split) << what;
+  };
+  expect_plan(plan_split_kv_clusters(1, 10, h200), 10, 1, "batch 1: a tile per block");
+  expect_plan(plan_split_kv_clusters(1, 10, portable), 5, 2, "batch 1, portable clusters");
+  expect_plan(plan_split_kv_clusters(64, 10, h200), 2, 5, "batch 64: pairs");
+  expect_plan(plan_split_kv_clusters(128, 10, h200), 1, 10, "batch 128: a wave without splits");
+  expect_plan(plan_split_kv_clusters(16, 10, h200), 5, 2, "batch 16: as fast as 10 splits, fewer to merge");
+  expect_plan(plan_split_kv_clusters(1, 1, h200), 1, 1, "one tile");
+  expect_plan(plan_split_kv_clusters(300, 10, h200), 1, 10, "more than a wave");
+  expect_plan(plan_split_kv_clusters(0, 0, h200), 1, 1, "an empty step");
+  expect_plan(plan_split_kv_clusters(4, 40, std::vector<int>{0, 132}), 1, 40, "no clusters");
+  // Every plan covers the rows, no split without a tile, no cluster the device cannot place.
+  for (int64_t blocks = 1; blocks <= 300; ++blocks)
+    for (int64_t tiles = 1; tiles <= 40; ++tiles)
+      for (const std::vector<int>* capacity : {&h200, &portable}) {
+        const SplitKvPlan plan = plan_split_kv_clusters(blocks, tiles, *capacity);
+        ASSERT_GE(plan.splits * plan.tiles_per_split, tiles) << blocks << " blocks, " << tiles << " tiles";
+        ASSERT_LT((plan.splits - 1) * plan.tiles_per_split, tiles) << blocks << " blocks, " << tiles << " tiles";
+        ASSERT_GT((*capacity)[plan.splits], 0) << blocks << " blocks, " << tiles << " tiles";
+      }
 }
 
 // The engine sizes the row split's workspace ahead with sparse_attention_max_workspace_bytes: it

@@ -65,11 +65,13 @@ void validate_sparse_attention(const SparseAttentionParams& p);
 // portable fp32 kernel, the one for f32 q and f32 caches); for tests and dsv4 bench.
 const char* sparse_attention_implementation(const SparseAttentionParams& p);
 // Small steps (few tokens × head groups, e.g. decode at batch 1) leave most of the GPU idle with
-// one block per (token, head group); with this workspace each token's rows are split over several
-// blocks (whole tiles of rows) whose partial softmax sums are merged by a second kernel in a fixed
-// order. 0 when the step is large enough not to split. A split rounds e_i relative to its own max
-// (bf16_rounding), so the split changes the last bits; how many splits a step gets depends on its
-// token count, unsplit results do not depend on the other tokens.
+// one block per (token, head group); given a workspace, each token's rows are split over several
+// blocks (whole tiles of rows) whose partial softmax sums are merged in a fixed order: by a second
+// kernel through this workspace, or ("wgmma") within the blocks' thread-block cluster, which needs
+// none of it (a non-null pointer lets it split). 0 when the step is large enough not to split or no
+// implementation needs the bytes. A split rounds e_i relative to its own max (bf16_rounding), so the
+// split changes the last bits; how many splits a step gets depends on its token count and (wgmma) on
+// the device's cluster capacity, unsplit results do not depend on the other tokens.
 size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p);
 // The largest workspace any step of at most max_tokens tokens of `heads` heads needs, each token
 // attending at most max_rows rows (window_size + picks per token): what a caller that sizes its

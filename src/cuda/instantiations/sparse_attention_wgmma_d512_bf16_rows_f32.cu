@@ -2,6 +2,6 @@
 #include "cuda/ops/attention/wgmma/sparse_attention_wgmma_kernel.cuh"
 
 namespace dsv4::cuda {
-template void launch_sparse_attention_wgmma<float, KvRowFormat::bf16, KvRowFormat::bf16>(const SparseAttentionLaunch&,
-                                                                              cudaStream_t);
+template void launch_sparse_attention_wgmma<float, KvRowFormat::bf16, KvRowFormat::bf16>(SparseAttentionLaunch, int64_t,
+                                                    bool, cudaStream_t);
 }  // namespace dsv4::cuda

@@ -115,10 +115,12 @@ SplitKvPlan SparseAttentionImplementation::plan(const SparseAttentionParams& p, 
 }
 
 size_t SparseAttentionImplementation::workspace_bytes(const SparseAttentionParams& p) const {
+  if (blocking.merges_in_cluster) return 0;
   return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], blocking.head_dim, plan(p, true).splits);
 }
 
 size_t SparseAttentionImplementation::max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) const {
+  if (blocking.merges_in_cluster) return 0;
   return split_kv_max_workspace_bytes(max_tokens, heads, blocking.head_dim,
                                       [&](int64_t tokens) { return plan(tokens, heads, max_rows, true).splits; });
 }

@@ -16,12 +16,16 @@ namespace dsv4::cuda {
 
 // How an implementation blocks a step, which decides its row split (split_kv.h): a block per
 // (token, heads_per_block heads, split), the rows in tiles of tile_rows; one block per SM (the
-// tensor-core kernels: split to fill one wave) or several.
+// tensor-core kernels: split to fill one wave) or several. Where the split blocks of a token merge
+// in their thread-block cluster (merges_in_cluster), the kernel plans its split at launch from the
+// device's cluster capacity (plan_split_kv_clusters) and needs no workspace; it splits only when
+// given one all the same, so that a call without a workspace stays the batch-independent one.
 struct AttentionBlocking {
   int64_t heads_per_block = 1;
   int64_t tile_rows = 1;
   int64_t head_dim = 512;
   bool one_block_per_sm = false;
+  bool merges_in_cluster = false;
 };
 
 struct SparseAttentionImplementation {
@@ -29,10 +33,12 @@ struct SparseAttentionImplementation {
   // "" when the implementation runs this (validated) call on `device`, else why not.
   std::string (*supports)(const SparseAttentionParams& p, const DeviceInfo& device);
   AttentionBlocking blocking;
-  // workspace: null (then nothing may be split) or at least workspace_bytes(p) bytes, 256-aligned.
+  // workspace: null (then nothing may be split) or at least workspace_bytes(p) bytes, 256-aligned
+  // (any non-null pointer where that is 0).
   void (*run)(const SparseAttentionParams& p, void* workspace, cudaStream_t stream);
 
-  // The row split of a call of `tokens` tokens of `heads` heads attending at most max_rows rows each.
+  // The row split of a call of `tokens` tokens of `heads` heads attending at most max_rows rows each
+  // (not for merges_in_cluster, which plans at launch).
   SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_allowed) const;
   // The split of a validated call (split_allowed: a workspace is given).
   SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) const;

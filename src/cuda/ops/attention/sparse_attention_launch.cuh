@@ -36,7 +36,8 @@ struct SparseAttentionLaunch {
   int heads = 0;
   // Split-KV (split_kv.h): block z of a token covers tiles [z·tiles_per_split, (z+1)·tiles_per_split)
   // of its rows (tiles of the implementation's size). With splits > 1 each block writes its
-  // unnormalized P·V and (max, sum) to the partials and run_split_kv_combine produces out.
+  // unnormalized P·V and (max, sum) to the partials and run_split_kv_combine produces out (or, where
+  // the implementation merges in a cluster, the blocks merge them; partials then stay empty).
   int splits = 1;
   int64_t tiles_per_split = 0;
   SplitKvPartials partials;

@@ -52,6 +52,24 @@ SplitKvPlan plan_split_kv_one_wave(int64_t blocks, int64_t tiles, bool split_all
   return {static_cast<int>(splits), (tiles + splits - 1) / splits};
 }
 
+SplitKvPlan plan_split_kv_clusters(int64_t blocks, int64_t tiles, std::span<const int> capacity) {
+  tiles = std::max<int64_t>(1, tiles);
+  blocks = std::max<int64_t>(1, blocks);
+  SplitKvPlan best{1, tiles};
+  int64_t best_cost = INT64_MAX;
+  for (int64_t splits = 1; splits < static_cast<int64_t>(capacity.size()) && splits <= tiles; ++splits) {
+    const int64_t per_split = (tiles + splits - 1) / splits;
+    // Only the fewest splits of each tile count per block (more would leave a block without rows),
+    // and only in one wave of clusters: a second, partial one costs a whole block's time.
+    if (capacity[splits] <= 0 || (tiles + per_split - 1) / per_split != splits ||
+        (splits > 1 && blocks > capacity[splits]))
+      continue;
+    const int64_t cost = (blocks + capacity[splits] - 1) / capacity[splits] * per_split;
+    if (cost < best_cost) best = {static_cast<int>(splits), per_split}, best_cost = cost;
+  }
+  return best;
+}
+
 size_t split_kv_workspace_bytes(int64_t tokens, int64_t heads, int64_t head_dim, int splits) {
   if (splits <= 1) return 0;
   return partial_out_bytes(tokens, heads, head_dim, splits) +

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "dsv4/cuda/runtime.h"
 #include "dsv4/tensor.h"
@@ -38,6 +39,13 @@ inline constexpr int64_t kOneWaveBlocks = 132;
 // each token's rows so that the blocks make about one wave, never more (a second, partial wave
 // would cost a whole block's time).
 SplitKvPlan plan_split_kv_one_wave(int64_t blocks, int64_t tiles, bool split_allowed);
+
+// The plan of a kernel whose split blocks of a token form one thread-block cluster and merge in it
+// (no workspace): capacity[s] is how many clusters of s blocks the device runs at once (0: none;
+// capacity[1]: blocks). Of the split counts 1 … capacity.size() - 1 (at most `tiles`) whose clusters
+// run in one wave (or 1), the one with the fewest tiles per block times waves; on a tie the fewest
+// splits (the least to merge).
+SplitKvPlan plan_split_kv_clusters(int64_t blocks, int64_t tiles, std::span<const int> capacity);
 
 // The partial results in the workspace, [splits, tokens, heads, head_dim] f32 then
 // [splits, tokens, heads] (running max, running sum).

@@ -1,6 +1,7 @@
 // The Hopper warpgroup-MMA implementation of run_sparse_attention ("wgmma", kernel in
 // sparse_attention_wgmma_kernel.cuh): one block of three warpgroups per (token, 64 heads) and SM,
-// rows split over blocks with split_kv so that a small step still fills one wave of an H100 / H200.
+// rows split over the blocks of a cluster so that a small step still fills one wave of an H100 / H200
+// (plan_split_kv_clusters), merged in the cluster.
 // The kernels are instantiated in src/cuda/instantiations/sparse_attention_wgmma_*.cu.
 #include <string>
 #include <type_traits>
@@ -13,7 +14,7 @@ namespace dsv4::cuda {
 
 #define DSV4_WGMMA_ATTENTION(Out, Window, Compressed) \
   extern template void launch_sparse_attention_wgmma<Out, KvRowFormat::Window, KvRowFormat::Compressed>( \
-      const SparseAttentionLaunch&, cudaStream_t);
+      SparseAttentionLaunch, int64_t, bool, cudaStream_t);
 DSV4_WGMMA_ATTENTION(uint16_t, v41_fp8, v41_fp4)
 DSV4_WGMMA_ATTENTION(float, v41_fp8, v41_fp4)
 DSV4_WGMMA_ATTENTION(uint16_t, fp8_ds_mla, fp8_ds_mla)
@@ -26,10 +27,11 @@ namespace {
 
 using attention_wgmma::kHeadDim;
 
-// One block per SM (the accumulators of 64 heads x 512 channels take half the register file).
+// One block per SM (the accumulators of 64 heads x 512 channels take half the register file); a
+// token's split blocks merge in their cluster.
 constexpr AttentionBlocking kBlocking{.heads_per_block = attention_wgmma::kHeadsPerBlock,
                                       .tile_rows = attention_wgmma::kTileRows, .head_dim = kHeadDim,
-                                      .one_block_per_sm = true};
+                                      .one_block_per_sm = true, .merges_in_cluster = true};
 
 // The format pairs the kernel is built for: the V4.1 native caches and FlashMLA's fp8_ds_mla rows
 // for both (decoded exactly to bf16: e4m3 codes times ue8m0 scales, e2m1 codes times e4m3 scales),
@@ -81,12 +83,15 @@ std::string supports(const SparseAttentionParams& p, const DeviceInfo& device) {
 
 void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
   if (p.q.shape[0] == 0 || p.q.shape[1] == 0) return;
-  const SparseAttentionLaunch a =
-      make_sparse_attention_launch(p, kSparseAttentionWgmma.plan(p, workspace != nullptr), workspace, kHeadDim);
+  // The launch plans the split (kBlocking.merges_in_cluster).
+  const SparseAttentionLaunch a = make_sparse_attention_launch(p, SplitKvPlan{}, nullptr, kHeadDim);
+  const int64_t max_rows = max_attended_rows(p);
+  const bool split_allowed = workspace != nullptr;
   auto launch = [&](auto window, auto compressed) {
     constexpr KvRowFormat kWindow = decltype(window)::value, kCompressed = decltype(compressed)::value;
-    p.out.dtype == DType::bf16 ? launch_sparse_attention_wgmma<uint16_t, kWindow, kCompressed>(a, stream)
-                               : launch_sparse_attention_wgmma<float, kWindow, kCompressed>(a, stream);
+    p.out.dtype == DType::bf16
+        ? launch_sparse_attention_wgmma<uint16_t, kWindow, kCompressed>(a, max_rows, split_allowed, stream)
+        : launch_sparse_attention_wgmma<float, kWindow, kCompressed>(a, max_rows, split_allowed, stream);
   };
   using F = KvRowFormat;
   switch (format_pair(p)) {
@@ -101,7 +106,6 @@ void run(const SparseAttentionParams& p, void* workspace, cudaStream_t stream) {
       break;
   }
   check_launch("sparse_attention (wgmma)");
-  if (a.splits > 1) combine_sparse_attention_splits(a, p.out.dtype, kHeadDim, stream);
 }
 
 }  // namespace

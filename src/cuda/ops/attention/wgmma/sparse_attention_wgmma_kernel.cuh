@@ -25,18 +25,24 @@
 //     flight, and hands over the tiles with kFull (bar.arrive) / kEmpty (the consumers' bar.arrive);
 //   * bf16 rows need none: the producer copies them straight into the tiles, each tile's copies
 //     landing on an mbarrier (cp.async.mbarrier.arrive), so that it never waits for them.
-// Nothing depends on the other tokens of the step; split blocks write their unnormalized P·V and
-// (max, sum) for run_split_kv_combine, which merges them in a fixed order.
+// Nothing depends on the other tokens of the step. The split blocks of a token are one thread-block
+// cluster: each puts its unnormalized P·V and (max, sum) into its shared memory, and each merges a
+// slice of the token's outputs from all of them (distributed shared memory) in the fixed order of
+// the splits, so that no partial goes through global memory and no combine kernel runs.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 
 #include "cuda/common/async_copy.cuh"
 #include "cuda/common/device_math.cuh"
+#include "cuda/common/distributed_shared.cuh"
 #include "cuda/common/paged_rows.cuh"
 #include "cuda/common/warp_roles.cuh"
 #include "cuda/common/wgmma.cuh"
@@ -248,6 +254,127 @@ __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch&
     *reinterpret_cast<uint4*>(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + half * kHalfChannels + piece * kPieceValues) =
         *reinterpret_cast<const uint4*>(rows + h * kRowValues + piece * kPieceValues);
   }
+}
+
+// The split merge (splits > 1): the largest cluster an H100 / H200 runs (a non-portable size), and
+// what each block of it shares, in the space of P, Q and the tiles, free once its MMAs are done:
+// its partial output (rows of 64 heads x 512 channels, padded by 8 values so that a half warp's
+// 8-byte stores of 4 heads fall on different banks) and its heads' (max, sum) in log2 units; then,
+// for its own merge, every split's (max, sum) gathered and the merge weights.
+inline constexpr int kMaxClusterSplits = 16;
+inline constexpr int kPartialRowValues = kHeadDim + 8;
+inline constexpr size_t kPartialBytes = size_t{kHeadsPerBlock} * kPartialRowValues * sizeof(float);
+inline constexpr size_t kMergeBytes = kPartialBytes + kHeadsPerBlock * sizeof(float2) +
+                                      size_t{kMaxClusterSplits} * kHeadsPerBlock * (sizeof(float2) + sizeof(float));
+static_assert(kMergeBytes <= q_bytes(8) + 2 * kTileBytes);
+// Loads from the other blocks' shared memory a consumer thread has in flight at a time: each waits a
+// round trip, so they go out together (16-byte values: 128 registers).
+inline constexpr int kMergeLoadsInFlight = 32;
+
+// Pieces [first, end) of a token's merge (piece i: head i / 128, channels 4·(i % 128) …): the splits'
+// partials from their blocks' shared memory (at `partial` in each), weighted and summed in split
+// order. kMaxSplits >= splits bounds the loads per piece, so that each thread's
+// kMergeLoadsInFlight / kMaxSplits pieces load together.
+template <class Out, int kMaxSplits>
+__device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int64_t t, int head0, int first, int end,
+                                             uint32_t partial, const float* weights) {
+  constexpr int kPieces = kHeadDim / 4, kTogether = kMergeLoadsInFlight / kMaxSplits;
+  const int splits = a.splits;
+#pragma unroll 1
+  for (int base = first + static_cast<int>(threadIdx.x); base < end; base += kTogether * kConsumerThreads) {
+    float4 values[kTogether][kMaxSplits];
+#pragma unroll
+    for (int i = 0; i < kTogether; ++i) {
+      const int piece = base + i * kConsumerThreads;
+      const uint32_t local = partial + ((piece / kPieces) * kPartialRowValues + 4 * (piece % kPieces)) * sizeof(float);
+#pragma unroll
+      for (int z = 0; z < kMaxSplits; ++z)
+        if (piece < end && z < splits)
+          values[i][z] = load_cluster_shared_v4(cluster_shared_address(local, static_cast<uint32_t>(z)));
+    }
+#pragma unroll
+    for (int i = 0; i < kTogether; ++i) {
+      const int piece = base + i * kConsumerThreads, h = piece / kPieces;
+      if (piece >= end) break;
+      float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int z = 0; z < kMaxSplits; ++z)
+        if (z < splits) {
+          const float w = weights[z * kHeadsPerBlock + h];
+          sum[0] += values[i][z].x * w, sum[1] += values[i][z].y * w, sum[2] += values[i][z].z * w, sum[3] += values[i][z].w * w;
+        }
+      store4(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + 4 * (piece % kPieces), sum);
+    }
+  }
+}
+
+// Out[t, h] = Σ_z acc_z·w_z with w_z = 2^(m_z − M) / (Σ_z l_z·2^(m_z − M) + e^(sink_h − M)), M = max_z m_z
+// (zeros where no split attended a row), the sums in split order z = 0, 1, … whichever block runs
+// them; block z of the cluster writes pieces [z·n / splits, (z + 1)·n / splits) of the token's
+// n = heads x 128 four-channel pieces, block 0 also the lse. Called by the 256 consumer threads of
+// every block of the cluster (the producers have exited, which releases them from its barriers).
+template <class Out>
+__device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0, int half,
+                                                        int lane, const float (&acc)[kOutTiles][4],
+                                                        const mma::SoftmaxState& state, uint8_t* shared) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  float* const partial = reinterpret_cast<float*>(shared);
+  float2* const stats = reinterpret_cast<float2*>(shared + kPartialBytes);
+  float2* const gathered = stats + kHeadsPerBlock;                                           // [split][head]
+  float* const weights = reinterpret_cast<float*>(gathered + kMaxClusterSplits * kHeadsPerBlock);  // [split][head]
+  const int warp_in_group = (threadIdx.x / kWarpSize) % 4, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int head = warp_in_group * 16 + g + 8 * r;
+#pragma unroll
+    for (int j = 0; j < kOutTiles; ++j)
+      *reinterpret_cast<float2*>(partial + head * kPartialRowValues + half * kHalfChannels + 8 * j + 2 * c) =
+          make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+    if (half == 0 && c == 0) stats[head] = make_float2(state.running_max[r], state.running_sum[r]);
+  }
+  cluster.sync();  // every block's partial is whole (release / acquire)
+
+  const int splits = a.splits, rank = static_cast<int>(cluster.block_rank());
+  const int heads = min(kHeadsPerBlock, a.heads - head0), tid = threadIdx.x;
+  // Every split's (max, sum), two heads per load, gathered by all threads at once (at most two loads
+  // each), then each head's weights.
+  constexpr int kPairs = kHeadsPerBlock / 2;
+#pragma unroll 1
+  for (int k = tid; k < splits * kPairs; k += kConsumerThreads) {
+    const int z = k / kPairs, pair = k % kPairs;
+    const float4 two = load_cluster_shared_v4(cluster_shared_address(shared_address(stats + 2 * pair), static_cast<uint32_t>(z)));
+    *reinterpret_cast<float4*>(gathered + z * kHeadsPerBlock + 2 * pair) = two;
+  }
+  barrier_sync(kConsumerBarrier, kConsumerThreads);
+  // The loops over the splits stay rolled: unrolled, they spill (ptxas, at 208 registers).
+  if (tid < heads) {
+    float most = -INFINITY;
+#pragma unroll 1
+    for (int z = 0; z < splits; ++z) most = fmaxf(most, gathered[z * kHeadsPerBlock + tid].x);
+    const bool any = most != -INFINITY;
+    float rows_sum = 0.0f;  // Σ_z l_z·2^(m_z − M): the denominator without the sink
+#pragma unroll 1
+    for (int z = 0; z < splits; ++z) {
+      const float2 split_stats = gathered[z * kHeadsPerBlock + tid];
+      const float weight = any ? exp2f(split_stats.x - most) : 0.0f;  // 0 for a split that attended nothing
+      weights[z * kHeadsPerBlock + tid] = weight;
+      rows_sum += split_stats.y * weight;
+    }
+    const float sink = a.sink ? a.sink[head0 + tid] : -INFINITY;
+    const float inverse = any ? 1.0f / (rows_sum + exp2f(sink * mma::kLog2e - most)) : 0.0f;
+#pragma unroll 1
+    for (int z = 0; z < splits; ++z) weights[z * kHeadsPerBlock + tid] *= inverse;
+    if (rank == 0 && a.lse) a.lse[t * a.heads + head0 + tid] = any ? (most + log2f(rows_sum)) * mma::kLn2 : -INFINITY;
+  }
+  barrier_sync(kConsumerBarrier, kConsumerThreads);  // the weights are whole
+
+  const uint32_t partial_rows = shared_address(partial);
+  const int pieces = heads * (kHeadDim / 4), first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
+  // Two variants: pairs (steps of up to half a wave of blocks) and any other split; four spill.
+  if (splits == 2) merge_pieces<Out, 2>(a, t, head0, first, end, partial_rows, weights);
+  else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights);
+  cluster.sync();  // no block leaves while the others read its shared memory
 }
 
 }  // namespace attention_wgmma
@@ -632,7 +759,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   for (int r = 0; r < 2; ++r)
     softmax.running_sum[r] = exchange[warp_in_group * 16 + g + 8 * r] + exchange[kHeadsPerBlock + warp_in_group * 16 + g + 8 * r];
   if (a.splits > 1) {
-    mma::write_output<Out, kOutTiles, kHeadDim>(a, t, head_base, half * kHalfChannels, half == 0, lane, acc, softmax);
+    merge_splits_in_cluster<Out>(a, t, head0, half, lane, acc, softmax, shared);
   } else {
     write_output_staged<Out>(a, t, head0, half, lane, acc, softmax,
                              shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
@@ -640,11 +767,12 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
 #endif
 }
 
-// Out: uint16_t (bf16 bits) or float; the cache formats of the call (a cache without rows: either);
-// tiles_per_split in tiles of attention_wgmma::kTileRows rows. With splits > 1 the caller runs the
-// combine afterwards.
+// Out: uint16_t (bf16 bits) or float; the cache formats of the call (a cache without rows: either).
+// `a` comes without its split: with split_allowed the launch plans it (plan_split_kv_clusters, from
+// what this device runs at once of this kernel's clusters), for tokens attending at most max_rows rows.
 template <class Out, KvRowFormat kWindow, KvRowFormat kCompressed>
-void launch_sparse_attention_wgmma(const SparseAttentionLaunch& a, cudaStream_t stream) {
+void launch_sparse_attention_wgmma(SparseAttentionLaunch a, int64_t max_rows, bool split_allowed, cudaStream_t stream) {
+  using attention_wgmma::kMaxClusterSplits;
   const auto kernel = sparse_attention_wgmma_kernel<Out, kWindow, kCompressed>;
   constexpr size_t shared_bytes = attention_wgmma::Ring<kWindow, kCompressed>::kSharedBytes;
   static const int registers = [&] {
@@ -655,10 +783,53 @@ void launch_sparse_attention_wgmma(const SparseAttentionLaunch& a, cudaStream_t 
   DSV4_CHECK(registers == attention_wgmma::kLaunchRegisters, "sparse_attention (wgmma): the kernel has ", registers,
              " registers per thread, its register hand-over (setmaxnreg) expects ", attention_wgmma::kLaunchRegisters);
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
-  const dim3 grid(static_cast<unsigned>(a.tokens),
-                  static_cast<unsigned>((a.heads + attention_wgmma::kHeadsPerBlock - 1) / attention_wgmma::kHeadsPerBlock),
-                  static_cast<unsigned>(a.splits));
-  kernel<<<grid, attention_wgmma::kThreads, shared_bytes, stream>>>(a);
+  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  const unsigned head_groups =
+      static_cast<unsigned>((a.heads + attention_wgmma::kHeadsPerBlock - 1) / attention_wgmma::kHeadsPerBlock);
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(attention_wgmma::kThreads);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster = {};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  // capacity[s]: clusters of s blocks the device runs at once, per device (asked once).
+  static std::mutex mutex;
+  static std::array<std::array<int, kMaxClusterSplits + 1>, 64> capacities{};
+  int device = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&device));
+  DSV4_CHECK(device < static_cast<int>(capacities.size()), "sparse_attention (wgmma): device ", device,
+             " is beyond the ", capacities.size(), " this kernel plans for");
+  std::array<int, kMaxClusterSplits + 1> capacity;
+  {
+    const std::lock_guard lock(mutex);
+    std::array<int, kMaxClusterSplits + 1>& known = capacities[static_cast<size_t>(device)];
+    if (known[1] == 0)
+      for (unsigned s = 1; s <= kMaxClusterSplits; ++s) {
+        config.gridDim = dim3(1, 1, s);
+        cluster.val.clusterDim.z = s;
+        // A cluster size the device cannot place is an error here: it then has no capacity.
+        if (cudaOccupancyMaxActiveClusters(&known[s], kernel, &config) != cudaSuccess) {
+          (void)cudaGetLastError();
+          known[s] = 0;
+        }
+      }
+    capacity = known;
+  }
+  DSV4_CHECK(capacity[1] > 0, "sparse_attention (wgmma): the device runs no block of this kernel (",
+             shared_bytes, " bytes of shared memory)");
+  const SplitKvPlan plan =
+      split_allowed ? plan_split_kv_clusters(a.tokens * head_groups, (max_rows + attention_wgmma::kTileRows - 1) /
+                                                                         attention_wgmma::kTileRows,
+                                             capacity)
+                    : SplitKvPlan{1, (max_rows + attention_wgmma::kTileRows - 1) / attention_wgmma::kTileRows};
+  a.splits = plan.splits;
+  a.tiles_per_split = plan.tiles_per_split;
+  config.gridDim = dim3(static_cast<unsigned>(a.tokens), head_groups, static_cast<unsigned>(a.splits));
+  cluster.val.clusterDim.z = static_cast<unsigned>(a.splits);
+  DSV4_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a));
 }
 
 }  // namespace dsv4::cuda
