@@ -311,9 +311,8 @@ void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& 
   p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   p.out = out.view;
   p.bf16_rounding = true;  // reference precision, as the engine runs it by default
-  // Small steps split each token's rows over several blocks (the engine does the same): a workspace
-  // lets them, even where the implementation uses none of its bytes (wgmma merges in its clusters).
-  DeviceBuffer workspace(std::max<size_t>(cuda::sparse_attention_workspace_bytes(p), 256));
+  // Small steps split each token's rows over several blocks, as the engine's do (given a workspace).
+  DeviceBuffer workspace(cuda::sparse_attention_workspace_bytes(p));
   const std::vector<double> us =
       time_runs(o, stream.get(), [&] { run_sparse_attention(p, workspace.data(), stream.get()); });
   double rows = 0;
@@ -348,7 +347,7 @@ void bench_attention(const BenchOptions& o, const ModelConfig& c, cuda::Stream& 
   cuda::SparseAttentionParams from_staged = p;
   from_staged.window = staged_window.stage.staged;
   from_staged.compressed = staged_compressed.stage.staged;
-  DeviceBuffer staged_workspace(std::max<size_t>(cuda::sparse_attention_workspace_bytes(from_staged), 256));
+  DeviceBuffer staged_workspace(cuda::sparse_attention_workspace_bytes(from_staged));
   const std::vector<double> staged_us = time_runs(o, stream.get(), [&] {
     run_cache_stage(staged_window.stage, stream.get());
     run_cache_stage(staged_compressed.stage, stream.get());

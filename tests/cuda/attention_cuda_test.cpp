@@ -906,6 +906,14 @@ TEST(SparseAttentionCudaValidation, MaxWorkspaceCoversEveryStep) {
         const size_t bytes = sparse_attention_workspace_bytes(p);
         EXPECT_LE(bytes, bound) << tokens << " tokens, " << heads << " heads, " << step_picks << " picks";
         largest = std::max(largest, bytes);
+        // wgmma merges its splits in clusters and uses no bytes, but asks for some exactly where it
+        // may split (it splits only when given a workspace): fewer blocks than clusters of two fill
+        // an H200's wave, more than one tile of rows.
+        const int64_t blocks = tokens * ((heads + 63) / 64), tiles = (window + step_picks + 63) / 64;
+        const size_t wgmma_bytes = kSparseAttentionWgmma.workspace_bytes(p);
+        EXPECT_EQ(wgmma_bytes > 0, blocks <= 66 && tiles > 1)
+            << tokens << " tokens, " << heads << " heads, " << step_picks << " picks: wgmma asks for " << wgmma_bytes;
+        EXPECT_LE(wgmma_bytes, kSparseAttentionWgmma.max_workspace_bytes(max_tokens, heads, window + picks));
       }
     EXPECT_EQ(largest, bound) << heads << " heads";
     EXPECT_GT(bound, 0u) << heads << " heads: small steps split";

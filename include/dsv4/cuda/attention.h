@@ -67,9 +67,9 @@ const char* sparse_attention_implementation(const SparseAttentionParams& p);
 // Small steps (few tokens × head groups, e.g. decode at batch 1) leave most of the GPU idle with
 // one block per (token, head group); given a workspace, each token's rows are split over several
 // blocks (whole tiles of rows) whose partial softmax sums are merged in a fixed order: by a second
-// kernel through this workspace, or ("wgmma") within the blocks' thread-block cluster, which needs
-// none of it (a non-null pointer lets it split). 0 when the step is large enough not to split or no
-// implementation needs the bytes. A split rounds e_i relative to its own max (bf16_rounding), so the
+// kernel through this workspace, or ("wgmma") within the blocks' thread-block cluster, which uses
+// none of its bytes (it asks for a token 256 where it may split: passing the workspace lets it).
+// 0 when the step is large enough not to split. A split rounds e_i relative to its own max (bf16_rounding), so the
 // split changes the last bits; how many splits a step gets depends on its token count and (wgmma) on
 // the device's cluster capacity, unsplit results do not depend on the other tokens.
 size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p);

@@ -548,11 +548,10 @@ void LayerPipeline::stage_attended_pages(int layer, SparseAttentionParams& a) {
   const KvCacheManager& manager = in_.caches->manager();
   const AttentionStage& stage = in_.workspace->attention_stage;
   const int window = manager.pool_index(CacheKind::window, layer);
+  const size_t window_bytes = staged_pages_bytes(a.window.geometry, in_.step->staged_pool(window).pages);
   a.window = stage_pool(window, a.window, stage.window, static_cast<std::byte*>(stage.pages.data()));
   const int source = recipe(layer).plan.kv_source;
   if (source >= 0) {
-    const size_t window_bytes =
-        align_workspace(static_cast<size_t>(a.window.pages.shape[0] * a.window.geometry.page_stride));
     a.compressed = stage_pool(manager.pool_index(CacheKind::compressed, source), a.compressed, stage.compressed,
                               static_cast<std::byte*>(stage.pages.data()) + window_bytes);
   }

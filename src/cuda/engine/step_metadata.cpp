@@ -78,11 +78,6 @@ std::vector<AttendedPools> attended_pools(const ModelTopology& topology, const K
   return attended;
 }
 
-// Bytes of n pages of `pool` staged to bf16 pages, as the staging buffer holds them (aligned).
-int64_t staged_bytes(const PagePool& pool, int64_t n) {
-  return static_cast<int64_t>(
-      align_workspace(static_cast<size_t>(n * staged_page_geometry(pool.geometry()).page_stride)));
-}
 
 // The window and compressed pools an attention reads, in formats run_cache_stage decodes and worth
 // decoding (not bf16 already).
@@ -113,7 +108,7 @@ AttentionStaging clamped(AttentionStaging staging, const std::vector<AttendedPoo
     for (int pool : {a.window, a.compressed}) {
       if (pool < 0) continue;
       const PagePool& p = *pools[static_cast<size_t>(pool)];
-      bytes += staged_bytes(p, p.num_pages());
+      bytes += static_cast<int64_t>(staged_pages_bytes(p.geometry(), p.num_pages()));
     }
     most = std::max(most, bytes);
   }
@@ -130,6 +125,10 @@ size_t staging_upload_bytes(const std::vector<bool>& stageable, int64_t max_toke
 }
 
 }  // namespace
+
+size_t staged_pages_bytes(const PageGeometry& geometry, int64_t pages) {
+  return align_workspace(static_cast<size_t>(pages * staged_page_geometry(geometry).page_stride));
+}
 
 StepMetadata::StepMetadata(const ModelTopology& topology, const DeviceCaches& caches, int64_t max_tokens,
                            int64_t max_context, const AttentionStaging& staging)
@@ -266,11 +265,11 @@ void StepMetadata::pack_staging(const StepLayout& step, const ModelTopology& top
     }
     if (attended < kMinRowReuse * window_rows) continue;
     const PagePool& window_pool = *pools[static_cast<size_t>(window)];
-    int64_t rows = count(window) * window_pool.rows_per_page(), bytes = staged_bytes(window_pool, count(window));
+    int64_t rows = count(window) * window_pool.rows_per_page(), bytes = static_cast<int64_t>(staged_pages_bytes(window_pool.geometry(), count(window)));
     if (compressed >= 0) {
       const PagePool& compressed_pool = *pools[static_cast<size_t>(compressed)];
       rows += count(compressed) * compressed_pool.rows_per_page();
-      bytes += staged_bytes(compressed_pool, count(compressed));
+      bytes += static_cast<int64_t>(staged_pages_bytes(compressed_pool.geometry(), count(compressed)));
     }
     if (attended < kMinRowReuse * rows || bytes > staging_.bytes) continue;
     layers_[static_cast<size_t>(plan.layer)].stages_attention = true;

@@ -42,6 +42,10 @@ struct AttendedPools {
   int compressed = -1;  // -1: the layer has no kv source
 };
 
+// Bytes `pages` pages of a pool of `geometry` take staged to bf16 pages in the staging buffer, where
+// a layer's window pages come first and its kv source's follow, each part aligned.
+size_t staged_pages_bytes(const PageGeometry& geometry, int64_t pages);
+
 // A pool's pages staged for a step: the step's sequences in order, each a StagedRun.
 struct StagedPool {
   TensorView runs;    // [step sequences, 3] i32: StagedRun per sequence

@@ -114,15 +114,22 @@ SplitKvPlan SparseAttentionImplementation::plan(const SparseAttentionParams& p, 
   return plan(p.q.shape[0], p.q.shape[1], max_attended_rows(p), split_allowed);
 }
 
+// A merges_in_cluster implementation uses none of the workspace but splits only when given one
+// (run's contract), so a step it may split asks for kClusterSplitWorkspaceBytes: a caller that
+// allocates workspace_bytes(p) and passes it then lets it split. Whether the step may split is the
+// device-free one-wave plan's answer (plan), which the launch's cluster plan follows on an H100 /
+// H200 (plan_split_kv_clusters: fewer blocks than clusters of two fill one wave).
 size_t SparseAttentionImplementation::workspace_bytes(const SparseAttentionParams& p) const {
-  if (blocking.merges_in_cluster) return 0;
-  return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], blocking.head_dim, plan(p, true).splits);
+  const int splits = plan(p, true).splits;
+  if (blocking.merges_in_cluster) return splits > 1 ? kClusterSplitWorkspaceBytes : 0;
+  return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], blocking.head_dim, splits);
 }
 
 size_t SparseAttentionImplementation::max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t max_rows) const {
-  if (blocking.merges_in_cluster) return 0;
-  return split_kv_max_workspace_bytes(max_tokens, heads, blocking.head_dim,
-                                      [&](int64_t tokens) { return plan(tokens, heads, max_rows, true).splits; });
+  auto splits_of = [&](int64_t tokens) { return plan(tokens, heads, max_rows, true).splits; };
+  // One token is the step most split.
+  if (blocking.merges_in_cluster) return max_tokens > 0 && splits_of(1) > 1 ? kClusterSplitWorkspaceBytes : 0;
+  return split_kv_max_workspace_bytes(max_tokens, heads, blocking.head_dim, splits_of);
 }
 
 std::span<const SparseAttentionImplementation* const> sparse_attention_implementations() { return kImplementations; }

@@ -18,8 +18,10 @@ namespace dsv4::cuda {
 // (token, heads_per_block heads, split), the rows in tiles of tile_rows; one block per SM (the
 // tensor-core kernels: split to fill one wave) or several. Where the split blocks of a token merge
 // in their thread-block cluster (merges_in_cluster), the kernel plans its split at launch from the
-// device's cluster capacity (plan_split_kv_clusters) and needs no workspace; it splits only when
-// given one all the same, so that a call without a workspace stays the batch-independent one.
+// device's cluster capacity (plan_split_kv_clusters) and uses no workspace; it splits only when
+// given one all the same, so that a call without a workspace stays the batch-independent one, and
+// a step it may split asks for kClusterSplitWorkspaceBytes (workspace_bytes).
+inline constexpr size_t kClusterSplitWorkspaceBytes = 256;
 struct AttentionBlocking {
   int64_t heads_per_block = 1;
   int64_t tile_rows = 1;
@@ -38,7 +40,7 @@ struct SparseAttentionImplementation {
   void (*run)(const SparseAttentionParams& p, void* workspace, cudaStream_t stream);
 
   // The row split of a call of `tokens` tokens of `heads` heads attending at most max_rows rows each
-  // (not for merges_in_cluster, which plans at launch).
+  // (for merges_in_cluster, which plans at launch, only whether the call may split).
   SplitKvPlan plan(int64_t tokens, int64_t heads, int64_t max_rows, bool split_allowed) const;
   // The split of a validated call (split_allowed: a workspace is given).
   SplitKvPlan plan(const SparseAttentionParams& p, bool split_allowed) const;
