@@ -69,9 +69,10 @@ const char* sparse_attention_implementation(const SparseAttentionParams& p);
 // blocks (whole tiles of rows) whose partial softmax sums are merged in a fixed order: by a second
 // kernel through this workspace, or ("wgmma") within the blocks' thread-block cluster, which uses
 // none of its bytes (it asks for a token 256 where it may split: passing the workspace lets it).
-// 0 when the step is large enough not to split. A split rounds e_i relative to its own max (bf16_rounding), so the
-// split changes the last bits; how many splits a step gets depends on its token count and (wgmma) on
-// the device's cluster capacity, unsplit results do not depend on the other tokens.
+// 0 when the step is large enough not to split. A split rounds e_i relative to its own max
+// (bf16_rounding), so the split changes the last bits; how many splits a step gets depends on its
+// token count and (wgmma) on the device's cluster capacity, unsplit results do not depend on the
+// other tokens.
 size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p);
 // The largest workspace any step of at most max_tokens tokens of `heads` heads needs, each token
 // attending at most max_rows rows (window_size + picks per token): what a caller that sizes its

@@ -78,7 +78,6 @@ std::vector<AttendedPools> attended_pools(const ModelTopology& topology, const K
   return attended;
 }
 
-
 // The window and compressed pools an attention reads, in formats run_cache_stage decodes and worth
 // decoding (not bf16 already).
 std::vector<bool> stageable_pools(const std::vector<AttendedPools>& attended, const KvCacheManager& manager,
@@ -265,7 +264,8 @@ void StepMetadata::pack_staging(const StepLayout& step, const ModelTopology& top
     }
     if (attended < kMinRowReuse * window_rows) continue;
     const PagePool& window_pool = *pools[static_cast<size_t>(window)];
-    int64_t rows = count(window) * window_pool.rows_per_page(), bytes = static_cast<int64_t>(staged_pages_bytes(window_pool.geometry(), count(window)));
+    int64_t rows = count(window) * window_pool.rows_per_page();
+    int64_t bytes = static_cast<int64_t>(staged_pages_bytes(window_pool.geometry(), count(window)));
     if (compressed >= 0) {
       const PagePool& compressed_pool = *pools[static_cast<size_t>(compressed)];
       rows += count(compressed) * compressed_pool.rows_per_page();
