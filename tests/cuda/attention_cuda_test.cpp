@@ -919,6 +919,15 @@ TEST(SparseAttentionCudaValidation, MaxWorkspaceCoversEveryStep) {
     EXPECT_GT(bound, 0u) << heads << " heads: small steps split";
   }
   EXPECT_EQ(sparse_attention_max_workspace_bytes(0, 64, 640), 0u);
+  const SparseAttentionParams empty{.q = fake_device_view(DType::bf16, {0, 64, kHeadDim}),
+                                    .token_sequence = fake_device_view(DType::i32, {0}),
+                                    .token_position = fake_device_view(DType::i32, {0}),
+                                    .window = cache,
+                                    .window_size = 128,
+                                    .sink = fake_device_view(DType::f32, {64}),
+                                    .scale = 0.04f,
+                                    .out = fake_device_view(DType::bf16, {0, 64, kHeadDim})};
+  EXPECT_EQ(sparse_attention_workspace_bytes(empty), 0u) << "a step without tokens";
 }
 
 }  // namespace

@@ -121,7 +121,7 @@ SplitKvPlan SparseAttentionImplementation::plan(const SparseAttentionParams& p, 
 // H200 (plan_split_kv_clusters: fewer blocks than clusters of two fill one wave).
 size_t SparseAttentionImplementation::workspace_bytes(const SparseAttentionParams& p) const {
   const int splits = plan(p, true).splits;
-  if (blocking.merges_in_cluster) return splits > 1 ? kClusterSplitWorkspaceBytes : 0;
+  if (blocking.merges_in_cluster) return p.q.shape[0] > 0 && splits > 1 ? kClusterSplitWorkspaceBytes : 0;
   return split_kv_workspace_bytes(p.q.shape[0], p.q.shape[1], blocking.head_dim, splits);
 }
 
