@@ -17,13 +17,8 @@ __device__ __forceinline__ uint32_t cluster_shared_address(uint32_t shared, uint
   return address;
 }
 
-// 8 or 16 bytes from a shared::cluster address (written before a cluster barrier with release /
-// acquire semantics).
-__device__ __forceinline__ float2 load_cluster_shared_v2(uint32_t address) {
-  float2 v;
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(address) : "memory");
-  return v;
-}
+// 16 bytes from a shared::cluster address (written before a cluster barrier with release / acquire
+// semantics).
 __device__ __forceinline__ float4 load_cluster_shared_v4(uint32_t address) {
   float4 v;
   asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"

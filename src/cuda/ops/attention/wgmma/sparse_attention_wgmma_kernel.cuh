@@ -820,11 +820,9 @@ void launch_sparse_attention_wgmma(SparseAttentionLaunch a, int64_t max_rows, bo
   }
   DSV4_CHECK(capacity[1] > 0, "sparse_attention (wgmma): the device runs no block of this kernel (",
              shared_bytes, " bytes of shared memory)");
+  const int64_t tiles = (max_rows + attention_wgmma::kTileRows - 1) / attention_wgmma::kTileRows;
   const SplitKvPlan plan =
-      split_allowed ? plan_split_kv_clusters(a.tokens * head_groups, (max_rows + attention_wgmma::kTileRows - 1) /
-                                                                         attention_wgmma::kTileRows,
-                                             capacity)
-                    : SplitKvPlan{1, (max_rows + attention_wgmma::kTileRows - 1) / attention_wgmma::kTileRows};
+      split_allowed ? plan_split_kv_clusters(a.tokens * head_groups, tiles, capacity) : SplitKvPlan{1, tiles};
   a.splits = plan.splits;
   a.tiles_per_split = plan.tiles_per_split;
   config.gridDim = dim3(static_cast<unsigned>(a.tokens), head_groups, static_cast<unsigned>(a.splits));
