@@ -502,7 +502,7 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingRaisesTheRunningMax) {
 
 TEST_F(CudaTest, SparseAttentionBf16RoundingDecodeBatches) {
   // Decode steps as the tensor-core kernels plan them: batch 1 and 3 (every token's rows split over
-  // many blocks, one tile each), batch 64 (two splits). V4.1-Flash rows (window 128 + 512
+  // many blocks, one tile each, in head groups of 16 and 32), batch 64 (two splits). V4.1-Flash rows (window 128 + 512
   // picks, 64 heads) in the native formats, fp8_ds_mla and bf16; 128 heads and a padded shard of
   // 16; tokens before the window is full (row counts that are not multiples of a tile), -1 picks
   // and picks not yet visible.
@@ -522,7 +522,11 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingDecodeBatches) {
                              // More two-split steps: two head groups, fp8_ds_mla, a shard.
                              Shape{32, 128, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::f32},
                              Shape{64, 64, KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla, DType::f32},
-                             Shape{48, 16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16}}) {
+                             Shape{48, 16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
+                             // Narrower head groups (batch 1: 16 heads a block, batch 3: 32), one
+                             // of them partial (20 heads: 16 + 4).
+                             Shape{1, 20, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::f32},
+                             Shape{1, 64, KvRowFormat::bf16, KvRowFormat::bf16, DType::bf16}}) {
     SCOPED_TRACE("batch " + std::to_string(shape.batch) + ", " + std::to_string(shape.heads) + " heads, " +
                  kv_row_format_name(shape.window_format) + " + " + kv_row_format_name(shape.compressed_format));
     AttentionCase c{.window_format = shape.window_format, .compressed_format = shape.compressed_format,
@@ -873,6 +877,41 @@ TEST(SparseAttentionCudaValidation, ClusterSplitPlan) {
         ASSERT_GE(plan.splits * plan.tiles_per_split, tiles) << blocks << " blocks, " << tiles << " tiles";
         ASSERT_LT((plan.splits - 1) * plan.tiles_per_split, tiles) << blocks << " blocks, " << tiles << " tiles";
         ASSERT_GT((*capacity)[plan.splits], 0) << blocks << " blocks, " << tiles << " tiles";
+      }
+}
+
+// The same planner with narrower head groups: at batch 1 to 4 the merge of 64-head partials costs
+// more than the padded MMAs of a narrower group; from batch 8 on the groups stay whole. Needs no
+// device.
+TEST(SparseAttentionCudaValidation, ClusterSplitPlanWithHeadGroups) {
+  std::vector<int> h200(17), portable(17);
+  for (int s = 1; s <= 16; ++s) h200[s] = s == 1 ? 132 : 8 * (16 / s), portable[s] = s <= 8 ? h200[s] : 0;
+  auto expect_plan = [](const ClusterSplitPlan& plan, int splits, int64_t per_split, int heads_per_block,
+                        const std::string& what) {
+    EXPECT_EQ(plan.split.splits, splits) << what;
+    EXPECT_EQ(plan.split.tiles_per_split, per_split) << what;
+    EXPECT_EQ(plan.heads_per_block, heads_per_block) << what;
+  };
+  expect_plan(plan_split_kv_clusters(1, 64, 64, 10, h200), 10, 1, 16, "batch 1: 4 groups of 16 heads, a tile per block");
+  expect_plan(plan_split_kv_clusters(3, 64, 64, 10, h200), 10, 1, 32, "batch 3: 2 groups of 32");
+  expect_plan(plan_split_kv_clusters(8, 64, 64, 10, h200), 10, 1, 64, "batch 8: whole groups");
+  expect_plan(plan_split_kv_clusters(16, 64, 64, 10, h200), 5, 2, 64, "batch 16");
+  expect_plan(plan_split_kv_clusters(64, 64, 64, 10, h200), 2, 5, 64, "batch 64: pairs");
+  expect_plan(plan_split_kv_clusters(128, 64, 64, 10, h200), 1, 10, 64, "batch 128: no split");
+  expect_plan(plan_split_kv_clusters(1, 20, 64, 10, h200), 10, 1, 16, "a shard of 20 heads: groups of 16 and 4");
+  expect_plan(plan_split_kv_clusters(1, 16, 64, 10, h200), 10, 1, 64, "16 heads: one group already");
+  expect_plan(plan_split_kv_clusters(1, 64, 64, 1, h200), 1, 1, 64, "one tile: nothing to merge, whole groups");
+  expect_plan(plan_split_kv_clusters(1, 64, 64, 10, portable), 5, 2, 16, "batch 1, portable clusters");
+  // Every plan fills at most one wave when it splits, with groups of 64, 32 or 16 heads.
+  for (int64_t tokens = 1; tokens <= 300; ++tokens)
+    for (const int64_t heads : {1, 16, 20, 64, 128})
+      for (const std::vector<int>* capacity : {&h200, &portable}) {
+        const ClusterSplitPlan plan = plan_split_kv_clusters(tokens, heads, 64, 10, *capacity);
+        const std::string what = std::to_string(tokens) + " tokens, " + std::to_string(heads) + " heads";
+        ASSERT_TRUE(plan.heads_per_block == 64 || plan.heads_per_block == 32 || plan.heads_per_block == 16) << what;
+        const int64_t blocks = tokens * ((heads + plan.heads_per_block - 1) / plan.heads_per_block);
+        if (plan.split.splits > 1) ASSERT_LE(blocks, (*capacity)[plan.split.splits]) << what;
+        ASSERT_GE(plan.split.splits * plan.split.tiles_per_split, 10) << what;
       }
 }
 

@@ -70,6 +70,27 @@ SplitKvPlan plan_split_kv_clusters(int64_t blocks, int64_t tiles, std::span<cons
   return best;
 }
 
+ClusterSplitPlan plan_split_kv_clusters(int64_t tokens, int64_t heads, int max_heads_per_block, int64_t tiles,
+                                        std::span<const int> capacity) {
+  tokens = std::max<int64_t>(1, tokens);
+  heads = std::max<int64_t>(1, heads);
+  ClusterSplitPlan best{};
+  double best_cost = 0.0;
+  for (int width = max_heads_per_block; width >= 16; width /= 2) {
+    if (width != max_heads_per_block && width >= heads) continue;  // the same blocks as a wider group
+    const int64_t blocks = tokens * ((heads + width - 1) / width);
+    const SplitKvPlan split = plan_split_kv_clusters(blocks, tiles, capacity);
+    const int64_t per_wave = capacity.size() > 1 ? std::max(capacity[1], 1) : 1;
+    const int64_t waves = split.splits > 1 ? 1 : (blocks + per_wave - 1) / per_wave;
+    const double merge = split.splits > 1 ? kMergeTilesPer64Heads * (split.splits - 1) / split.splits *
+                                                static_cast<double>(std::min<int64_t>(width, heads)) / 64.0
+                                          : 0.0;
+    const double cost = static_cast<double>(waves * split.tiles_per_split) + merge;
+    if (best.heads_per_block == 0 || cost < best_cost) best = {split, width}, best_cost = cost;
+  }
+  return best;
+}
+
 size_t split_kv_workspace_bytes(int64_t tokens, int64_t heads, int64_t head_dim, int splits) {
   if (splits <= 1) return 0;
   return partial_out_bytes(tokens, heads, head_dim, splits) +

@@ -47,6 +47,21 @@ SplitKvPlan plan_split_kv_one_wave(int64_t blocks, int64_t tiles, bool split_all
 // splits (the least to merge).
 SplitKvPlan plan_split_kv_clusters(int64_t blocks, int64_t tiles, std::span<const int> capacity);
 
+// The same for a kernel whose blocks take up to max_heads_per_block heads of a token (its MMAs'
+// rows) and may take fewer, the rest of the rows padding: where a step is small, narrower head
+// groups make more blocks and shrink what each merges. The merge moves every split's partial of
+// the block's heads through distributed shared memory, about 25 GB/s per SM on an H200: for 64
+// heads of 512 fp32 channels about kMergeTilesPer64Heads times the time of a 64-row tile. Of the
+// groups of max_heads_per_block, half, a quarter … down to 16 heads, the one with the least tile
+// time per block plus merge time; on a tie the widest.
+inline constexpr double kMergeTilesPer64Heads = 1.6;
+struct ClusterSplitPlan {
+  SplitKvPlan split;
+  int heads_per_block = 0;
+};
+ClusterSplitPlan plan_split_kv_clusters(int64_t tokens, int64_t heads, int max_heads_per_block, int64_t tiles,
+                                        std::span<const int> capacity);
+
 // The partial results in the workspace, [splits, tokens, heads, head_dim] f32 then
 // [splits, tokens, heads] (running max, running sum).
 struct SplitKvPartials {

@@ -22,12 +22,12 @@ struct SoftmaxState {
   // The heads' sinks (-inf: none), read at the start so that the final normalization does not
   // wait for them.
   float sink[2] = {-INFINITY, -INFINITY};
-  // The lane's heads are head_base + lane / 4 + 8r.
-  __device__ SoftmaxState(const SparseAttentionLaunch& a, int head_base, int lane) {
+  // The lane's heads are head_base + lane / 4 + 8r, those below head_end the block's.
+  __device__ SoftmaxState(const SparseAttentionLaunch& a, int head_base, int head_end, int lane) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int head = head_base + lane / 4 + 8 * r;
-      if (a.sink && head < a.heads) sink[r] = a.sink[head];
+      if (a.sink && head < head_end) sink[r] = a.sink[head];
     }
   }
 };
@@ -122,19 +122,19 @@ __device__ __forceinline__ void rescale(float (&acc)[kOutTiles][4], const float 
   }
 }
 
-// The results of the warp's 16 heads from head_base (those < a.heads) x kOutTiles·8 channels:
+// The results of the warp's 16 heads from head_base (those below head_end) x kOutTiles·8 channels:
 // out = acc / (sum + exp(sink - max)), and lse (written by the lanes with stats_writer); or with
 // a.splits > 1 the unnormalized acc, and (max, sum) of split blockIdx.z for the combine. The lane's
 // values go to emit(head, j, x, y): channels 8j + 2c and 8j + 2c + 1 of the head's kOutTiles·8
 // (c = lane % 4), for its heads head_base + lane / 4 + 8r.
 template <int kOutTiles, class Emit>
-__device__ __forceinline__ void finish_output(const SparseAttentionLaunch& a, int64_t t, int head_base,
+__device__ __forceinline__ void finish_output(const SparseAttentionLaunch& a, int64_t t, int head_base, int head_end,
                                               bool stats_writer, int lane, const float (&acc)[kOutTiles][4],
                                               const SoftmaxState& state, Emit&& emit) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = head_base + lane / 4 + 8 * r;
-    if (head >= a.heads) continue;
+    if (head >= head_end) continue;
     const int64_t index = (int64_t{blockIdx.z} * a.tokens + t) * a.heads + head;
     const bool stats_lane = stats_writer && (lane & 3) == 0;
     const float running_max = state.running_max[r], running_sum = state.running_sum[r];
@@ -175,7 +175,7 @@ __device__ __forceinline__ void write_output(const SparseAttentionLaunch& a, int
                                              bool stats_writer, int lane, const float (&acc)[kOutTiles][4],
                                              const SoftmaxState& state) {
   const int column0 = channel0 + 2 * (lane & 3);
-  finish_output(a, t, head_base, stats_writer, lane, acc, state, [&](int head, int j, float x, float y) {
+  finish_output(a, t, head_base, a.heads, stats_writer, lane, acc, state, [&](int head, int j, float x, float y) {
     if (a.splits > 1) store_pair(partial_row<kHeadDim>(a, t, head) + column0 + 8 * j, x, y);
     else store_pair(output_row<Out, kHeadDim>(a, t, head) + column0 + 8 * j, x, y);
   });

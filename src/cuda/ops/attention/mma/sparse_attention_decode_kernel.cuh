@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
   cp_async_wait_all();
   barrier_sync(kMmaBarrier, kMmaThreads);
 
-  mma::SoftmaxState softmax(a, head0 + head_group * kHeadsPerWarp, lane);
+  mma::SoftmaxState softmax(a, head0 + head_group * kHeadsPerWarp, a.heads, lane);
   float acc[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;

@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
             make_uint4(0, 0, 0, 0);
   };
 
-  mma::SoftmaxState softmax(a, head0 + head_group * kMmaHeadsPerWarp, lane);
+  mma::SoftmaxState softmax(a, head0 + head_group * kMmaHeadsPerWarp, a.heads, lane);
   float acc[kMmaOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kMmaOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;

@@ -1,7 +1,7 @@
 // The Hopper warpgroup-MMA implementation of run_sparse_attention ("wgmma", kernel in
 // sparse_attention_wgmma_kernel.cuh): one block of three warpgroups per (token, 64 heads) and SM,
 // rows split over the blocks of a cluster so that a small step still fills one wave of an H100 / H200
-// (plan_split_kv_clusters), merged in the cluster.
+// (plan_split_kv_clusters), merged in the cluster, the heads in narrower groups where that merges less.
 // The kernels are instantiated in src/cuda/instantiations/sparse_attention_wgmma_*.cu.
 #include <string>
 #include <type_traits>

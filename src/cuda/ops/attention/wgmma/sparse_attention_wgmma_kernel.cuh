@@ -3,7 +3,8 @@
 // quantized cache rows (v41_fp8, v41_fp4, fp8_ds_mla) or bf16 rows, decode steps and prefill chunks
 // alike.
 //
-// One block per (token, 64 heads, split of rows), three warpgroups:
+// One block per (token, group of up to 64 heads, split of rows), three warpgroups (a group narrower
+// than 64 at small steps, the rest of the MMAs' rows padding: see plan_split_kv_clusters):
 //   * the producer warpgroup gathers the raw bytes of the rows (window rows, then picks, as
 //     TokenRows orders them) with cp.async into a ring of 16-row slots (Ring), invalid rows
 //     zero-filled by the copy (so they decode to zeros). Warp w copies rows 4w … 4w + 3 of every
@@ -237,18 +238,18 @@ __device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, i
 // order, where a lane's own values are 4 bytes (bf16) of 8 heads. (A split's fp32 partials go out
 // directly: a quarter warp's 8-byte values fill whole sectors.)
 template <class Out>
-__device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch& a, int64_t t, int head0, int half,
-                                                    int lane, const float (&acc)[kOutTiles][4],
+__device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch& a, int64_t t, int head0, int head_end,
+                                                    int half, int lane, const float (&acc)[kOutTiles][4],
                                                     const mma::SoftmaxState& state, uint8_t* stage) {
   constexpr int kRowValues = kHalfChannels + 8, kPieceValues = 16 / sizeof(Out), kPieces = kHalfChannels / kPieceValues;
   Out* const rows = reinterpret_cast<Out*>(stage);
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, column0 = 2 * (lane & 3);
-  mma::finish_output(a, t, head0 + warp_in_group * 16, half == 0, lane, acc, state,
+  mma::finish_output(a, t, head0 + warp_in_group * 16, head_end, half == 0, lane, acc, state,
                      [&](int head, int j, float x, float y) {
                        mma::store_pair(rows + (head - head0) * kRowValues + column0 + 8 * j, x, y);
                      });
   barrier_sync(kStagedBarrier + half, kConsumerThreads / 2);
-  const int heads = min(kHeadsPerBlock, a.heads - head0);
+  const int heads = head_end - head0;
   for (int item = threadIdx.x % (kConsumerThreads / 2); item < heads * kPieces; item += kConsumerThreads / 2) {
     const int h = item / kPieces, piece = item % kPieces;
     *reinterpret_cast<uint4*>(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + half * kHalfChannels + piece * kPieceValues) =
@@ -314,8 +315,8 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 // n = heads x 128 four-channel pieces, block 0 also the lse. Called by the 256 consumer threads of
 // every block of the cluster (the producers have exited, which releases them from its barriers).
 template <class Out>
-__device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0, int half,
-                                                        int lane, const float (&acc)[kOutTiles][4],
+__device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0,
+                                                        int head_end, int half, int lane, const float (&acc)[kOutTiles][4],
                                                         const mma::SoftmaxState& state, uint8_t* shared) {
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
@@ -324,9 +325,11 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   float2* const gathered = stats + kHeadsPerBlock;                                           // [split][head]
   float* const weights = reinterpret_cast<float*>(gathered + kMaxClusterSplits * kHeadsPerBlock);  // [split][head]
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, g = lane / 4, c = lane % 4;
+  const int heads = head_end - head0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = warp_in_group * 16 + g + 8 * r;
+    if (head >= heads) continue;  // a head group's padding
 #pragma unroll
     for (int j = 0; j < kOutTiles; ++j)
       *reinterpret_cast<float2*>(partial + head * kPartialRowValues + half * kHalfChannels + 8 * j + 2 * c) =
@@ -336,7 +339,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   cluster.sync();  // every block's partial is whole (release / acquire)
 
   const int splits = a.splits, rank = static_cast<int>(cluster.block_rank());
-  const int heads = min(kHeadsPerBlock, a.heads - head0), tid = threadIdx.x;
+  const int tid = threadIdx.x;
   // Every split's (max, sum), two heads per load, gathered by all threads at once (at most two loads
   // each), then each head's weights.
   constexpr int kPairs = kHeadsPerBlock / 2;
@@ -379,8 +382,11 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
 
 }  // namespace attention_wgmma
 
+// heads_per_block: the heads of a token one block takes (a group of at most kHeadsPerBlock, the rest
+// of the MMAs' rows padding).
 template <class Out, KvRowFormat kWindow, KvRowFormat kCompressed>
-__global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention_wgmma_kernel(SparseAttentionLaunch a) {
+__global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
+    sparse_attention_wgmma_kernel(SparseAttentionLaunch a, int heads_per_block) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace attention_wgmma;
   using namespace row_decode;
@@ -402,7 +408,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
 
   const int64_t t = blockIdx.x;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int head0 = static_cast<int>(blockIdx.y) * kHeadsPerBlock;
+  const int head0 = static_cast<int>(blockIdx.y) * heads_per_block, head_end = min(head0 + heads_per_block, a.heads);
   const TokenRows rows(a, t);
   const TokenRows::BlockRows block = rows.block_rows(a, kTileRows);
   const int64_t first_row = block.first, end_row = block.end;
@@ -629,7 +635,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
     const int h = item / (kQSharedChannels / 8), offset = (item % (kQSharedChannels / 8)) * 8;
     const int channel = R::kQSharedFirst + offset;
     uint8_t* dst = q_tile + wgmma::sw128_offset(kHeadsPerBlock, h, offset);
-    if (head0 + h < a.heads) cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + channel));
+    if (head0 + h < head_end) cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + channel));
     else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
   // The A fragments of Q's first k steps: the warp's heads 16·w + g (+ 8), channels 16k + 2c (+ 8).
@@ -640,13 +646,13 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int head = head_base + g + 8 * (e & 1), channel = 16 * k + 2 * c + 8 * (e >> 1);
-      q_first[k][e] = head < a.heads ? *reinterpret_cast<const uint32_t*>(a.q + (t * a.heads + head) * kHeadDim + channel) : 0u;
+      q_first[k][e] = head < head_end ? *reinterpret_cast<const uint32_t*>(a.q + (t * a.heads + head) * kHeadDim + channel) : 0u;
     }
   cp_async_wait_all();
   wgmma::fence_shared_for_async_proxy();
   barrier_sync(kConsumerBarrier, kConsumerThreads);
 
-  mma::SoftmaxState softmax(a, head_base, lane);
+  mma::SoftmaxState softmax(a, head_base, head_end, lane);
   float acc[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -759,17 +765,18 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1) sparse_attention
   for (int r = 0; r < 2; ++r)
     softmax.running_sum[r] = exchange[warp_in_group * 16 + g + 8 * r] + exchange[kHeadsPerBlock + warp_in_group * 16 + g + 8 * r];
   if (a.splits > 1) {
-    merge_splits_in_cluster<Out>(a, t, head0, half, lane, acc, softmax, shared);
+    merge_splits_in_cluster<Out>(a, t, head0, head_end, half, lane, acc, softmax, shared);
   } else {
-    write_output_staged<Out>(a, t, head0, half, lane, acc, softmax,
+    write_output_staged<Out>(a, t, head0, head_end, half, lane, acc, softmax,
                              shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
   }
 #endif
 }
 
 // Out: uint16_t (bf16 bits) or float; the cache formats of the call (a cache without rows: either).
-// `a` comes without its split: with split_allowed the launch plans it (plan_split_kv_clusters, from
-// what this device runs at once of this kernel's clusters), for tokens attending at most max_rows rows.
+// `a` comes without its split: with split_allowed the launch plans it and the blocks' head groups
+// (plan_split_kv_clusters, from what this device runs at once of this kernel's clusters), for tokens
+// attending at most max_rows rows.
 template <class Out, KvRowFormat kWindow, KvRowFormat kCompressed>
 void launch_sparse_attention_wgmma(SparseAttentionLaunch a, int64_t max_rows, bool split_allowed, cudaStream_t stream) {
   using attention_wgmma::kMaxClusterSplits;
@@ -784,8 +791,6 @@ void launch_sparse_attention_wgmma(SparseAttentionLaunch a, int64_t max_rows, bo
              " registers per thread, its register hand-over (setmaxnreg) expects ", attention_wgmma::kLaunchRegisters);
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  const unsigned head_groups =
-      static_cast<unsigned>((a.heads + attention_wgmma::kHeadsPerBlock - 1) / attention_wgmma::kHeadsPerBlock);
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(attention_wgmma::kThreads);
   config.dynamicSmemBytes = shared_bytes;
@@ -821,13 +826,15 @@ void launch_sparse_attention_wgmma(SparseAttentionLaunch a, int64_t max_rows, bo
   DSV4_CHECK(capacity[1] > 0, "sparse_attention (wgmma): the device runs no block of this kernel (",
              shared_bytes, " bytes of shared memory)");
   const int64_t tiles = (max_rows + attention_wgmma::kTileRows - 1) / attention_wgmma::kTileRows;
-  const SplitKvPlan plan =
-      split_allowed ? plan_split_kv_clusters(a.tokens * head_groups, tiles, capacity) : SplitKvPlan{1, tiles};
-  a.splits = plan.splits;
-  a.tiles_per_split = plan.tiles_per_split;
+  const ClusterSplitPlan plan =
+      split_allowed ? plan_split_kv_clusters(a.tokens, a.heads, attention_wgmma::kHeadsPerBlock, tiles, capacity)
+                    : ClusterSplitPlan{{1, tiles}, attention_wgmma::kHeadsPerBlock};
+  a.splits = plan.split.splits;
+  a.tiles_per_split = plan.split.tiles_per_split;
+  const unsigned head_groups = static_cast<unsigned>((a.heads + plan.heads_per_block - 1) / plan.heads_per_block);
   config.gridDim = dim3(static_cast<unsigned>(a.tokens), head_groups, static_cast<unsigned>(a.splits));
   cluster.val.clusterDim.z = static_cast<unsigned>(a.splits);
-  DSV4_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a));
+  DSV4_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, plan.heads_per_block));
 }
 
 }  // namespace dsv4::cuda
