@@ -1,6 +1,7 @@
 #include "cuda/ops/attention/split_kv.h"
 
 #include "cuda/common/device_math.cuh"
+#include "cuda/ops/attention/split_merge.cuh"
 
 namespace dsv4::cuda {
 namespace {
@@ -10,23 +11,18 @@ template <class Out>
 __global__ void split_kv_combine_kernel(SplitKvCombine c) {
   const int64_t t = blockIdx.x, h = blockIdx.y;
   const int64_t stride = c.tokens * c.heads;
-  float m = -INFINITY;
-  for (int z = 0; z < c.splits; ++z) m = fmaxf(m, c.partials.stats[z * stride + t * c.heads + h].x);
+  auto index = [&](int z) { return z * stride + t * c.heads + h; };
+  const SplitNormalization n = normalize_splits(
+      c.splits, [&](int z) { return c.partials.stats[index(z)]; }, c.sink ? c.sink[h] * kLog2e : -INFINITY);
   float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float rows_sum = 0.0f;  // Σ_z l_z·exp(m_z − M): the denominator without the sink
-  if (m != -INFINITY) {
+  if (n.any())
     for (int z = 0; z < c.splits; ++z) {
-      const int64_t index = z * stride + t * c.heads + h;
-      const float2 stats = c.partials.stats[index];
-      const float weight = expf(stats.x - m);  // 0 for a split that attended nothing
-      rows_sum += stats.y * weight;
-      const float4 v = reinterpret_cast<const float4*>(c.partials.out + index * c.head_dim)[threadIdx.x];
+      const float weight = n.weight(c.partials.stats[index(z)].x);  // 0 for a split that attended nothing
+      const float4 v = reinterpret_cast<const float4*>(c.partials.out + index(z) * c.head_dim)[threadIdx.x];
       sum.x += v.x * weight, sum.y += v.y * weight, sum.z += v.z * weight, sum.w += v.w * weight;
     }
-  }
-  if (c.lse && threadIdx.x == 0) c.lse[t * c.heads + h] = m != -INFINITY ? m + logf(rows_sum) : -INFINITY;
-  const float inverse = m != -INFINITY ? 1.0f / (rows_sum + (c.sink ? expf(c.sink[h] - m) : 0.0f)) : 0.0f;
-  const float v[4] = {sum.x * inverse, sum.y * inverse, sum.z * inverse, sum.w * inverse};
+  if (c.lse && threadIdx.x == 0) c.lse[t * c.heads + h] = n.lse();
+  const float v[4] = {sum.x * n.inverse, sum.y * n.inverse, sum.z * n.inverse, sum.w * n.inverse};
   store4(static_cast<Out*>(c.out) + (t * c.heads + h) * c.head_dim + threadIdx.x * 4, v);
 }
 

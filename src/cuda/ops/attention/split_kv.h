@@ -63,7 +63,7 @@ ClusterSplitPlan plan_split_kv_clusters(int64_t tokens, int64_t heads, int max_h
                                         std::span<const int> capacity);
 
 // The partial results in the workspace, [splits, tokens, heads, head_dim] f32 then
-// [splits, tokens, heads] (running max, running sum).
+// [splits, tokens, heads] (running max in log2 units, running sum).
 struct SplitKvPartials {
   float* out = nullptr;
   float2* stats = nullptr;
@@ -83,8 +83,9 @@ size_t split_kv_max_workspace_bytes(int64_t max_tokens, int64_t heads, int64_t h
   return most;
 }
 
-// out[t, h] = Σ_z acc_z·exp(m_z − M) / (Σ_z l_z·exp(m_z − M) + exp(sink[h] − M)) with M = max_z m_z,
-// zeros when no split attended a row; lse[t, h] = M + log Σ_z l_z·exp(m_z − M) (no sink), −inf then.
+// out[t, h] and lse[t, h] of the splits' partials by normalize_splits (split_merge.cuh): the
+// weighted sum of the partials in split order, normalized with the sink in the denominator; zeros
+// and −inf where no split attended a row.
 struct SplitKvCombine {
   SplitKvPartials partials;
   int splits = 1;

@@ -11,10 +11,9 @@
 #include "cuda/common/device_math.cuh"
 #include "cuda/ops/attention/mma/mma_fragments.cuh"
 #include "cuda/ops/attention/sparse_attention_launch.cuh"
+#include "cuda/ops/attention/split_merge.cuh"
 
 namespace dsv4::cuda::mma {
-
-inline constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 struct SoftmaxState {
   float running_max[2] = {-INFINITY, -INFINITY};
@@ -141,7 +140,7 @@ __device__ __forceinline__ void finish_output(const SparseAttentionLaunch& a, in
     if (a.splits > 1) {
 #pragma unroll
       for (int j = 0; j < kOutTiles; ++j) emit(head, j, acc[j][2 * r], acc[j][2 * r + 1]);
-      if (stats_lane) a.partials.stats[index] = make_float2(running_max * kLn2, running_sum);
+      if (stats_lane) a.partials.stats[index] = make_float2(running_max, running_sum);  // log2 units
       continue;
     }
     const bool any = running_max != -INFINITY;

@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
   float acc[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  const float scale_log2 = a.scale * mma::kLog2e;
+  const float scale_log2 = a.scale * kLog2e;
 
   for (int i = 0; i < n_tiles; ++i) {
     const int stage = i % 2;

@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
   float acc[kMmaOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kMmaOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  const float scale_log2 = a.scale * mma::kLog2e;
+  const float scale_log2 = a.scale * kLog2e;
 
   if (first_row < end_row) load_tile(first_row, 0);
   cp_async_wait_all();

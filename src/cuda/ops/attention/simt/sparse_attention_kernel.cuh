@@ -17,6 +17,7 @@
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/paged_rows.cuh"
 #include "cuda/ops/attention/sparse_attention_launch.cuh"
+#include "cuda/ops/attention/split_merge.cuh"
 
 namespace dsv4::cuda {
 
@@ -181,7 +182,8 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
       for (int c = 0; c < kChunks; ++c)
         *reinterpret_cast<float4*>(partial + c * 128 + lane * 4) =
             make_float4(acc[h][c][0], acc[h][c][1], acc[h][c][2], acc[h][c][3]);
-      if (lane == 0) a.partials.stats[index] = make_float2(running_max[h], running_sum[h]);
+      // The combine's units: the running max in log2 units (split_merge.cuh).
+      if (lane == 0) a.partials.stats[index] = make_float2(running_max[h] * kLog2e, running_sum[h]);
       continue;
     }
     const bool any = running_max[h] != -INFINITY;

@@ -309,9 +309,8 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
   }
 }
 
-// Out[t, h] = Σ_z acc_z·w_z with w_z = 2^(m_z − M) / (Σ_z l_z·2^(m_z − M) + e^(sink_h − M)), M = max_z m_z
-// (zeros where no split attended a row), the sums in split order z = 0, 1, … whichever block runs
-// them; block z of the cluster writes pieces [z·n / splits, (z + 1)·n / splits) of the token's
+// Out[t, h] = Σ_z acc_z·weight_z·inverse (normalize_splits, split_merge.cuh), the weights folded
+// with the inverse and the sums in split order z = 0, 1, … whichever block runs them; block z of the cluster writes pieces [z·n / splits, (z + 1)·n / splits) of the token's
 // n = heads x 128 four-channel pieces, block 0 also the lse. Called by the 256 consumer threads of
 // every block of the cluster (the producers have exited, which releases them from its barriers).
 template <class Out>
@@ -350,25 +349,14 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
     *reinterpret_cast<float4*>(gathered + z * kHeadsPerBlock + 2 * pair) = two;
   }
   barrier_sync(kConsumerBarrier, kConsumerThreads);
-  // The loops over the splits stay rolled: unrolled, they spill (ptxas, at 208 registers).
   if (tid < heads) {
-    float most = -INFINITY;
-#pragma unroll 1
-    for (int z = 0; z < splits; ++z) most = fmaxf(most, gathered[z * kHeadsPerBlock + tid].x);
-    const bool any = most != -INFINITY;
-    float rows_sum = 0.0f;  // Σ_z l_z·2^(m_z − M): the denominator without the sink
-#pragma unroll 1
-    for (int z = 0; z < splits; ++z) {
-      const float2 split_stats = gathered[z * kHeadsPerBlock + tid];
-      const float weight = any ? exp2f(split_stats.x - most) : 0.0f;  // 0 for a split that attended nothing
-      weights[z * kHeadsPerBlock + tid] = weight;
-      rows_sum += split_stats.y * weight;
-    }
-    const float sink = a.sink ? a.sink[head0 + tid] : -INFINITY;
-    const float inverse = any ? 1.0f / (rows_sum + exp2f(sink * mma::kLog2e - most)) : 0.0f;
-#pragma unroll 1
-    for (int z = 0; z < splits; ++z) weights[z * kHeadsPerBlock + tid] *= inverse;
-    if (rank == 0 && a.lse) a.lse[t * a.heads + head0 + tid] = any ? (most + log2f(rows_sum)) * mma::kLn2 : -INFINITY;
+    const SplitNormalization n = normalize_splits(
+        splits, [&](int z) { return gathered[z * kHeadsPerBlock + tid]; },
+        a.sink ? a.sink[head0 + tid] * kLog2e : -INFINITY);
+#pragma unroll 1  // unrolled, the loops over the splits spill (ptxas, at 208 registers)
+    for (int z = 0; z < splits; ++z)
+      weights[z * kHeadsPerBlock + tid] = n.weight(gathered[z * kHeadsPerBlock + tid].x) * n.inverse;
+    if (rank == 0 && a.lse) a.lse[t * a.heads + head0 + tid] = n.lse();
   }
   barrier_sync(kConsumerBarrier, kConsumerThreads);  // the weights are whole
 
@@ -656,7 +644,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   float acc[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  const float scale_log2 = a.scale * mma::kLog2e;
+  const float scale_log2 = a.scale * kLog2e;
   // The lane's two heads in the exchange, the other warpgroup's entries kHeadsPerBlock away.
   float* const exchange_own = exchange + half * kHeadsPerBlock + warp_in_group * 16 + g;
   const float* const exchange_other = exchange + (half ^ 1) * kHeadsPerBlock + warp_in_group * 16 + g;
