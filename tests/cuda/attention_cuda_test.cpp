@@ -502,7 +502,7 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingRaisesTheRunningMax) {
 
 TEST_F(CudaTest, SparseAttentionBf16RoundingDecodeBatches) {
   // Decode steps as the tensor-core kernels plan them: batch 1 and 3 (every token's rows split over
-  // many blocks, one tile each, in head groups of 16 and 32), batch 64 (two splits). V4.1-Flash rows (window 128 + 512
+  // many blocks, one tile each, in narrower head groups), batch 64 (two splits). V4.1-Flash rows (window 128 + 512
   // picks, 64 heads) in the native formats, fp8_ds_mla and bf16; 128 heads and a padded shard of
   // 16; tokens before the window is full (row counts that are not multiples of a tile), -1 picks
   // and picks not yet visible.
