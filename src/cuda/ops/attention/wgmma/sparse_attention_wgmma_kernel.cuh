@@ -310,12 +310,15 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 }
 
 // Out[t, h] = Σ_z acc_z·weight_z·inverse (normalize_splits, split_merge.cuh), the weights folded
-// with the inverse and the sums in split order z = 0, 1, … whichever block runs them; block z of the cluster writes pieces [z·n / splits, (z + 1)·n / splits) of the token's
-// n = heads x 128 four-channel pieces, block 0 also the lse. Called by the 256 consumer threads of
-// every block of the cluster (the producers have exited, which releases them from its barriers).
+// with the inverse and the sums in split order z = 0, 1, … whichever block runs them; block z of
+// the cluster writes pieces [z·n / splits, (z + 1)·n / splits) of the token's n = heads x 128
+// four-channel pieces, block 0 also the lse. The partial rows and stats of a head group's padding
+// are not written (nor read). Called by the 256 consumer threads of every block of the cluster (the
+// producers have exited, which releases them from its barriers).
 template <class Out>
 __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0,
-                                                        int head_end, int half, int lane, const float (&acc)[kOutTiles][4],
+                                                        int head_end, int half, int lane,
+                                                        const float (&acc)[kOutTiles][4],
                                                         const mma::SoftmaxState& state, uint8_t* shared) {
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
