@@ -313,8 +313,8 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 // with the inverse and the sums in split order z = 0, 1, … whichever block runs them; block z of
 // the cluster writes pieces [z·n / splits, (z + 1)·n / splits) of the token's n = heads x 128
 // four-channel pieces, block 0 also the lse. The partial rows and stats of a head group's padding
-// are not written (nor read). Called by the 256 consumer threads of every block of the cluster (the
-// producers have exited, which releases them from its barriers).
+// are not written, and nothing read of them is used. Called by the 256 consumer threads of every
+// block of the cluster (the producers have exited, which releases them from its barriers).
 template <class Out>
 __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0,
                                                         int head_end, int half, int lane,
