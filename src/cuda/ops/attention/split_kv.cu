@@ -26,6 +26,14 @@ __global__ void split_kv_combine_kernel(SplitKvCombine c) {
   store4(static_cast<Out*>(c.out) + (t * c.heads + h) * c.head_dim + threadIdx.x * 4, v);
 }
 
+// A cluster plan's cost: its tiles per block times the waves its clusters take, capacity[splits] of
+// them at once.
+int64_t cluster_plan_tiles(int64_t blocks, const SplitKvPlan& plan, std::span<const int> capacity) {
+  const size_t splits = static_cast<size_t>(plan.splits);
+  const int64_t at_once = splits < capacity.size() ? std::max(capacity[splits], 1) : 1;
+  return (blocks + at_once - 1) / at_once * plan.tiles_per_split;
+}
+
 size_t partial_out_bytes(int64_t tokens, int64_t heads, int64_t head_dim, int splits) {
   return align_workspace(static_cast<size_t>(splits) * static_cast<size_t>(tokens * heads * head_dim) * sizeof(float));
 }
@@ -60,8 +68,8 @@ SplitKvPlan plan_split_kv_clusters(int64_t blocks, int64_t tiles, std::span<cons
     if (capacity[splits] <= 0 || (tiles + per_split - 1) / per_split != splits ||
         (splits > 1 && blocks > capacity[splits]))
       continue;
-    const int64_t cost = (blocks + capacity[splits] - 1) / capacity[splits] * per_split;
-    if (cost < best_cost) best = {static_cast<int>(splits), per_split}, best_cost = cost;
+    const SplitKvPlan plan{static_cast<int>(splits), per_split};
+    if (const int64_t cost = cluster_plan_tiles(blocks, plan, capacity); cost < best_cost) best = plan, best_cost = cost;
   }
   return best;
 }
@@ -76,12 +84,10 @@ ClusterSplitPlan plan_split_kv_clusters(int64_t tokens, int64_t heads, int max_h
     if (width != max_heads_per_block && width >= heads) continue;  // the same blocks as a wider group
     const int64_t blocks = tokens * ((heads + width - 1) / width);
     const SplitKvPlan split = plan_split_kv_clusters(blocks, tiles, capacity);
-    const int64_t per_wave = capacity.size() > 1 ? std::max(capacity[1], 1) : 1;
-    const int64_t waves = split.splits > 1 ? 1 : (blocks + per_wave - 1) / per_wave;
     const double merge = split.splits > 1 ? kMergeTilesPer64Heads * (split.splits - 1) / split.splits *
                                                 static_cast<double>(std::min<int64_t>(width, heads)) / 64.0
                                           : 0.0;
-    const double cost = static_cast<double>(waves * split.tiles_per_split) + merge;
+    const double cost = static_cast<double>(cluster_plan_tiles(blocks, split, capacity)) + merge;
     if (best.heads_per_block == 0 || cost < best_cost) best = {split, width}, best_cost = cost;
   }
   return best;
