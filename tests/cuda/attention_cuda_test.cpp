@@ -28,6 +28,7 @@
 #include <tuple>
 
 #include "cuda/cuda_test_util.h"
+#include "cuda/late_writer.h"
 #include "cuda/ops/attention/mma/mma_fragment_probe.h"
 #include "cuda/ops/attention/sparse_attention_implementations.h"
 #include "dsv4/cuda/attention.h"
@@ -259,7 +260,7 @@ void check_attention(const AttentionCase& c) {
     const std::string name = implementation->name;
     // Once with one block per (token, head group), once with the rows split over several blocks
     // (every case but the one-tile ones splits: few blocks, several tiles of rows).
-    HostTensor unsplit;
+    HostTensor results[2];  // unsplit, split
     for (const bool split : {false, true}) {
       const std::string what = name + (split ? " attention output, split rows" : " attention output");
       // What the implementation asks for: a token where it merges in its clusters and may split.
@@ -281,18 +282,23 @@ void check_attention(const AttentionCase& c) {
         if (c.bf16_rounding) EXPECT_LT(to_rounded, 0.25 * to_unrounded) << what;
         else EXPECT_LT(to_unrounded, 0.25 * to_rounded) << what;
       }
-      if (!split) {
-        unsplit = to_host(dout.view);
-        continue;
-      }
-      // The splits are merged in a fixed order: a second run gives the same bits.
-      const HostTensor first = to_host(dout.view);
+      results[split] = to_host(dout.view);
+      // The call reads nothing before the kernel ahead of it is done (the tensor-core kernel is a
+      // dependent launch): with Q poisoned and written back 50 us into a kernel that lets the next
+      // one be scheduled at once, the same bits. (The splits are merged in a fixed order: a second
+      // split run gives the same bits.)
+      DeviceBuffer q_kept(dq.buffer.bytes());
+      DSV4_CUDA_CHECK(cudaMemcpy(q_kept.data(), dq.buffer.data(), dq.buffer.bytes(), cudaMemcpyDeviceToDevice));
+      dq.buffer.fill_bytes(0xff);
       dout.buffer.fill_bytes(0xff);
+      testing::copy_late(dq.buffer.data(), q_kept.data(), dq.buffer.bytes(), 50'000, stream.get());
       implementation->run(p, workspace.data(), stream.get());
       stream.synchronize(what.c_str());
       const HostTensor again = to_host(dout.view);
-      EXPECT_EQ(std::memcmp(first.data(), again.data(), first.nbytes()), 0) << name << ": a second split run gave other bits";
+      EXPECT_EQ(std::memcmp(results[split].data(), again.data(), again.nbytes()), 0)
+          << what << ": Q written by the kernel before the call gave other bits";
     }
+    const HostTensor& unsplit = results[0];
     // A token's result does not depend on the rest of the batch: the middle token alone gives the
     // same bits as in the batch, both unsplit. (How many splits a step gets depends on its size, and
     // the split changes the bits: each split rounds e_i relative to its own max.)

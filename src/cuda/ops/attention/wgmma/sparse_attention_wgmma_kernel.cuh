@@ -42,6 +42,7 @@
 #include <utility>
 
 #include "cuda/common/async_copy.cuh"
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/distributed_shared.cuh"
 #include "cuda/common/paged_rows.cuh"
@@ -392,6 +393,10 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   float* const exchange = reinterpret_cast<float*>(valid_bits + kValidBytes);  // [consumer warpgroup][head]
   // bf16 rows: tile stage s has landed (every producer thread's copies and its valid bits).
   const uint32_t tile_landed = shared_address(exchange + 2 * kHeadsPerBlock);  // [stage] mbarrier
+  // Launched as a dependent launch: nothing global is touched before the preceding grids are done
+  // (they may have written Q, the picks, the caches). The next kernel may then be scheduled.
+  wait_for_preceding_grids();
+  allow_dependent_launch();
   if constexpr (R::kDirect) {
     if (threadIdx.x < 2) mbarrier_init(tile_landed + 8 * threadIdx.x, kProducerThreads + kProducerWarps);
     __syncthreads();
@@ -786,10 +791,13 @@ void launch_sparse_attention_wgmma(SparseAttentionLaunch a, int64_t max_rows, bo
   config.blockDim = dim3(attention_wgmma::kThreads);
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
-  cudaLaunchAttribute cluster = {};
+  // The cluster of a token's split blocks; a dependent launch (the kernel waits for the preceding
+  // grids before it reads anything), added for the launch only, not for the capacity queries.
+  cudaLaunchAttribute attributes[2] = {{}, dependent_launch_attribute()};
+  cudaLaunchAttribute& cluster = attributes[0];
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
+  config.attrs = attributes;
   config.numAttrs = 1;
   // capacity[s]: clusters of s blocks the device runs at once, per device (asked once).
   static std::mutex mutex;
@@ -825,6 +833,7 @@ void launch_sparse_attention_wgmma(SparseAttentionLaunch a, int64_t max_rows, bo
   const unsigned head_groups = static_cast<unsigned>((a.heads + plan.heads_per_block - 1) / plan.heads_per_block);
   config.gridDim = dim3(static_cast<unsigned>(a.tokens), head_groups, static_cast<unsigned>(a.splits));
   cluster.val.clusterDim.z = static_cast<unsigned>(a.splits);
+  config.numAttrs = 2;
   DSV4_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, plan.heads_per_block));
 }
 
