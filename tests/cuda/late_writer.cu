@@ -1,7 +1,7 @@
 #include "cuda/late_writer.h"
 
 #include "cuda/common/dependent_launch.cuh"
-#include "dsv4/error.h"
+#include "dsv4/cuda/runtime.h"
 
 namespace dsv4::cuda::testing {
 namespace {
@@ -23,8 +23,7 @@ __global__ void copy_late_kernel(uint8_t* to, const uint8_t* from, size_t bytes,
 
 void copy_late(void* to, const void* from, size_t bytes, int64_t delay_ns, cudaStream_t stream) {
   copy_late_kernel<<<1, 256, 0, stream>>>(static_cast<uint8_t*>(to), static_cast<const uint8_t*>(from), bytes, delay_ns);
-  const cudaError_t error = cudaGetLastError();
-  DSV4_CHECK(error == cudaSuccess, "copy_late: ", cudaGetErrorString(error));
+  check_launch("copy_late");
 }
 
 }  // namespace dsv4::cuda::testing
