@@ -46,6 +46,7 @@
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/distributed_shared.cuh"
 #include "cuda/common/paged_rows.cuh"
+#include "cuda/common/phase_stamps.cuh"
 #include "cuda/common/warp_roles.cuh"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/ops/attention/mma/attention_tile_math.cuh"
@@ -155,6 +156,21 @@ struct Ring {
     return wide ? ring : ring + (u % 2) * kNarrowStageBytes;
   }
 };
+
+// Phase stamps of a diagnostic build (phase_stamps.cuh; bench/probes/attention_phase_stamps.cu
+// prints them): per warpgroup (consumers 0 and 1, the producer 2).
+enum PhaseStamp {
+  kStampStart = 0,       // all: after the wait for the preceding grids
+  kStampQLanded = 1,     // consumers: Q in registers and shared memory
+  kStampFirstDecoded = 2,  // consumers: tile 0 decoded (the consumers-decode ring)
+  kStampTile = 3,        // consumers: + 8i + TileStamp of tile i (i < 11)
+  kStampLanded = 1,      // producer: + u, tile u's raw rows landed
+  kStampTokenRows = 40,  // producer: the token's rows and first pages known
+  kStampFirstPages = 41,  // producer: the first batches' pages known
+  kStampCopiesIssued = 50,  // producer: + u, tile u's copies issued
+  kStampEnd = 95,        // consumers: the output written (or merged)
+};
+enum TileStamp { kTileReady, kScored, kMaxima, kPWhole, kNextDecoded, kPvDone, kTileStamps = 8 };
 
 // Named barriers (0 is __syncthreads', unused). The producer decodes: kFull / kEmpty per tile stage.
 // The consumers decode: kRawReady (a tile's raw rows have landed in the ring) and kRawFree (the
@@ -397,6 +413,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   // (they may have written Q, the picks, the caches). The next kernel may then be scheduled.
   wait_for_preceding_grids();
   allow_dependent_launch();
+  DSV4_PHASE_STAMP(kStampStart);
   if constexpr (R::kDirect) {
     if (threadIdx.x < 2) mbarrier_init(tile_landed + 8 * threadIdx.x, kProducerThreads + kProducerWarps);
     __syncthreads();
@@ -437,6 +454,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       return tabled ? cache.first_logical_page[rows.sequence] : 0;
     };
     const int32_t window_first_page = first_page(a.window), compressed_first_page = first_page(a.compressed);
+    DSV4_PHASE_STAMP_ON(kStampTokenRows, window_first_page + compressed_first_page + rows.n_rows);
     auto row_number = [&](int batch) { return rows.row_number(a, t, lookup_index(batch), end_row); };
     struct PageRow {
       int64_t page = -1;  // the page of a flat cache may exceed int32
@@ -468,6 +486,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     PageRow page_ahead = page_row(2, number2);
     RowRef ref_current = ref_of(0, page0);
     RowRef ref_next = ref_of(1, page1);
+    DSV4_PHASE_STAMP_ON(kStampFirstPages, page0.page + number0);
     int current_batch = 0;
     // Copies the warp's rows of slot j, piece c of its row r to shared address place(r, c), one
     // cp.async group, invalid rows zero-filled (they then decode to zeros: no stale bytes reach the
@@ -570,11 +589,13 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
           valids |= request(u * kSlotsPerTile + s, in_ring(to + s * kSlotRows * row_bytes, row_bytes))
                     << (kRowsPerProducerWarp * s);
         }
+        DSV4_PHASE_STAMP(kStampCopiesIssued + u);
         cp_async_wait<0>();
         if (lane == 0)
 #pragma unroll
           for (int s = 0; s < kSlotsPerTile; ++s)
             valid_bits[((u % kValidStages) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
+        DSV4_PHASE_STAMP(kStampLanded + u);
         barrier_arrive(kRawReadyBarrier + u % 2, kThreads);
       }
       wait_decoded(n_tiles - 1);  // every hand-back met once
@@ -647,6 +668,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   cp_async_wait_all();
   wgmma::fence_shared_for_async_proxy();
   barrier_sync(kConsumerBarrier, kConsumerThreads);
+  DSV4_PHASE_STAMP(kStampQLanded);
 
   mma::SoftmaxState softmax(a, head_base, head_end, lane);
   float acc[kOutTiles][4];
@@ -687,6 +709,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   };
   if constexpr (R::kConsumersDecode)
     if (n_tiles > 0) decode_tile(0);
+  DSV4_PHASE_STAMP(kStampFirstDecoded);
   for (int i = 0; i < n_tiles; ++i) {
     const int stage = i % 2;
     // Tile i is decoded (and every consumer is done with tile i - 1), or its bf16 rows have landed.
@@ -698,6 +721,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     } else {
       barrier_sync(kFullBarrier + stage, kThreads);
     }
+    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kTileReady);
     const uint32_t tile = tiles_address + stage * kTileBytes;
     const uint64_t key_descriptor = wgmma::k_major(tile + half * kWarpgroupRows * 128);
     const uint64_t value_descriptor = wgmma::mn_major(tile + half * 4 * kTileRows * 128, kTileRows);
@@ -711,6 +735,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::pin(s);
+    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kScored);
 
     uint64_t valid_rows = 0;  // bit slot·16 + warp·4 + r: row r of producer warp `warp` in the slot
 #pragma unroll
@@ -722,6 +747,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
     if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
     barrier_sync(kConsumerBarrier, kConsumerThreads);
+    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kMaxima);
     tile_max[0] = fmaxf(tile_max[0], exchange_other[0]), tile_max[1] = fmaxf(tile_max[1], exchange_other[8]);
     float correction[2];
     mma::exp_scores(s, tile_max, softmax, correction);
@@ -739,6 +765,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     wgmma::fence_shared_for_async_proxy();
     if (correction[0] != 1.0f || correction[1] != 1.0f) mma::rescale(acc, correction);  // x 1 changes no bit
     barrier_sync(kConsumerBarrier, kConsumerThreads);  // the P tile is whole
+    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kPWhole);
     wgmma::fence();
 #pragma unroll
     for (int k = 0; k < kPvSteps; ++k)
@@ -746,8 +773,10 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     wgmma::commit();
     if constexpr (R::kConsumersDecode)
       if (i + 1 < n_tiles) decode_tile(i + 1);  // while the MMAs run; its stage held tile i - 1
+    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kNextDecoded);
     wgmma::wait<0>();
     wgmma::pin(acc);
+    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kPvDone);
     if constexpr (!R::kConsumersDecode)
       if (i + 2 < n_tiles) barrier_arrive(kEmptyBarrier + stage, kThreads);  // the producer waits for it at tile i + 2
   }
@@ -766,6 +795,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     write_output_staged<Out>(a, t, head0, head_end, half, lane, acc, softmax,
                              shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
   }
+  DSV4_PHASE_STAMP(kStampEnd);
 #endif
 }
 
@@ -777,6 +807,10 @@ template <class Out, KvRowFormat kWindow, KvRowFormat kCompressed>
 void launch_sparse_attention_wgmma(SparseAttentionLaunch a, int64_t max_rows, bool split_allowed, cudaStream_t stream) {
   using attention_wgmma::kMaxClusterSplits;
   const auto kernel = sparse_attention_wgmma_kernel<Out, kWindow, kCompressed>;
+#ifdef DSV4_PHASE_STAMPS
+  static const bool stamps_registered = (register_phase_stamps_dump(), true);
+  (void)stamps_registered;
+#endif
   constexpr size_t shared_bytes = attention_wgmma::Ring<kWindow, kCompressed>::kSharedBytes;
   static const int registers = [&] {
     cudaFuncAttributes attributes{};

@@ -1,0 +1,75 @@
+// Probe: where a block of the wgmma sparse attention spends its time, phase by phase (bench/RESULTS.md,
+// twentieth session). This translation unit replaces the library's native-rows, bf16-output
+// instantiation with one built with DSV4_PHASE_STAMPS (src/cuda/common/phase_stamps.cuh): every
+// launch records the SM clock at each PhaseStamp of sparse_attention_wgmma_kernel.cuh per block and
+// warpgroup, and at exit this prints the last launch's medians over the blocks, in us from the
+// first consumer warpgroup's start at an assumed 1.98 GHz (relative figures; the clock is the SM's).
+// Not part of the build. From build/ (a configured Release tree), a `dsv4` that prints them:
+//   nvcc --options-file CMakeFiles/dsv4.dir/includes_CUDA.rsp -O3 -DNDEBUG -std=c++20 \
+//     --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -c \
+//     ../bench/probes/attention_phase_stamps.cu -o sparse_attention_wgmma_d512_v41_native_bf16.cu.o
+//   cp libdsv4.a stamps.a && ar r stamps.a sparse_attention_wgmma_d512_v41_native_bf16.cu.o
+//   sed 's# libdsv4.a # stamps.a #g; s#-o dsv4 #-o dsv4_stamps #' CMakeFiles/dsv4_cli.dir/link.txt | sh
+//   ./dsv4_stamps bench --op attention-decode --batch 128 --context 32768
+#define DSV4_PHASE_STAMPS 1
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/ops/attention/wgmma/sparse_attention_wgmma_kernel.cuh"
+
+namespace dsv4::cuda {
+template void launch_sparse_attention_wgmma<uint16_t, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4>(SparseAttentionLaunch,
+                                                                                                 int64_t, bool, cudaStream_t);
+namespace {
+using namespace attention_wgmma;
+long long stamps[kStampBlocks][kStampWarpgroups][kStampsPerWarpgroup];
+int blocks = 0;
+
+// Median over the blocks of stamp (wg, k) less stamp (base_wg, base_k), in us; < 0 when never stamped.
+double median(int wg, int k, int base_wg, int base_k) {
+  std::vector<long long> v;
+  for (int b = 0; b < blocks; ++b)
+    if (stamps[b][wg][k] != 0 && stamps[b][base_wg][base_k] != 0) v.push_back(stamps[b][wg][k] - stamps[b][base_wg][base_k]);
+  if (v.empty()) return -1.0;
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return static_cast<double>(v[v.size() / 2]) / 1980.0;
+}
+
+void dump() {
+  if (cudaDeviceSynchronize() != cudaSuccess || cudaMemcpyFromSymbol(stamps, g_phase_stamps, sizeof(stamps)) != cudaSuccess) {
+    std::printf("phase stamps: not read\n");
+    return;
+  }
+  for (int b = 0; b < kStampBlocks; ++b)
+    if (stamps[b][0][kStampStart] != 0) blocks = b + 1;
+  std::printf("phase stamps of the last launch: %d blocks, us from consumer warpgroup 0's start\n", blocks);
+  const char* names[] = {"ready", "scored", "maxima", "P", "next decoded", "P.V done"};
+  for (int wg = 0; wg < 2; ++wg) {
+    std::printf("consumers %d: Q %.2f, tile 0 decoded %.2f, end %.2f\n", wg, median(wg, kStampQLanded, 0, kStampStart),
+                median(wg, kStampFirstDecoded, 0, kStampStart), median(wg, kStampEnd, 0, kStampStart));
+    for (int i = 0; kStampTile + kTileStamps * i + kPvDone < kStampEnd; ++i) {
+      const int first = kStampTile + kTileStamps * i;
+      if (median(wg, first, 0, kStampStart) < 0) break;
+      std::printf("  tile %d:", i);
+      for (int k = kTileReady; k <= kPvDone; ++k) std::printf(" %s %.2f", names[k], median(wg, first + k, 0, kStampStart));
+      std::printf("\n");
+    }
+  }
+  std::printf("producer: token rows %.2f, first pages %.2f\n  copies issued:", median(2, kStampTokenRows, 0, kStampStart),
+              median(2, kStampFirstPages, 0, kStampStart));
+  for (int u = 0; kStampCopiesIssued + u < kStampEnd && median(2, kStampCopiesIssued + u, 0, kStampStart) >= 0; ++u)
+    std::printf(" %.2f", median(2, kStampCopiesIssued + u, 0, kStampStart));
+  std::printf("\n  landed:");
+  for (int u = 0; kStampLanded + u < kStampTokenRows && median(2, kStampLanded + u, 0, kStampStart) >= 0; ++u)
+    std::printf(" %.2f", median(2, kStampLanded + u, 0, kStampStart));
+  std::printf("\n");
+}
+}  // namespace
+
+void register_phase_stamps_dump() {
+  (void)cudaFree(nullptr);  // the runtime's own exit handlers first registered: ours then run before them
+  std::atexit(dump);
+}
+}  // namespace dsv4::cuda
