@@ -49,11 +49,10 @@ void dump() {
   for (int wg = 0; wg < 2; ++wg) {
     std::printf("consumers %d: Q %.2f, tile 0 decoded %.2f, end %.2f\n", wg, median(wg, kStampQLanded, 0, kStampStart),
                 median(wg, kStampFirstDecoded, 0, kStampStart), median(wg, kStampEnd, 0, kStampStart));
-    for (int i = 0; kStampTile + kTileStamps * i + kPvDone < kStampEnd; ++i) {
-      const int first = kStampTile + kTileStamps * i;
-      if (median(wg, first, 0, kStampStart) < 0) break;
+    for (int i = 0; i < kStampedTiles && median(wg, tile_stamp(i, kTileReady), 0, kStampStart) >= 0; ++i) {
       std::printf("  tile %d:", i);
-      for (int k = kTileReady; k <= kPvDone; ++k) std::printf(" %s %.2f", names[k], median(wg, first + k, 0, kStampStart));
+      for (int k = kTileReady; k <= kPvDone; ++k)
+        std::printf(" %s %.2f", names[k], median(wg, tile_stamp(i, static_cast<TileStamp>(k)), 0, kStampStart));
       std::printf("\n");
     }
   }

@@ -163,14 +163,19 @@ enum PhaseStamp {
   kStampStart = 0,       // all: after the wait for the preceding grids
   kStampQLanded = 1,     // consumers: Q in registers and shared memory
   kStampFirstDecoded = 2,  // consumers: tile 0 decoded (the consumers-decode ring)
-  kStampTile = 3,        // consumers: + 8i + TileStamp of tile i (i < 11)
-  kStampLanded = 1,      // producer: + u, tile u's raw rows landed
+  kStampTile = 3,        // consumers: tile_stamp(i, TileStamp) of tile i
+  kStampLanded = 1,      // producer: + u, tile u's raw rows landed (u < 39)
   kStampTokenRows = 40,  // producer: the token's rows and first pages known
   kStampFirstPages = 41,  // producer: the first batches' pages known
-  kStampCopiesIssued = 50,  // producer: + u, tile u's copies issued
+  kStampCopiesIssued = 50,  // producer: + u, tile u's copies issued (u < 46)
   kStampEnd = 95,        // consumers: the output written (or merged)
+  kStampNone = 127,      // beyond every stamp: not recorded
 };
 enum TileStamp { kTileReady, kScored, kMaxima, kPWhole, kNextDecoded, kPvDone, kTileStamps = 8 };
+inline constexpr int kStampedTiles = (kStampEnd - kStampTile) / kTileStamps;  // the first 11 tiles
+__host__ __device__ constexpr int tile_stamp(int i, TileStamp s) {
+  return i < kStampedTiles ? kStampTile + kTileStamps * i + s : kStampNone;
+}
 
 // Named barriers (0 is __syncthreads', unused). The producer decodes: kFull / kEmpty per tile stage.
 // The consumers decode: kRawReady (a tile's raw rows have landed in the ring) and kRawFree (the
@@ -721,7 +726,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     } else {
       barrier_sync(kFullBarrier + stage, kThreads);
     }
-    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kTileReady);
+    DSV4_PHASE_STAMP(tile_stamp(i, kTileReady));
     const uint32_t tile = tiles_address + stage * kTileBytes;
     const uint64_t key_descriptor = wgmma::k_major(tile + half * kWarpgroupRows * 128);
     const uint64_t value_descriptor = wgmma::mn_major(tile + half * 4 * kTileRows * 128, kTileRows);
@@ -735,7 +740,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::pin(s);
-    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kScored);
+    DSV4_PHASE_STAMP(tile_stamp(i, kScored));
 
     uint64_t valid_rows = 0;  // bit slot·16 + warp·4 + r: row r of producer warp `warp` in the slot
 #pragma unroll
@@ -747,7 +752,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
     if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
     barrier_sync(kConsumerBarrier, kConsumerThreads);
-    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kMaxima);
+    DSV4_PHASE_STAMP(tile_stamp(i, kMaxima));
     tile_max[0] = fmaxf(tile_max[0], exchange_other[0]), tile_max[1] = fmaxf(tile_max[1], exchange_other[8]);
     float correction[2];
     mma::exp_scores(s, tile_max, softmax, correction);
@@ -765,7 +770,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     wgmma::fence_shared_for_async_proxy();
     if (correction[0] != 1.0f || correction[1] != 1.0f) mma::rescale(acc, correction);  // x 1 changes no bit
     barrier_sync(kConsumerBarrier, kConsumerThreads);  // the P tile is whole
-    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kPWhole);
+    DSV4_PHASE_STAMP(tile_stamp(i, kPWhole));
     wgmma::fence();
 #pragma unroll
     for (int k = 0; k < kPvSteps; ++k)
@@ -773,10 +778,10 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     wgmma::commit();
     if constexpr (R::kConsumersDecode)
       if (i + 1 < n_tiles) decode_tile(i + 1);  // while the MMAs run; its stage held tile i - 1
-    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kNextDecoded);
+    DSV4_PHASE_STAMP(tile_stamp(i, kNextDecoded));
     wgmma::wait<0>();
     wgmma::pin(acc);
-    DSV4_PHASE_STAMP(kStampTile + kTileStamps * i + kPvDone);
+    DSV4_PHASE_STAMP(tile_stamp(i, kPvDone));
     if constexpr (!R::kConsumersDecode)
       if (i + 2 < n_tiles) barrier_arrive(kEmptyBarrier + stage, kThreads);  // the producer waits for it at tile i + 2
   }
