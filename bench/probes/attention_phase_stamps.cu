@@ -2,8 +2,9 @@
 // twentieth session). This translation unit replaces the library's native-rows, bf16-output
 // instantiation with one built with DSV4_PHASE_STAMPS (src/cuda/common/phase_stamps.cuh): every
 // launch records the SM clock at each PhaseStamp of sparse_attention_wgmma_kernel.cuh per block and
-// warpgroup, and at exit this prints the last launch's medians over the blocks, in us from the
-// first consumer warpgroup's start at an assumed 1.98 GHz (relative figures; the clock is the SM's).
+// warpgroup, and at exit this prints the medians over the blocks, in us from the first consumer
+// warpgroup's start at an assumed 1.98 GHz (relative figures; the clock is the SM's). Each block's
+// slot keeps the latest launch that had it, so run one shape per process (as `dsv4 bench` does).
 // Not part of the build. From build/ (a configured Release tree), a `dsv4` that prints them:
 //   nvcc --options-file CMakeFiles/dsv4.dir/includes_CUDA.rsp -O3 -DNDEBUG -std=c++20 \
 //     --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -c \
@@ -44,7 +45,7 @@ void dump() {
   }
   for (int b = 0; b < kStampBlocks; ++b)
     if (stamps[b][0][kStampStart] != 0) blocks = b + 1;
-  std::printf("phase stamps of the last launch: %d blocks, us from consumer warpgroup 0's start\n", blocks);
+  std::printf("phase stamps: %d blocks, us from consumer warpgroup 0's start\n", blocks);
   const char* names[] = {"ready", "scored", "maxima", "P", "next decoded", "P.V done"};
   for (int wg = 0; wg < 2; ++wg) {
     std::printf("consumers %d: Q %.2f, tile 0 decoded %.2f, end %.2f\n", wg, median(wg, kStampQLanded, 0, kStampStart),
