@@ -12,8 +12,9 @@
 //     and the address each a batch apart, so that no load waits for another).
 //   * two consumer warpgroups: each computes the scores of all 64 heads over half of the tile's
 //     rows (32 wgmma m64n32k16: Q's first 64 channels from registers, the rest and the tile from
-//     shared memory), the online softmax in fp32 with the two halves' maxima merged through shared
-//     memory, its exp-scores P rounded to bf16 into a shared P tile, and then P·V of all 64 rows for
+//     shared memory), the online softmax in fp32, its exp-scores P rounded to bf16 into a shared P
+//     tile (relative to the running max, checked at the P barrier; where the two halves' maxima
+//     raise it, P again from both), and then P·V of all 64 rows for
 //     its half of the 512 output channels (4 SS wgmma m64n256k16; the row sums unrounded, each
 //     warpgroup's over its rows, added at the end).
 // The raw rows are decoded exactly to bf16 (row_decode.cuh) into one of two 64-row tiles in the
@@ -171,7 +172,7 @@ enum PhaseStamp {
   kStampEnd = 95,        // consumers: the output written (or merged)
   kStampNone = 127,      // beyond every stamp: not recorded
 };
-enum TileStamp { kTileReady, kScored, kMaxima, kPWhole, kNextDecoded, kPvDone, kTileStamps = 8 };
+enum TileStamp { kTileReady, kScored, kPStored, kPWhole, kNextDecoded, kPvDone, kTileStamps = 8 };
 inline constexpr int kStampedTiles = (kStampEnd - kStampTile) / kTileStamps;  // the first 11 tiles
 __host__ __device__ constexpr int tile_stamp(int i, TileStamp s) {
   return i < kStampedTiles ? kStampTile + kTileStamps * i + s : kStampNone;
@@ -181,7 +182,8 @@ __host__ __device__ constexpr int tile_stamp(int i, TileStamp s) {
 // The consumers decode: kRawReady (a tile's raw rows have landed in the ring) and kRawFree (the
 // consumers have decoded them), one of each per tile parity, since the producer runs a tile ahead;
 // kConsumer also marks each decoded tile. kConsumer also orders the consumers' exchanges: the
-// maxima, P, the final sums.
+// maxima, P, the final sums; every consumer passes it at the start of each tile, after its P·V of
+// the tile before (so P and the maxima are free to write).
 inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
@@ -190,17 +192,18 @@ inline constexpr int kRawReadyBarrier = 8;  // + tile parity (2)
 inline constexpr int kRawFreeBarrier = 10;  // + tile parity (2)
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
-// within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores and its
-// addresses (without the hand-over ptxas spills), and where it decodes a row pipeline while
-// its P·V MMAs run; the producer's lookups and, where it decodes, four rows' decodes in flight (or
-// where it copies bf16 rows into the tiles, a tile's 256 pieces: at 88 it spills).
+// within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores kept
+// through the P barrier (where a max rises P is made again from them) and its addresses (without
+// the hand-over ptxas spills), and where it decodes a row pipeline while its P·V MMAs run; the
+// producer's lookups and, where it decodes, four rows' decodes in flight (or where it copies bf16
+// rows into the tiles, a tile's 256 pieces: at 88 it spills).
 // 128 x (168 - 88) released = 256 x (208 - 168) claimed where the consumers decode (and hold 32 of
-// Q's registers), 128 x (168 - 120) = 256 x (192 - 168) where they do not.
+// Q's registers), 128 x (168 - 104) = 256 x (200 - 168) where they do not (at 192 they spill).
 inline constexpr int kLaunchRegisters = 168;
 template <bool kConsumersDecode>
-inline constexpr int kProducerRegisters = kConsumersDecode ? 88 : 120;
+inline constexpr int kProducerRegisters = kConsumersDecode ? 88 : 104;
 template <bool kConsumersDecode>
-inline constexpr int kConsumerRegisters = kConsumersDecode ? 208 : 192;
+inline constexpr int kConsumerRegisters = kConsumersDecode ? 208 : 200;
 static_assert(kLaunchRegisters * kThreads <= 65536);
 static_assert(kProducerRegisters<true> * kProducerThreads + kConsumerRegisters<true> * kConsumerThreads <=
                   kLaunchRegisters * kThreads &&
@@ -723,6 +726,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     } else if constexpr (R::kDirect) {
       mbarrier_wait(tile_landed + 8 * stage, (i / 2) & 1);
       wgmma::fence_shared_for_async_proxy();  // the copies' writes, before the MMAs read the tile
+      barrier_sync(kConsumerBarrier, kConsumerThreads);  // every consumer is done with tile i - 1 (P, the maxima)
     } else {
       barrier_sync(kFullBarrier + stage, kThreads);
     }
@@ -747,29 +751,46 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     for (int b = 0; b < kSlotsPerTile * kProducerWarps; ++b)
       valid_rows |= static_cast<uint64_t>(valid_bits[(i % kValidStages) * kSlotsPerTile * kProducerWarps + b])
                     << (kRowsPerProducerWarp * b);
-    // The heads' maxima over the whole tile: this warpgroup's rows, then the other's.
+    // The heads' maxima over this warpgroup's rows. P is stored at once relative to the running
+    // max, on the speculation that no head's max rises (it rarely does after the first tile: it
+    // rises only by more than kMaxSlack), and the P barrier checks that over both warpgroups. Where
+    // some head's does rise, its maxima over the whole tile (this warpgroup's, then the other's)
+    // give P again, as exp_scores gives it, and a second barrier. Either way the bits are those of
+    // exchanging the maxima first.
     float tile_max[2];
     mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
     if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
-    barrier_sync(kConsumerBarrier, kConsumerThreads);
-    DSV4_PHASE_STAMP(tile_stamp(i, kMaxima));
-    tile_max[0] = fmaxf(tile_max[0], exchange_other[0]), tile_max[1] = fmaxf(tile_max[1], exchange_other[8]);
-    float correction[2];
-    mma::exp_scores(s, tile_max, softmax, correction);
-    // P of the warpgroup's rows, as bf16, into the P tile: rows 16k + 2c (+ 8) of this half.
-#pragma unroll
-    for (int k = 0; k < kScoreTiles / 2; ++k) {
-      uint32_t p[4];
-      mma::a_from_c(p, s[2 * k], s[2 * k + 1]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int head = warp_in_group * 16 + g + 8 * (e & 1), row = half * kWarpgroupRows + 16 * k + 8 * (e >> 1);
-        *reinterpret_cast<uint32_t*>(p_tile + wgmma::sw128_offset(kHeadsPerBlock, head, row) + 4 * c) = p[e];
-      }
-    }
+    const bool raises =
+        mma::raises_max(softmax.running_max[0], tile_max[0]) || mma::raises_max(softmax.running_max[1], tile_max[1]);
+    // P of the warpgroup's rows, as bf16, into the P tile: element e of the A fragment of its k
+    // step k, rows 16k + 2c (+ 8) of this half.
+    const uint32_t p_address = shared_address(p_tile);
+    auto store_p = [&](int k, int e, uint32_t pair) {
+      const int head = warp_in_group * 16 + g + 8 * (e & 1), row = half * kWarpgroupRows + 16 * k + 8 * (e >> 1);
+      store_shared_u32(p_address + wgmma::sw128_offset(kHeadsPerBlock, head, row) + 4 * c, pair);
+    };
+    float tile_sum[2];
+    mma::exp_scores_at_running_max(s, softmax, tile_sum, store_p);  // where this lane's heads raise it: replaced below
     wgmma::fence_shared_for_async_proxy();
-    if (correction[0] != 1.0f || correction[1] != 1.0f) mma::rescale(acc, correction);  // x 1 changes no bit
-    barrier_sync(kConsumerBarrier, kConsumerThreads);  // the P tile is whole
+    DSV4_PHASE_STAMP(tile_stamp(i, kPStored));
+    // The P tile is whole, or some head's max rises (the same answer in every consumer).
+    if (!barrier_sync_or(kConsumerBarrier, kConsumerThreads, raises)) {
+      softmax.running_sum[0] += tile_sum[0], softmax.running_sum[1] += tile_sum[1];
+    } else {
+      tile_max[0] = fmaxf(tile_max[0], exchange_other[0]), tile_max[1] = fmaxf(tile_max[1], exchange_other[8]);
+      float correction[2];
+      mma::exp_scores(s, tile_max, softmax, correction);
+#pragma unroll
+      for (int k = 0; k < kScoreTiles / 2; ++k) {
+        uint32_t p[4];
+        mma::a_from_c(p, s[2 * k], s[2 * k + 1]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) store_p(k, e, p[e]);
+      }
+      wgmma::fence_shared_for_async_proxy();
+      if (correction[0] != 1.0f || correction[1] != 1.0f) mma::rescale(acc, correction);  // x 1 changes no bit
+      barrier_sync(kConsumerBarrier, kConsumerThreads);  // the P tile is whole
+    }
     DSV4_PHASE_STAMP(tile_stamp(i, kPWhole));
     wgmma::fence();
 #pragma unroll
