@@ -46,7 +46,7 @@ void dump() {
   for (int b = 0; b < kStampBlocks; ++b)
     if (stamps[b][0][kStampStart] != 0) blocks = b + 1;
   std::printf("phase stamps: %d blocks, us from consumer warpgroup 0's start\n", blocks);
-  const char* names[] = {"ready", "scored", "maxima", "P", "next decoded", "P.V done"};
+  const char* names[] = {"ready", "scored", "P stored", "P", "next decoded", "P.V done"};
   for (int wg = 0; wg < 2; ++wg) {
     std::printf("consumers %d: Q %.2f, tile 0 decoded %.2f, end %.2f\n", wg, median(wg, kStampQLanded, 0, kStampStart),
                 median(wg, kStampFirstDecoded, 0, kStampStart), median(wg, kStampEnd, 0, kStampStart));

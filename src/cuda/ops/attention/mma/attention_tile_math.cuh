@@ -112,8 +112,8 @@ __device__ __forceinline__ void exp_scores(float (&s)[kScoreTiles][4], const flo
 // exp_scores where the running max stays (no head of the lane's raises it): the same exp-scores,
 // relative to the running max, and in tile_sum the sums exp_scores adds to the state (adding them
 // gives the same bits), with s and the state left as they were: a kernel that speculates on the
-// max needs both again where the max does rise. The exp-scores go out as bf16 pairs, as a_from_c
-// packs them: emit(k, e, pair) for element e of the A fragment of score tiles 2k and 2k + 1.
+// max needs both again where the max does rise. The exp-scores go out as bf16 pairs, as
+// for_each_a_fragment emits them: emit(k, e, pair) for element e of the A fragment of k step k.
 template <int kScoreTiles, class Emit>
 __device__ __forceinline__ void exp_scores_at_running_max(const float (&s)[kScoreTiles][4], const SoftmaxState& state,
                                                           float (&tile_sum)[2], Emit&& emit) {

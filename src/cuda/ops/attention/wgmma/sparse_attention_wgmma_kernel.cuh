@@ -751,17 +751,16 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     for (int b = 0; b < kSlotsPerTile * kProducerWarps; ++b)
       valid_rows |= static_cast<uint64_t>(valid_bits[(i % kValidStages) * kSlotsPerTile * kProducerWarps + b])
                     << (kRowsPerProducerWarp * b);
-    // The heads' maxima over this warpgroup's rows. P is stored at once relative to the running
-    // max, on the speculation that no head's max rises (it rarely does after the first tile: it
-    // rises only by more than kMaxSlack), and the P barrier checks that over both warpgroups. Where
-    // some head's does rise, its maxima over the whole tile (this warpgroup's, then the other's)
-    // give P again, as exp_scores gives it, and a second barrier. Either way the bits are those of
-    // exchanging the maxima first.
+    // The heads' maxima over this warpgroup's rows. After the first tile (where every max rises:
+    // there is none yet, so the maxima are exchanged first) P is stored at once relative to the
+    // running max, on the speculation that no head's max rises (it rises only by more than
+    // kMaxSlack), and the P barrier checks that over both warpgroups. Where some head's does rise,
+    // its maxima over the whole tile (this warpgroup's, then the other's) give P again, as
+    // exp_scores gives it, and a second barrier. Either way the bits are those of exchanging the
+    // maxima first.
     float tile_max[2];
     mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
     if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
-    const bool raises =
-        mma::raises_max(softmax.running_max[0], tile_max[0]) || mma::raises_max(softmax.running_max[1], tile_max[1]);
     // P of the warpgroup's rows, as bf16, into the P tile: element e of the A fragment of its k
     // step k, rows 16k + 2c (+ 8) of this half.
     const uint32_t p_address = shared_address(p_tile);
@@ -769,24 +768,26 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       const int head = warp_in_group * 16 + g + 8 * (e & 1), row = half * kWarpgroupRows + 16 * k + 8 * (e >> 1);
       store_shared_u32(p_address + wgmma::sw128_offset(kHeadsPerBlock, head, row) + 4 * c, pair);
     };
+    bool p_whole = false;
     float tile_sum[2];
-    mma::exp_scores_at_running_max(s, softmax, tile_sum, store_p);  // where this lane's heads raise it: replaced below
-    wgmma::fence_shared_for_async_proxy();
-    DSV4_PHASE_STAMP(tile_stamp(i, kPStored));
-    // The P tile is whole, or some head's max rises (the same answer in every consumer).
-    if (!barrier_sync_or(kConsumerBarrier, kConsumerThreads, raises)) {
+    if (i > 0) {
+      const bool raises =
+          mma::raises_max(softmax.running_max[0], tile_max[0]) || mma::raises_max(softmax.running_max[1], tile_max[1]);
+      mma::exp_scores_at_running_max(s, softmax, tile_sum, store_p);
+      wgmma::fence_shared_for_async_proxy();
+      DSV4_PHASE_STAMP(tile_stamp(i, kPStored));
+      // The P tile is whole unless some head's max rises (the same answer in every consumer).
+      p_whole = !barrier_sync_or(kConsumerBarrier, kConsumerThreads, raises);
+    } else {
+      barrier_sync(kConsumerBarrier, kConsumerThreads);  // the maxima are exchanged
+    }
+    if (p_whole) {
       softmax.running_sum[0] += tile_sum[0], softmax.running_sum[1] += tile_sum[1];
     } else {
       tile_max[0] = fmaxf(tile_max[0], exchange_other[0]), tile_max[1] = fmaxf(tile_max[1], exchange_other[8]);
       float correction[2];
       mma::exp_scores(s, tile_max, softmax, correction);
-#pragma unroll
-      for (int k = 0; k < kScoreTiles / 2; ++k) {
-        uint32_t p[4];
-        mma::a_from_c(p, s[2 * k], s[2 * k + 1]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) store_p(k, e, p[e]);
-      }
+      mma::for_each_a_fragment(s, store_p);
       wgmma::fence_shared_for_async_proxy();
       if (correction[0] != 1.0f || correction[1] != 1.0f) mma::rescale(acc, correction);  // x 1 changes no bit
       barrier_sync(kConsumerBarrier, kConsumerThreads);  // the P tile is whole
