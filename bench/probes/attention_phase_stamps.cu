@@ -57,6 +57,9 @@ void dump() {
       std::printf("\n");
     }
   }
+  std::printf("merge (split blocks): partials shared %.2f, weights %.2f, pieces merged %.2f\n",
+              median(0, kStampMergeShared, 0, kStampStart), median(0, kStampMergeWeights, 0, kStampStart),
+              median(0, kStampMergePieces, 0, kStampStart));
   std::printf("producer: token rows %.2f, first pages %.2f\n  copies issued:", median(2, kStampTokenRows, 0, kStampStart),
               median(2, kStampFirstPages, 0, kStampStart));
   for (int u = 0; kStampCopiesIssued + u < kStampEnd && median(2, kStampCopiesIssued + u, 0, kStampStart) >= 0; ++u)

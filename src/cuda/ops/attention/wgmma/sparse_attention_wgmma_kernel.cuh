@@ -169,11 +169,14 @@ enum PhaseStamp {
   kStampTokenRows = 40,  // producer: the token's rows and first pages known
   kStampFirstPages = 41,  // producer: the first batches' pages known
   kStampCopiesIssued = 50,  // producer: + u, tile u's copies issued (u < 46)
+  kStampMergeShared = 91,   // consumers (split blocks): every block's partial shared (the first cluster barrier)
+  kStampMergeWeights = 92,  // consumers (split blocks): the merge weights whole
+  kStampMergePieces = 93,   // consumers (split blocks): its pieces merged, before the last cluster barrier
   kStampEnd = 95,        // consumers: the output written (or merged)
   kStampNone = 127,      // beyond every stamp: not recorded
 };
 enum TileStamp { kTileReady, kScored, kPStored, kPWhole, kNextDecoded, kPvDone, kTileStamps = 8 };
-inline constexpr int kStampedTiles = (kStampEnd - kStampTile) / kTileStamps;  // the first 11 tiles
+inline constexpr int kStampedTiles = (kStampMergeShared - kStampTile) / kTileStamps;  // the first 11 tiles
 __host__ __device__ constexpr int tile_stamp(int i, TileStamp s) {
   return i < kStampedTiles ? kStampTile + kTileStamps * i + s : kStampNone;
 }
@@ -364,6 +367,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
     if (half == 0 && c == 0) stats[head] = make_float2(state.running_max[r], state.running_sum[r]);
   }
   cluster.sync();  // every block's partial is whole (release / acquire)
+  DSV4_PHASE_STAMP(kStampMergeShared);
 
   const int splits = a.splits, rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x;
@@ -387,12 +391,14 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
     if (rank == 0 && a.lse) a.lse[t * a.heads + head0 + tid] = n.lse();
   }
   barrier_sync(kConsumerBarrier, kConsumerThreads);  // the weights are whole
+  DSV4_PHASE_STAMP(kStampMergeWeights);
 
   const uint32_t partial_rows = shared_address(partial);
   const int pieces = heads * (kHeadDim / 4), first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
   // Two variants: pairs (steps of up to half a wave of blocks) and any other split; four spill.
   if (splits == 2) merge_pieces<Out, 2>(a, t, head0, first, end, partial_rows, weights);
   else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights);
+  DSV4_PHASE_STAMP(kStampMergePieces);
   cluster.sync();  // no block leaves while the others read its shared memory
 }
 
