@@ -184,9 +184,9 @@ __host__ __device__ constexpr int tile_stamp(int i, TileStamp s) {
 // Named barriers (0 is __syncthreads', unused). The producer decodes: kFull / kEmpty per tile stage.
 // The consumers decode: kRawReady (a tile's raw rows have landed in the ring) and kRawFree (the
 // consumers have decoded them), one of each per tile parity, since the producer runs a tile ahead;
-// kConsumer also marks each decoded tile. kConsumer also orders the consumers' exchanges: the
-// maxima, P, the final sums; every consumer passes it at the start of each tile, after its P·V of
-// the tile before (so P and the maxima are free to write).
+// kConsumer also marks each decoded tile (every consumer passes it after its P·V of the tile
+// before: P and the maxima are then free to write). kConsumer also orders the consumers'
+// exchanges: the maxima, P, the final sums.
 inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
@@ -195,18 +195,18 @@ inline constexpr int kRawReadyBarrier = 8;  // + tile parity (2)
 inline constexpr int kRawFreeBarrier = 10;  // + tile parity (2)
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
-// within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores kept
-// through the P barrier (where a max rises P is made again from them) and its addresses (without
-// the hand-over ptxas spills), and where it decodes a row pipeline while its P·V MMAs run; the
-// producer's lookups and, where it decodes, four rows' decodes in flight (or where it copies bf16
-// rows into the tiles, a tile's 256 pieces: at 88 it spills).
+// within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores (where
+// it decodes, kept through the P barrier: where a max rises P is made again from them) and its
+// addresses (without the hand-over ptxas spills), and where it decodes a row pipeline while its
+// P·V MMAs run; the producer's lookups and, where it decodes, four rows' decodes in flight (or
+// where it copies bf16 rows into the tiles, a tile's 256 pieces: at 88 it spills).
 // 128 x (168 - 88) released = 256 x (208 - 168) claimed where the consumers decode (and hold 32 of
-// Q's registers), 128 x (168 - 104) = 256 x (200 - 168) where they do not (at 192 they spill).
+// Q's registers), 128 x (168 - 120) = 256 x (192 - 168) where they do not.
 inline constexpr int kLaunchRegisters = 168;
 template <bool kConsumersDecode>
-inline constexpr int kProducerRegisters = kConsumersDecode ? 88 : 104;
+inline constexpr int kProducerRegisters = kConsumersDecode ? 88 : 120;
 template <bool kConsumersDecode>
-inline constexpr int kConsumerRegisters = kConsumersDecode ? 208 : 200;
+inline constexpr int kConsumerRegisters = kConsumersDecode ? 208 : 192;
 static_assert(kLaunchRegisters * kThreads <= 65536);
 static_assert(kProducerRegisters<true> * kProducerThreads + kConsumerRegisters<true> * kConsumerThreads <=
                   kLaunchRegisters * kThreads &&
@@ -732,7 +732,6 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     } else if constexpr (R::kDirect) {
       mbarrier_wait(tile_landed + 8 * stage, (i / 2) & 1);
       wgmma::fence_shared_for_async_proxy();  // the copies' writes, before the MMAs read the tile
-      barrier_sync(kConsumerBarrier, kConsumerThreads);  // every consumer is done with tile i - 1 (P, the maxima)
     } else {
       barrier_sync(kFullBarrier + stage, kThreads);
     }
@@ -757,13 +756,15 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     for (int b = 0; b < kSlotsPerTile * kProducerWarps; ++b)
       valid_rows |= static_cast<uint64_t>(valid_bits[(i % kValidStages) * kSlotsPerTile * kProducerWarps + b])
                     << (kRowsPerProducerWarp * b);
-    // The heads' maxima over this warpgroup's rows. After the first tile (where every max rises:
-    // there is none yet, so the maxima are exchanged first) P is stored at once relative to the
-    // running max, on the speculation that no head's max rises (it rises only by more than
-    // kMaxSlack), and the P barrier checks that over both warpgroups. Where some head's does rise,
-    // its maxima over the whole tile (this warpgroup's, then the other's) give P again, as
-    // exp_scores gives it, and a second barrier. Either way the bits are those of exchanging the
-    // maxima first.
+    // The heads' maxima over this warpgroup's rows. Where the consumers decode, after the first
+    // tile (where every max rises: there is none yet), P is stored at once relative to the running
+    // max, on the speculation that no head's max rises (it rises only by more than kMaxSlack), and
+    // the P barrier checks that over both warpgroups. Where some head's does rise, its maxima over
+    // the whole tile (this warpgroup's, then the other's) give P again, as exp_scores gives it, and
+    // a second barrier. Either way the bits are those of exchanging the maxima first. (The other
+    // kernels exchange them first: fp8_ds_mla's consumers would spill holding the scores through
+    // the barrier, and the bf16 rows' would need a barrier at each tile's start; both measured
+    // slower.)
     float tile_max[2];
     mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
     if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
@@ -776,7 +777,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     };
     bool p_whole = false;
     float tile_sum[2];
-    if (i > 0) {
+    if (R::kConsumersDecode && i > 0) {
       const bool raises =
           mma::raises_max(softmax.running_max[0], tile_max[0]) || mma::raises_max(softmax.running_max[1], tile_max[1]);
       mma::exp_scores_at_running_max(s, softmax, tile_sum, store_p);
