@@ -12,11 +12,11 @@
 //     and the address each a batch apart, so that no load waits for another).
 //   * two consumer warpgroups: each computes the scores of all 64 heads over half of the tile's
 //     rows (32 wgmma m64n32k16: Q's first 64 channels from registers, the rest and the tile from
-//     shared memory), the online softmax in fp32, its exp-scores P rounded to bf16 into a shared P
-//     tile (relative to the running max, checked at the P barrier; where the two halves' maxima
-//     raise it, P again from both), and then P·V of all 64 rows for
-//     its half of the 512 output channels (4 SS wgmma m64n256k16; the row sums unrounded, each
-//     warpgroup's over its rows, added at the end).
+//     shared memory), the online softmax in fp32 with the two halves' maxima merged through shared
+//     memory (where the consumers decode, only where a max rises: P is stored at once relative to
+//     the running max and the P barrier checks it), its exp-scores P rounded to bf16 into a shared P
+//     tile, and then P·V of all 64 rows for its half of the 512 output channels (4 SS wgmma
+//     m64n256k16; the row sums unrounded, each warpgroup's over its rows, added at the end).
 // The raw rows are decoded exactly to bf16 (row_decode.cuh) into one of two 64-row tiles in the
 // SW128 layout the MMAs read, by whoever has the time:
 //   * where the ring holds a whole tile (the V4.1 native pair, Ring::kConsumersDecode) the
