@@ -14,8 +14,10 @@
 //   ./dsv4_stamps bench --op attention-decode --batch 128 --context 32768
 #define DSV4_PHASE_STAMPS 1
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 #include <vector>
 
 #include "cuda/ops/attention/wgmma/sparse_attention_wgmma_kernel.cuh"
@@ -28,15 +30,18 @@ using namespace attention_wgmma;
 long long stamps[kStampBlocks][kStampWarpgroups][kStampsPerWarpgroup];
 int blocks = 0;
 
-// Median over the blocks of stamp (wg, k) less stamp (base_wg, base_k), in us; < 0 when never stamped.
-double median(int wg, int k, int base_wg, int base_k) {
+// The q-quantile over the blocks of stamp (wg, k) less stamp (base_wg, base_k), in us; < 0 when
+// never stamped.
+double quantile(double q, int wg, int k, int base_wg, int base_k) {
   std::vector<long long> v;
   for (int b = 0; b < blocks; ++b)
     if (stamps[b][wg][k] != 0 && stamps[b][base_wg][base_k] != 0) v.push_back(stamps[b][wg][k] - stamps[b][base_wg][base_k]);
   if (v.empty()) return -1.0;
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return static_cast<double>(v[v.size() / 2]) / 1980.0;
+  const auto at = v.begin() + static_cast<std::ptrdiff_t>(q * static_cast<double>(v.size() - 1));
+  std::nth_element(v.begin(), at, v.end());
+  return static_cast<double>(*at) / 1980.0;
 }
+double median(int wg, int k, int base_wg, int base_k) { return quantile(0.5, wg, k, base_wg, base_k); }
 
 void dump() {
   if (cudaDeviceSynchronize() != cudaSuccess || cudaMemcpyFromSymbol(stamps, g_phase_stamps, sizeof(stamps)) != cudaSuccess) {
@@ -46,7 +51,7 @@ void dump() {
   for (int b = 0; b < kStampBlocks; ++b)
     if (stamps[b][0][kStampStart] != 0) blocks = b + 1;
   std::printf("phase stamps: %d blocks, us from consumer warpgroup 0's start\n", blocks);
-  const char* names[] = {"ready", "scored", "maxima", "P", "next decoded", "P.V done"};
+  const char* names[] = {"ready", "scored", "P stored", "P", "next decoded", "P.V done"};
   for (int wg = 0; wg < 2; ++wg) {
     std::printf("consumers %d: Q %.2f, tile 0 decoded %.2f, end %.2f\n", wg, median(wg, kStampQLanded, 0, kStampStart),
                 median(wg, kStampFirstDecoded, 0, kStampStart), median(wg, kStampEnd, 0, kStampStart));
@@ -57,6 +62,17 @@ void dump() {
       std::printf("\n");
     }
   }
+  // The merge's phases as the 10th, 50th and 90th percentiles over the blocks: a token's split
+  // blocks wait for its slowest at the first cluster barrier.
+  const std::pair<const char*, int> merge[] = {{"partials shared", kStampMergeShared},
+                                               {"weights", kStampMergeWeights},
+                                               {"pieces merged", kStampMergePieces},
+                                               {"end", kStampEnd}};
+  std::printf("merge (split blocks), p10 / p50 / p90:");
+  for (const auto& [name, k] : merge)
+    std::printf(" %s %.2f / %.2f / %.2f;", name, quantile(0.1, 0, k, 0, kStampStart), median(0, k, 0, kStampStart),
+                quantile(0.9, 0, k, 0, kStampStart));
+  std::printf("\n");
   std::printf("producer: token rows %.2f, first pages %.2f\n  copies issued:", median(2, kStampTokenRows, 0, kStampStart),
               median(2, kStampFirstPages, 0, kStampStart));
   for (int u = 0; kStampCopiesIssued + u < kStampEnd && median(2, kStampCopiesIssued + u, 0, kStampStart) >= 0; ++u)

@@ -12,6 +12,11 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// A 4-byte store to a shared-memory address (32 bits where a generic pointer takes 64).
+__device__ __forceinline__ void store_shared_u32(uint32_t shared, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(shared), "r"(value) : "memory");
+}
+
 // kBytes (4, 8 or 16) global -> shared, asynchronous; zero-filled without reading `global` when
 // !valid (`global` must still be a valid address then). 16-byte copies bypass L1 (.cg), smaller
 // ones cannot (.ca).

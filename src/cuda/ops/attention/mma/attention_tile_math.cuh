@@ -70,6 +70,12 @@ __device__ __forceinline__ void scaled_tile_max(float (&s)[kScoreTiles][4], uint
 // tile, since some head of a warp's 16 usually reaches a new max.
 inline constexpr float kMaxSlack = 8.0f;
 
+// Whether a tile whose max (of a head, both halves of a split tile merged) is tile_max raises the
+// running max: there was none, or the tile's exceeds it by more than kMaxSlack.
+__device__ __forceinline__ bool raises_max(float running_max, float tile_max) {
+  return running_max == -INFINITY || tile_max > running_max + kMaxSlack;
+}
+
 // Then: s as exp-scores relative to the new running max (the state's, raised to tile_max where that
 // exceeds it by more than kMaxSlack or where there was none; none at all: every exp-score 0), their
 // unrounded sum added to the state, and in `correction` the factor the accumulators must be
@@ -81,7 +87,7 @@ __device__ __forceinline__ void exp_scores(float (&s)[kScoreTiles][4], const flo
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float old_max = state.running_max[r];
-    const bool raise = old_max == -INFINITY || tile_max[r] > old_max + kMaxSlack;
+    const bool raise = raises_max(old_max, tile_max[r]);
     new_max[r] = raise ? tile_max[r] : old_max;
     // No valid row before this tile: the accumulators hold zeros (every earlier exp-score was 0).
     correction[r] = raise && old_max != -INFINITY ? exp2_flushed(old_max - new_max[r]) : 1.0f;
@@ -100,6 +106,32 @@ __device__ __forceinline__ void exp_scores(float (&s)[kScoreTiles][4], const flo
     tile_sum[r] += __shfl_xor_sync(kFullMask, tile_sum[r], 2);
     state.running_sum[r] = state.running_sum[r] * correction[r] + tile_sum[r];
     state.running_max[r] = new_max[r];
+  }
+}
+
+// exp_scores where the running max stays (no head of the lane's raises it): the same exp-scores,
+// relative to the running max, and in tile_sum the sums exp_scores adds to the state (adding them
+// gives the same bits), with s and the state left as they were: a kernel that speculates on the
+// max needs both again where the max does rise. The exp-scores go out as bf16 pairs, as
+// for_each_a_fragment emits them: emit(k, e, pair) for element e of the A fragment of k step k.
+template <int kScoreTiles, class Emit>
+__device__ __forceinline__ void exp_scores_at_running_max(const float (&s)[kScoreTiles][4], const SoftmaxState& state,
+                                                          float (&tile_sum)[2], Emit&& emit) {
+  tile_sum[0] = tile_sum[1] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+    for (int x = 0; x < 4; x += 2) {
+      const int r = x / 2;
+      const float e0 = exp2_flushed(s[j][x] - state.running_max[r]), e1 = exp2_flushed(s[j][x + 1] - state.running_max[r]);
+      tile_sum[r] += e0;
+      tile_sum[r] += e1;
+      emit(j / 2, 2 * (j % 2) + r, pack_bf16(e0, e1));
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    tile_sum[r] += __shfl_xor_sync(kFullMask, tile_sum[r], 1);
+    tile_sum[r] += __shfl_xor_sync(kFullMask, tile_sum[r], 2);
   }
 }
 

@@ -77,4 +77,17 @@ __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&lo)[4],
   a[3] = pack_bf16(hi[2], hi[3]);
 }
 
+// Every A fragment of such a matrix (s[n tile][4], 16 rows x 8·kTiles columns), element by element:
+// emit(kk, e, pair) for element e of k step kk, where a kernel stores P rather than feeding it.
+template <int kTiles, class Emit>
+__device__ __forceinline__ void for_each_a_fragment(const float (&s)[kTiles][4], Emit&& emit) {
+#pragma unroll
+  for (int kk = 0; kk < kTiles / 2; ++kk) {
+    uint32_t a[4];
+    a_from_c(a, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) emit(kk, e, a[e]);
+  }
+}
+
 }  // namespace dsv4::cuda::mma

@@ -13,9 +13,10 @@
 //   * two consumer warpgroups: each computes the scores of all 64 heads over half of the tile's
 //     rows (32 wgmma m64n32k16: Q's first 64 channels from registers, the rest and the tile from
 //     shared memory), the online softmax in fp32 with the two halves' maxima merged through shared
-//     memory, its exp-scores P rounded to bf16 into a shared P tile, and then P·V of all 64 rows for
-//     its half of the 512 output channels (4 SS wgmma m64n256k16; the row sums unrounded, each
-//     warpgroup's over its rows, added at the end).
+//     memory (where the consumers decode, only where a max rises: P is stored at once relative to
+//     the running max and the P barrier checks it), its exp-scores P rounded to bf16 into a shared P
+//     tile, and then P·V of all 64 rows for its half of the 512 output channels (4 SS wgmma
+//     m64n256k16; the row sums unrounded, each warpgroup's over its rows, added at the end).
 // The raw rows are decoded exactly to bf16 (row_decode.cuh) into one of two 64-row tiles in the
 // SW128 layout the MMAs read, by whoever has the time:
 //   * where the ring holds a whole tile (the V4.1 native pair, Ring::kConsumersDecode) the
@@ -168,11 +169,14 @@ enum PhaseStamp {
   kStampTokenRows = 40,  // producer: the token's rows and first pages known
   kStampFirstPages = 41,  // producer: the first batches' pages known
   kStampCopiesIssued = 50,  // producer: + u, tile u's copies issued (u < 46)
+  kStampMergeShared = 91,   // consumers (split blocks): every block's partial shared (the first cluster barrier)
+  kStampMergeWeights = 92,  // consumers (split blocks): the merge weights whole
+  kStampMergePieces = 93,   // consumers (split blocks): its pieces merged, before the last cluster barrier
   kStampEnd = 95,        // consumers: the output written (or merged)
   kStampNone = 127,      // beyond every stamp: not recorded
 };
-enum TileStamp { kTileReady, kScored, kMaxima, kPWhole, kNextDecoded, kPvDone, kTileStamps = 8 };
-inline constexpr int kStampedTiles = (kStampEnd - kStampTile) / kTileStamps;  // the first 11 tiles
+enum TileStamp { kTileReady, kScored, kPStored, kPWhole, kNextDecoded, kPvDone, kTileStamps = 8 };
+inline constexpr int kStampedTiles = (kStampMergeShared - kStampTile) / kTileStamps;  // the first 11 tiles
 __host__ __device__ constexpr int tile_stamp(int i, TileStamp s) {
   return i < kStampedTiles ? kStampTile + kTileStamps * i + s : kStampNone;
 }
@@ -180,8 +184,9 @@ __host__ __device__ constexpr int tile_stamp(int i, TileStamp s) {
 // Named barriers (0 is __syncthreads', unused). The producer decodes: kFull / kEmpty per tile stage.
 // The consumers decode: kRawReady (a tile's raw rows have landed in the ring) and kRawFree (the
 // consumers have decoded them), one of each per tile parity, since the producer runs a tile ahead;
-// kConsumer also marks each decoded tile. kConsumer also orders the consumers' exchanges: the
-// maxima, P, the final sums.
+// kConsumer also marks each decoded tile (every consumer passes it after its P·V of the tile
+// before: P and the maxima are then free to write). kConsumer also orders the consumers'
+// exchanges: the maxima, P, the final sums.
 inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
@@ -190,9 +195,10 @@ inline constexpr int kRawReadyBarrier = 8;  // + tile parity (2)
 inline constexpr int kRawFreeBarrier = 10;  // + tile parity (2)
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
-// within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores and its
-// addresses (without the hand-over ptxas spills), and where it decodes a row pipeline while
-// its P·V MMAs run; the producer's lookups and, where it decodes, four rows' decodes in flight (or
+// within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores (where
+// it decodes, kept through the P barrier: where a max rises P is made again from them) and its
+// addresses (without the hand-over ptxas spills), and where it decodes a row pipeline while its
+// P·V MMAs run; the producer's lookups and, where it decodes, four rows' decodes in flight (or
 // where it copies bf16 rows into the tiles, a tile's 256 pieces: at 88 it spills).
 // 128 x (168 - 88) released = 256 x (208 - 168) claimed where the consumers decode (and hold 32 of
 // Q's registers), 128 x (168 - 120) = 256 x (192 - 168) where they do not.
@@ -361,6 +367,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
     if (half == 0 && c == 0) stats[head] = make_float2(state.running_max[r], state.running_sum[r]);
   }
   cluster.sync();  // every block's partial is whole (release / acquire)
+  DSV4_PHASE_STAMP(kStampMergeShared);
 
   const int splits = a.splits, rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x;
@@ -384,12 +391,14 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
     if (rank == 0 && a.lse) a.lse[t * a.heads + head0 + tid] = n.lse();
   }
   barrier_sync(kConsumerBarrier, kConsumerThreads);  // the weights are whole
+  DSV4_PHASE_STAMP(kStampMergeWeights);
 
   const uint32_t partial_rows = shared_address(partial);
   const int pieces = heads * (kHeadDim / 4), first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
   // Two variants: pairs (steps of up to half a wave of blocks) and any other split; four spill.
   if (splits == 2) merge_pieces<Out, 2>(a, t, head0, first, end, partial_rows, weights);
   else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights);
+  DSV4_PHASE_STAMP(kStampMergePieces);
   cluster.sync();  // no block leaves while the others read its shared memory
 }
 
@@ -747,29 +756,49 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     for (int b = 0; b < kSlotsPerTile * kProducerWarps; ++b)
       valid_rows |= static_cast<uint64_t>(valid_bits[(i % kValidStages) * kSlotsPerTile * kProducerWarps + b])
                     << (kRowsPerProducerWarp * b);
-    // The heads' maxima over the whole tile: this warpgroup's rows, then the other's.
+    // The heads' maxima over this warpgroup's rows. Where the consumers decode, after the first
+    // tile (where every max rises: there is none yet), P is stored at once relative to the running
+    // max, on the speculation that no head's max rises (it rises only by more than kMaxSlack), and
+    // the P barrier checks that over both warpgroups. Where some head's does rise, its maxima over
+    // the whole tile (this warpgroup's, then the other's) give P again, as exp_scores gives it, and
+    // a second barrier. Either way the bits are those of exchanging the maxima first. (The other
+    // kernels exchange them first: fp8_ds_mla's consumers would spill holding the scores through
+    // the barrier, and the bf16 rows' would need a barrier at each tile's start; both measured
+    // slower.)
     float tile_max[2];
     mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
     if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
-    barrier_sync(kConsumerBarrier, kConsumerThreads);
-    DSV4_PHASE_STAMP(tile_stamp(i, kMaxima));
-    tile_max[0] = fmaxf(tile_max[0], exchange_other[0]), tile_max[1] = fmaxf(tile_max[1], exchange_other[8]);
-    float correction[2];
-    mma::exp_scores(s, tile_max, softmax, correction);
-    // P of the warpgroup's rows, as bf16, into the P tile: rows 16k + 2c (+ 8) of this half.
-#pragma unroll
-    for (int k = 0; k < kScoreTiles / 2; ++k) {
-      uint32_t p[4];
-      mma::a_from_c(p, s[2 * k], s[2 * k + 1]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int head = warp_in_group * 16 + g + 8 * (e & 1), row = half * kWarpgroupRows + 16 * k + 8 * (e >> 1);
-        *reinterpret_cast<uint32_t*>(p_tile + wgmma::sw128_offset(kHeadsPerBlock, head, row) + 4 * c) = p[e];
-      }
+    // P of the warpgroup's rows, as bf16, into the P tile: element e of the A fragment of its k
+    // step k, rows 16k + 2c (+ 8) of this half.
+    const uint32_t p_address = shared_address(p_tile);
+    auto store_p = [&](int k, int e, uint32_t pair) {
+      const int head = warp_in_group * 16 + g + 8 * (e & 1), row = half * kWarpgroupRows + 16 * k + 8 * (e >> 1);
+      store_shared_u32(p_address + wgmma::sw128_offset(kHeadsPerBlock, head, row) + 4 * c, pair);
+    };
+    bool p_whole = false;
+    float tile_sum[2];
+    if (R::kConsumersDecode && i > 0) {
+      const bool raises =
+          mma::raises_max(softmax.running_max[0], tile_max[0]) || mma::raises_max(softmax.running_max[1], tile_max[1]);
+      mma::exp_scores_at_running_max(s, softmax, tile_sum, store_p);
+      wgmma::fence_shared_for_async_proxy();
+      DSV4_PHASE_STAMP(tile_stamp(i, kPStored));
+      // The P tile is whole unless some head's max rises (the same answer in every consumer).
+      p_whole = !barrier_sync_or(kConsumerBarrier, kConsumerThreads, raises);
+    } else {
+      barrier_sync(kConsumerBarrier, kConsumerThreads);  // the maxima are exchanged
     }
-    wgmma::fence_shared_for_async_proxy();
-    if (correction[0] != 1.0f || correction[1] != 1.0f) mma::rescale(acc, correction);  // x 1 changes no bit
-    barrier_sync(kConsumerBarrier, kConsumerThreads);  // the P tile is whole
+    if (p_whole) {
+      softmax.running_sum[0] += tile_sum[0], softmax.running_sum[1] += tile_sum[1];
+    } else {
+      tile_max[0] = fmaxf(tile_max[0], exchange_other[0]), tile_max[1] = fmaxf(tile_max[1], exchange_other[8]);
+      float correction[2];
+      mma::exp_scores(s, tile_max, softmax, correction);
+      mma::for_each_a_fragment(s, store_p);
+      wgmma::fence_shared_for_async_proxy();
+      if (correction[0] != 1.0f || correction[1] != 1.0f) mma::rescale(acc, correction);  // x 1 changes no bit
+      barrier_sync(kConsumerBarrier, kConsumerThreads);  // the P tile is whole
+    }
     DSV4_PHASE_STAMP(tile_stamp(i, kPWhole));
     wgmma::fence();
 #pragma unroll
