@@ -2,9 +2,10 @@
 // twentieth session). This translation unit replaces the library's native-rows, bf16-output
 // instantiation with one built with DSV4_PHASE_STAMPS (src/cuda/common/phase_stamps.cuh): every
 // launch records the SM clock at each PhaseStamp of sparse_attention_wgmma_kernel.cuh per block and
-// warpgroup, and at exit this prints the medians over the blocks, in us from the first consumer
-// warpgroup's start at an assumed 1.98 GHz (relative figures; the clock is the SM's). Each block's
-// slot keeps the latest launch that had it, so run one shape per process (as `dsv4 bench` does).
+// warpgroup, and at exit this prints the medians over the blocks (the split merge's phases as 10th,
+// 50th and 90th percentiles), in us from the first consumer warpgroup's start at an assumed 1.98 GHz
+// (relative figures; the clock is the SM's). Each block's slot keeps the latest launch that had it,
+// so run one shape per process (as `dsv4 bench` does).
 // Not part of the build. From build/ (a configured Release tree), a `dsv4` that prints them:
 //   nvcc --options-file CMakeFiles/dsv4.dir/includes_CUDA.rsp -O3 -DNDEBUG -std=c++20 \
 //     --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -c \
