@@ -28,4 +28,11 @@ __device__ __forceinline__ float4 load_cluster_shared_v4(uint32_t address) {
   return v;
 }
 
+// 8 bytes from a shared::cluster address (the same rule).
+__device__ __forceinline__ float2 load_cluster_shared_v2(uint32_t address) {
+  float2 v;
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(address) : "memory");
+  return v;
+}
+
 }  // namespace dsv4::cuda

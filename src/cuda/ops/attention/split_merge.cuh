@@ -21,6 +21,11 @@ struct SplitNormalization {
   __device__ bool any() const { return most != -INFINITY; }
   __device__ float weight(float split_max) const { return any() ? exp2f(split_max - most) : 0.0f; }
   __device__ float lse() const { return any() ? (most + log2f(rows_sum)) * kLn2 : -INFINITY; }
+  // Split z's term of the denominator, added in split order z = 0, 1, … (one rounding per term).
+  __device__ void add_rows(float split_sum, float split_weight) { rows_sum = fmaf(split_sum, split_weight, rows_sum); }
+  __device__ void finish(float sink_log2) {
+    inverse = any() ? 1.0f / (rows_sum + exp2f(sink_log2 - most)) : 0.0f;
+  }
 };
 
 // stats(z): split z's (m_z, l_z); sink_log2: the head's sink times log2 e (−inf: none). The loops
@@ -33,9 +38,32 @@ __device__ __forceinline__ SplitNormalization normalize_splits(int splits, Stats
 #pragma unroll 1
   for (int z = 0; z < splits; ++z) {
     const float2 split = stats(z);
-    n.rows_sum += split.y * n.weight(split.x);
+    n.add_rows(split.y, n.weight(split.x));
   }
-  n.inverse = n.any() ? 1.0f / (n.rows_sum + exp2f(sink_log2 - n.most)) : 0.0f;
+  n.finish(sink_log2);
+  return n;
+}
+
+// The same normalization with the splits spread over aligned groups of kLanes lanes of a warp (the
+// whole warp calls it): lane z of a group brings split z's (m_z, l_z), (−inf, 0) at z >= splits
+// (splits <= kLanes, the same in the whole warp). Every lane of a group gets the bits
+// normalize_splits gives: the max is exact in any order, and each lane adds the terms in split order.
+// `weight` is the lane's own split's weight.
+template <int kLanes>
+__device__ __forceinline__ SplitNormalization normalize_splits_across_lanes(int splits, float2 split, float sink_log2,
+                                                                            float& weight) {
+  static_assert(kLanes > 0 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0);
+  constexpr unsigned kAllLanes = 0xffffffffu;
+  SplitNormalization n;
+  n.most = split.x;
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) n.most = fmaxf(n.most, __shfl_xor_sync(kAllLanes, n.most, offset));
+  weight = n.weight(split.x);
+#pragma unroll
+  for (int z = 0; z < kLanes; ++z)
+    if (z < splits)
+      n.add_rows(__shfl_sync(kAllLanes, split.y, z, kLanes), __shfl_sync(kAllLanes, weight, z, kLanes));
+  n.finish(sink_log2);
   return n;
 }
 

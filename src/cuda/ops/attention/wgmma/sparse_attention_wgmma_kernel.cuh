@@ -289,28 +289,30 @@ __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch&
 // what each block of it shares, in the space of P, Q and the tiles, free once its MMAs are done:
 // its partial output (rows of 64 heads x 512 channels, padded by 8 values so that a half warp's
 // 8-byte stores of 4 heads fall on different banks) and its heads' (max, sum) in log2 units; then,
-// for its own merge, every split's (max, sum) gathered and the merge weights.
+// for its own merge, the merge weights of the heads it merges.
 inline constexpr int kMaxClusterSplits = 16;
 inline constexpr int kPartialRowValues = kHeadDim + 8;
 inline constexpr size_t kPartialBytes = size_t{kHeadsPerBlock} * kPartialRowValues * sizeof(float);
-inline constexpr size_t kMergeBytes = kPartialBytes + kHeadsPerBlock * sizeof(float2) +
-                                      size_t{kMaxClusterSplits} * kHeadsPerBlock * (sizeof(float2) + sizeof(float));
+inline constexpr size_t kMergeBytes =
+    kPartialBytes + kHeadsPerBlock * sizeof(float2) + size_t{kMaxClusterSplits} * kHeadsPerBlock * sizeof(float);
 static_assert(kMergeBytes <= q_bytes(8) + 2 * kTileBytes);
 // Loads from the other blocks' shared memory a consumer thread has in flight at a time: each waits a
 // round trip, so they go out together (16-byte values: 128 registers).
 inline constexpr int kMergeLoadsInFlight = 32;
-
 // Pieces [first, end) of a token's merge (piece i: head i / 128, channels 4·(i % 128) …): the splits'
 // partials from their blocks' shared memory (at `partial` in each), weighted and summed in split
 // order. kMaxSplits >= splits bounds the loads per piece, so that each thread's
-// kMergeLoadsInFlight / kMaxSplits pieces load together.
-template <class Out, int kMaxSplits>
+// kMergeLoadsInFlight / kMaxSplits pieces load together. Every consumer thread runs the first round,
+// its loads in flight while it calls make_weights<kMaxSplits> (which ends in a consumer barrier:
+// the weights are whole after it).
+template <class Out, int kMaxSplits, class MakeWeights>
 __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int64_t t, int head0, int first, int end,
-                                             uint32_t partial, const float* weights) {
+                                             uint32_t partial, const float* weights, MakeWeights make_weights) {
   constexpr int kPieces = kHeadDim / 4, kTogether = kMergeLoadsInFlight / kMaxSplits;
   const int splits = a.splits;
 #pragma unroll 1
-  for (int base = first + static_cast<int>(threadIdx.x); base < end; base += kTogether * kConsumerThreads) {
+  for (int base = first + static_cast<int>(threadIdx.x), round = 0; round == 0 || base < end;
+       base += kTogether * kConsumerThreads, ++round) {
     float4 values[kTogether][kMaxSplits];
 #pragma unroll
     for (int i = 0; i < kTogether; ++i) {
@@ -321,6 +323,7 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
         if (piece < end && z < splits)
           values[i][z] = load_cluster_shared_v4(cluster_shared_address(local, static_cast<uint32_t>(z)));
     }
+    if (round == 0) make_weights.template operator()<kMaxSplits>();
 #pragma unroll
     for (int i = 0; i < kTogether; ++i) {
       const int piece = base + i * kConsumerThreads, h = piece / kPieces;
@@ -337,12 +340,14 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
   }
 }
 
-// Out[t, h] = Σ_z acc_z·weight_z·inverse (normalize_splits, split_merge.cuh), the weights folded
-// with the inverse and the sums in split order z = 0, 1, … whichever block runs them; block z of
-// the cluster writes pieces [z·n / splits, (z + 1)·n / splits) of the token's n = heads x 128
-// four-channel pieces, block 0 also the lse. The partial rows and stats of a head group's padding
-// are not written, and nothing read of them is used. Called by the 256 consumer threads of every
-// block of the cluster (the producers have exited, which releases them from its barriers).
+// Out[t, h] = Σ_z acc_z·weight_z·inverse (split_merge.cuh), the weights folded with the inverse and
+// the sums in split order z = 0, 1, … whichever block runs them; block z of the cluster writes
+// pieces [z·n / splits, (z + 1)·n / splits) of the token's n = heads x 128 four-channel pieces, and
+// the lse of each head whose first piece is among them. The weights of a head come from the splits'
+// (max, sum) in their blocks' shared memory, loaded while the block's first pieces load. The partial
+// rows and stats of a head group's padding are not written, and nothing read of them is used.
+// Called by the 256 consumer threads of every block of the cluster (the producers have exited,
+// which releases them from its barriers).
 template <class Out>
 __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0,
                                                         int head_end, int half, int lane,
@@ -352,8 +357,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   const cg::cluster_group cluster = cg::this_cluster();
   float* const partial = reinterpret_cast<float*>(shared);
   float2* const stats = reinterpret_cast<float2*>(shared + kPartialBytes);
-  float2* const gathered = stats + kHeadsPerBlock;                                           // [split][head]
-  float* const weights = reinterpret_cast<float*>(gathered + kMaxClusterSplits * kHeadsPerBlock);  // [split][head]
+  float* const weights = reinterpret_cast<float*>(stats + kHeadsPerBlock);  // [split][head]
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, g = lane / 4, c = lane % 4;
   const int heads = head_end - head0;
 #pragma unroll
@@ -370,34 +374,46 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   DSV4_PHASE_STAMP(kStampMergeShared);
 
   const int splits = a.splits, rank = static_cast<int>(cluster.block_rank());
-  const int tid = threadIdx.x;
-  // Every split's (max, sum), two heads per load, gathered by all threads at once (at most two loads
-  // each), then each head's weights.
-  constexpr int kPairs = kHeadsPerBlock / 2;
-#pragma unroll 1
-  for (int k = tid; k < splits * kPairs; k += kConsumerThreads) {
-    const int z = k / kPairs, pair = k % kPairs;
-    const float4 two = load_cluster_shared_v4(cluster_shared_address(shared_address(stats + 2 * pair), static_cast<uint32_t>(z)));
-    *reinterpret_cast<float4*>(gathered + z * kHeadsPerBlock + 2 * pair) = two;
-  }
-  barrier_sync(kConsumerBarrier, kConsumerThreads);
-  if (tid < heads) {
-    const SplitNormalization n = normalize_splits(
-        splits, [&](int z) { return gathered[z * kHeadsPerBlock + tid]; },
-        a.sink ? a.sink[head0 + tid] * kLog2e : -INFINITY);
-#pragma unroll 1  // unrolled, the loops over the splits spill (ptxas, at 208 registers)
-    for (int z = 0; z < splits; ++z)
-      weights[z * kHeadsPerBlock + tid] = n.weight(gathered[z * kHeadsPerBlock + tid].x) * n.inverse;
-    if (rank == 0 && a.lse) a.lse[t * a.heads + head0 + tid] = n.lse();
-  }
-  barrier_sync(kConsumerBarrier, kConsumerThreads);  // the weights are whole
-  DSV4_PHASE_STAMP(kStampMergeWeights);
-
+  constexpr int kPieces = kHeadDim / 4;
+  const int pieces = heads * kPieces, first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
+  // The weights of the heads of pieces [first, end), each made by a group of kLanes lanes (kLanes >=
+  // splits), split z's by lane z of the group, in as many passes as it takes the 256 / kLanes groups
+  // to cover the at most kHeadsPerBlock / 2 + 1 heads a block merges (two splits or more); all
+  // passes' loads at once.
+  auto make_weights = [&]<int kLanes>() {
+    constexpr int kWeightGroups = kConsumerThreads / kLanes;
+    constexpr int kWeightPasses = (kHeadsPerBlock / 2 + 1 + kWeightGroups - 1) / kWeightGroups;
+    const int first_head = first / kPieces, last_head = (end - 1) / kPieces;
+    const int z = lane % kLanes, group = static_cast<int>(threadIdx.x) / kLanes;
+    float2 split[kWeightPasses];
+    float sink_log2[kWeightPasses];
+#pragma unroll
+    for (int pass = 0; pass < kWeightPasses; ++pass) {
+      const int head = first_head + pass * kWeightGroups + group;
+      split[pass] = head <= last_head && z < splits
+                        ? load_cluster_shared_v2(cluster_shared_address(shared_address(stats + head), static_cast<uint32_t>(z)))
+                        : make_float2(-INFINITY, 0.0f);
+      sink_log2[pass] = a.sink && head <= last_head ? a.sink[head0 + head] * kLog2e : -INFINITY;
+    }
+#pragma unroll
+    for (int pass = 0; pass < kWeightPasses; ++pass) {
+      const int head = first_head + pass * kWeightGroups + group;
+      if (first_head + pass * kWeightGroups > last_head) break;  // the same in the whole block
+      float weight;
+      const SplitNormalization n =
+          normalize_splits_across_lanes<kLanes>(splits, split[pass], sink_log2[pass], weight);
+      if (head <= last_head) {
+        if (z < splits) weights[z * kHeadsPerBlock + head] = weight * n.inverse;
+        if (z == 0 && a.lse && head * kPieces >= first) a.lse[t * a.heads + head0 + head] = n.lse();
+      }
+    }
+    barrier_sync(kConsumerBarrier, kConsumerThreads);  // the weights are whole
+    DSV4_PHASE_STAMP(kStampMergeWeights);
+  };
   const uint32_t partial_rows = shared_address(partial);
-  const int pieces = heads * (kHeadDim / 4), first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
   // Two variants: pairs (steps of up to half a wave of blocks) and any other split; four spill.
-  if (splits == 2) merge_pieces<Out, 2>(a, t, head0, first, end, partial_rows, weights);
-  else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights);
+  if (splits == 2) merge_pieces<Out, 2>(a, t, head0, first, end, partial_rows, weights, make_weights);
+  else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights, make_weights);
   DSV4_PHASE_STAMP(kStampMergePieces);
   cluster.sync();  // no block leaves while the others read its shared memory
 }
