@@ -299,6 +299,7 @@ static_assert(kMergeBytes <= q_bytes(8) + 2 * kTileBytes);
 // Loads from the other blocks' shared memory a consumer thread has in flight at a time: each waits a
 // round trip, so they go out together (16-byte values: 128 registers).
 inline constexpr int kMergeLoadsInFlight = 32;
+
 // Pieces [first, end) of a token's merge (piece i: head i / 128, channels 4·(i % 128) …): the splits'
 // partials from their blocks' shared memory (at `partial` in each), weighted and summed in split
 // order. kMaxSplits >= splits bounds the loads per piece, so that each thread's
