@@ -525,10 +525,14 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingDecodeBatches) {
                              Shape{3, 64, KvRowFormat::bf16, KvRowFormat::bf16, DType::f32},
                              Shape{3, 128, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
                              Shape{3, 16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
-                             // More two-split steps: two head groups, fp8_ds_mla, a shard.
+                             // More two-split steps (a pair pushes its partner's rows): two head
+                             // groups, fp8_ds_mla, bf16 rows, a shard, an odd head count (the
+                             // blocks' halves of the merge meet inside a head).
                              Shape{32, 128, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::f32},
                              Shape{64, 64, KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla, DType::f32},
+                             Shape{64, 64, KvRowFormat::bf16, KvRowFormat::bf16, DType::bf16},
                              Shape{48, 16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
+                             Shape{48, 13, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::f32},
                              // Narrower head groups (batch 1: 16 heads a block, batch 3: 32), one
                              // of them partial (20 heads: 16 + 4).
                              Shape{1, 20, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::f32},
@@ -903,6 +907,10 @@ TEST(SparseAttentionCudaValidation, ClusterSplitPlanWithHeadGroups) {
   expect_plan(plan_split_kv_clusters(8, 64, 64, 10, h200), 10, 1, 64, "batch 8: whole groups");
   expect_plan(plan_split_kv_clusters(16, 64, 64, 10, h200), 5, 2, 64, "batch 16");
   expect_plan(plan_split_kv_clusters(64, 64, 64, 10, h200), 2, 5, 64, "batch 64: pairs");
+  // The pairs of SparseAttentionBf16RoundingDecodeBatches (on a device like this one).
+  expect_plan(plan_split_kv_clusters(48, 13, 64, 10, h200), 2, 5, 64, "48 tokens of 13 heads: pairs");
+  expect_plan(plan_split_kv_clusters(48, 16, 64, 10, h200), 2, 5, 64, "48 tokens of 16 heads: pairs");
+  expect_plan(plan_split_kv_clusters(32, 128, 64, 10, h200), 2, 5, 64, "32 tokens of 128 heads: pairs");
   expect_plan(plan_split_kv_clusters(128, 64, 64, 10, h200), 1, 10, 64, "batch 128: no split");
   expect_plan(plan_split_kv_clusters(1, 20, 64, 10, h200), 10, 1, 16, "a shard of 20 heads: groups of 16 and 4");
   expect_plan(plan_split_kv_clusters(1, 16, 64, 10, h200), 10, 1, 64, "16 heads: one group already");
