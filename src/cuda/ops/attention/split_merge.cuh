@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda/common/device_math.cuh"
+
 namespace dsv4::cuda {
 
 inline constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
@@ -53,16 +55,15 @@ template <int kLanes>
 __device__ __forceinline__ SplitNormalization normalize_splits_across_lanes(int splits, float2 split, float sink_log2,
                                                                             float& weight) {
   static_assert(kLanes > 0 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0);
-  constexpr unsigned kAllLanes = 0xffffffffu;
   SplitNormalization n;
   n.most = split.x;
 #pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) n.most = fmaxf(n.most, __shfl_xor_sync(kAllLanes, n.most, offset));
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) n.most = fmaxf(n.most, __shfl_xor_sync(kFullMask, n.most, offset));
   weight = n.weight(split.x);
 #pragma unroll
   for (int z = 0; z < kLanes; ++z)
     if (z < splits)
-      n.add_rows(__shfl_sync(kAllLanes, split.y, z, kLanes), __shfl_sync(kAllLanes, weight, z, kLanes));
+      n.add_rows(__shfl_sync(kFullMask, split.y, z, kLanes), __shfl_sync(kFullMask, weight, z, kLanes));
   n.finish(sink_log2);
   return n;
 }

@@ -358,8 +358,10 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 //     memory moves a block's bytes at about 25 GB/s however they go (bench/RESULTS.md, eighteenth
 //     session); the bulk copy takes that off the consumers' loads and registers;
 //   * more splits pull: each block loads its pieces of every split through their cluster addresses,
-//     the weights made while the first loads are in flight (a block would need up to (splits - 1) /
-//     splits of the partials' room to receive them).
+//     the weights made while the first loads are in flight, with as many pieces' loads in flight as
+//     up to 8 or up to 16 splits leave room for (a block would need up to (splits - 1) / splits of
+//     the partials' room to receive them; pushing to ten blocks, which has that room in narrow head
+//     groups, measured slower: bench/RESULTS.md, twenty-fourth session).
 // The partial rows and stats of a head group's padding are not written, and nothing read of them is
 // used. Called by the 256 consumer threads of every block of the cluster (the producers have exited,
 // which releases them from its barriers).
@@ -465,12 +467,16 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
         },
         [] {});
   } else {
-    merge_pieces<Out, kMaxClusterSplits, kMergeLoadsInFlight / kMaxClusterSplits>(
-        a, t, head0, first, end, weights,
-        [&](int piece, int z) {
-          return load_cluster_shared_v4(cluster_shared_address(partial_rows + piece_offset(piece, 0), static_cast<uint32_t>(z)));
-        },
-        [&] { make_weights.template operator()<kMaxClusterSplits>(); });
+    auto pull = [&]<int kMaxSplits>() {
+      merge_pieces<Out, kMaxSplits, kMergeLoadsInFlight / kMaxSplits>(
+          a, t, head0, first, end, weights,
+          [&](int piece, int z) {
+            return load_cluster_shared_v4(cluster_shared_address(partial_rows + piece_offset(piece, 0), static_cast<uint32_t>(z)));
+          },
+          [&] { make_weights.template operator()<kMaxSplits>(); });
+    };
+    if (splits <= 8) pull.template operator()<8>();
+    else pull.template operator()<kMaxClusterSplits>();
   }
   DSV4_PHASE_STAMP(kStampMergePieces);
   cluster.sync();  // no block leaves while the others read its shared memory (or its pushed rows)
