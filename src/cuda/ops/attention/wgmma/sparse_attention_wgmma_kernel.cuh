@@ -356,7 +356,8 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 //     into the partner's body (completing on the partner's mbarrier `pair_received`), makes its
 //     weights while its own rows arrive, and merges from its own shared memory. Distributed shared
 //     memory moves a block's bytes at about 25 GB/s however they go (bench/RESULTS.md, eighteenth
-//     session); the bulk copy takes that off the consumers' loads and registers;
+//     session), so this gains little over pulling them (b64 −0.2 us, twenty-fourth session), but
+//     it keeps the round trips off the consumers' loads;
 //   * more splits pull: each block loads its pieces of every split through their cluster addresses,
 //     the weights made while the first loads are in flight, with as many pieces' loads in flight as
 //     up to 8 or up to 16 splits leave room for (a block would need up to (splits - 1) / splits of
