@@ -525,9 +525,9 @@ TEST_F(CudaTest, SparseAttentionBf16RoundingDecodeBatches) {
                              Shape{3, 64, KvRowFormat::bf16, KvRowFormat::bf16, DType::f32},
                              Shape{3, 128, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
                              Shape{3, 16, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::bf16},
-                             // More two-split steps (a pair pushes its partner's rows): two head
-                             // groups, fp8_ds_mla, bf16 rows, a shard, an odd head count (the
-                             // blocks' halves of the merge meet inside a head).
+                             // More two-split steps: two head groups, fp8_ds_mla, bf16 rows, a
+                             // shard, an odd head count (the blocks' halves of the merge meet
+                             // inside a head).
                              Shape{32, 128, KvRowFormat::v41_fp8, KvRowFormat::v41_fp4, DType::f32},
                              Shape{64, 64, KvRowFormat::fp8_ds_mla, KvRowFormat::fp8_ds_mla, DType::f32},
                              Shape{64, 64, KvRowFormat::bf16, KvRowFormat::bf16, DType::bf16},

@@ -35,16 +35,4 @@ __device__ __forceinline__ float2 load_cluster_shared_v2(uint32_t address) {
   return v;
 }
 
-// A bulk copy (the async proxy) of `bytes` (a multiple of 16, both addresses 16-byte aligned) from
-// this block's shared memory to a shared::cluster address, which completes that many bytes of the
-// transaction count of the mbarrier at `barrier` (a shared::cluster address in the destination's
-// block). The source's writes must be fenced for the async proxy (fence.proxy.async) before.
-__device__ __forceinline__ void copy_shared_to_cluster(uint32_t destination, uint32_t source, uint32_t bytes,
-                                                       uint32_t barrier) {
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               :
-               : "r"(destination), "r"(source), "r"(bytes), "r"(barrier)
-               : "memory");
-}
-
 }  // namespace dsv4::cuda

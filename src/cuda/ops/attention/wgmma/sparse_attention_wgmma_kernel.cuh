@@ -34,7 +34,6 @@
 #pragma once
 
 #include <cooperative_groups.h>
-#include <cuda/ptx>
 #include <cuda_runtime.h>
 
 #include <array>
@@ -92,33 +91,15 @@ constexpr size_t kTileBytes = size_t{kTileRows} * mma::kRowBytes;
 inline constexpr int kValidStages = 4;
 constexpr size_t kValidBytes = kValidStages * kSlotsPerTile * kProducerWarps;  // [stage][slot][producer warp]
 constexpr size_t kExchangeBytes = 2 * kHeadsPerBlock * sizeof(float);  // [consumer warpgroup][head]
-// mbarriers: one per tile stage (bf16 rows), then the pair merge's (its partner's rows received).
-constexpr size_t kBarrierBytes = 3 * sizeof(uint64_t);
-// The tail after the body (P, Q, the tiles, the ring; in the merge, the partials): the valid bits,
-// the warpgroups' exchange and the mbarriers.
-constexpr size_t kTailBytes = kValidBytes + kExchangeBytes + kBarrierBytes;
-// What the H100 / H200 give a block, less P and Q, the two bf16 tiles, the tail and the slack that
-// aligns the dynamic shared memory to 1024 bytes: the raw ring's share.
+constexpr size_t kTileBarrierBytes = 2 * sizeof(uint64_t);  // bf16 rows: an mbarrier per tile stage
+// What the H100 / H200 give a block, less P and Q, the two bf16 tiles, the valid bits, the
+// warpgroups' exchange and the slack that aligns the dynamic shared memory to 1024 bytes: the raw
+// ring's share.
 constexpr size_t kSharedLimit = 232448;
 constexpr size_t ring_limit(int q_register_steps) {
-  return kSharedLimit - q_bytes(q_register_steps) - 2 * kTileBytes - kTailBytes - 1024;
+  return kSharedLimit - q_bytes(q_register_steps) - 2 * kTileBytes - kValidBytes - kExchangeBytes - kTileBarrierBytes -
+         1024;
 }
-
-// The split merge (splits > 1): the largest cluster an H100 / H200 runs (a non-portable size), and
-// what each block of it shares, in the body, free once its MMAs are done: its partial output (rows
-// of 64 heads x 512 channels, padded by 8 values so that a half warp's 8-byte stores of 4 heads fall
-// on different banks) and its heads' (max, sum) in log2 units; then, for its own merge, the merge
-// weights of the heads it merges, and in a pair the partner's rows of the heads it merges (at most
-// kHeadsPerBlock / 2 + 1), which the partner pushes there.
-inline constexpr int kMaxClusterSplits = 16;
-inline constexpr int kPartialRowValues = kHeadDim + 8;
-inline constexpr size_t kPartialRowBytes = kPartialRowValues * sizeof(float);
-inline constexpr size_t kPartialBytes = size_t{kHeadsPerBlock} * kPartialRowBytes;
-inline constexpr size_t kMergeBytes =
-    kPartialBytes + kHeadsPerBlock * sizeof(float2) + size_t{kMaxClusterSplits} * kHeadsPerBlock * sizeof(float);
-inline constexpr int kPairMergedHeads = kHeadsPerBlock / 2 + 1;
-inline constexpr size_t kPairMergeBytes = kMergeBytes + size_t{kPairMergedHeads} * kPartialRowBytes;
-static_assert(kMergeBytes % 16 == 0 && kPartialRowBytes % 16 == 0);  // the push's bulk copies
 
 // The raw ring of a (window, compressed) format pair, and what its room leaves of Q in registers. A
 // row's place is its size rounded up to 16 bytes (the decode's 16-byte loads). Rows are copied 16
@@ -167,10 +148,8 @@ struct Ring {
       kDirect            ? 0
       : kConsumersDecode ? (kWideTileBytes > 2 * kNarrowStageBytes ? kWideTileBytes : 2 * kNarrowStageBytes)
                          : kSlots * kSlotBytes;
-  // The body holds the MMAs' operands and the ring, and then the split merge.
-  static constexpr size_t kBodyBytes =
-      kQBytes + 2 * kTileBytes + kRingBytes > kPairMergeBytes ? kQBytes + 2 * kTileBytes + kRingBytes : kPairMergeBytes;
-  static constexpr size_t kSharedBytes = kBodyBytes + kTailBytes + 1024;
+  static constexpr size_t kSharedBytes =
+      kQBytes + 2 * kTileBytes + kRingBytes + kValidBytes + kExchangeBytes + kTileBarrierBytes + 1024;
   static_assert((!kProducerDecodes || kSlots >= 2) && kSharedBytes <= kSharedLimit && kAhead < kLookupSlots);
   // Where the consumers-decode ring holds tile u's raw rows: a wide tile takes the whole ring, a
   // narrow one the stage of its parity.
@@ -306,18 +285,31 @@ __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch&
   }
 }
 
+// The split merge (splits > 1): the largest cluster an H100 / H200 runs (a non-portable size), and
+// what each block of it shares, in the space of P, Q and the tiles, free once its MMAs are done:
+// its partial output (rows of 64 heads x 512 channels, padded by 8 values so that a half warp's
+// 8-byte stores of 4 heads fall on different banks) and its heads' (max, sum) in log2 units; then,
+// for its own merge, the merge weights of the heads it merges.
+inline constexpr int kMaxClusterSplits = 16;
+inline constexpr int kPartialRowValues = kHeadDim + 8;
+inline constexpr size_t kPartialBytes = size_t{kHeadsPerBlock} * kPartialRowValues * sizeof(float);
+inline constexpr size_t kMergeBytes =
+    kPartialBytes + kHeadsPerBlock * sizeof(float2) + size_t{kMaxClusterSplits} * kHeadsPerBlock * sizeof(float);
+static_assert(kMergeBytes <= q_bytes(8) + 2 * kTileBytes);
 // Loads from the other blocks' shared memory a consumer thread has in flight at a time: each waits a
 // round trip, so they go out together (16-byte values: 128 registers).
 inline constexpr int kMergeLoadsInFlight = 32;
-inline constexpr int kMergePieces = kHeadDim / 4;  // a head's four-channel pieces
 
-// Pieces [first, end) of a token's merge (piece i: head i / 128, channels 4·(i % 128) …), weighted
-// and summed in split order: split z's piece from load(piece, z) (z < splits <= kMaxSplits), each
-// thread's kTogether pieces' loads at once. after_first_loads() runs while every consumer thread's
-// first round is in flight; the weights are whole after it.
-template <class Out, int kMaxSplits, int kTogether, class Load, class AfterFirstLoads>
+// Pieces [first, end) of a token's merge (piece i: head i / 128, channels 4·(i % 128) …): the splits'
+// partials from their blocks' shared memory (at `partial` in each), weighted and summed in split
+// order. kMaxSplits >= splits bounds the loads per piece, so that each thread's
+// kMergeLoadsInFlight / kMaxSplits pieces load together. Every consumer thread runs the first round,
+// its loads in flight while it calls make_weights<kMaxSplits> (which ends in a consumer barrier:
+// the weights are whole after it).
+template <class Out, int kMaxSplits, class MakeWeights>
 __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int64_t t, int head0, int first, int end,
-                                             const float* weights, Load load, AfterFirstLoads after_first_loads) {
+                                             uint32_t partial, const float* weights, MakeWeights make_weights) {
+  constexpr int kPieces = kHeadDim / 4, kTogether = kMergeLoadsInFlight / kMaxSplits;
   const int splits = a.splits;
 #pragma unroll 1
   for (int base = first + static_cast<int>(threadIdx.x), round = 0; round == 0 || base < end;
@@ -326,14 +318,16 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 #pragma unroll
     for (int i = 0; i < kTogether; ++i) {
       const int piece = base + i * kConsumerThreads;
+      const uint32_t local = partial + ((piece / kPieces) * kPartialRowValues + 4 * (piece % kPieces)) * sizeof(float);
 #pragma unroll
       for (int z = 0; z < kMaxSplits; ++z)
-        if (piece < end && z < splits) values[i][z] = load(piece, z);
+        if (piece < end && z < splits)
+          values[i][z] = load_cluster_shared_v4(cluster_shared_address(local, static_cast<uint32_t>(z)));
     }
-    if (round == 0) after_first_loads();
+    if (round == 0) make_weights.template operator()<kMaxSplits>();
 #pragma unroll
     for (int i = 0; i < kTogether; ++i) {
-      const int piece = base + i * kConsumerThreads, h = piece / kMergePieces;
+      const int piece = base + i * kConsumerThreads, h = piece / kPieces;
       if (piece >= end) break;
       float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -342,7 +336,7 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
           const float w = weights[z * kHeadsPerBlock + h];
           sum[0] += values[i][z].x * w, sum[1] += values[i][z].y * w, sum[2] += values[i][z].z * w, sum[3] += values[i][z].w * w;
         }
-      store4(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + 4 * (piece % kMergePieces), sum);
+      store4(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + 4 * (piece % kPieces), sum);
     }
   }
 }
@@ -351,41 +345,22 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 // the sums in split order z = 0, 1, … whichever block runs them; block z of the cluster writes
 // pieces [z·n / splits, (z + 1)·n / splits) of the token's n = heads x 128 four-channel pieces, and
 // the lse of each head whose first piece is among them. The weights of a head come from the splits'
-// (max, sum) in their blocks' shared memory. The pieces travel one of two ways:
-//   * a pair pushes: each block sends the rows of the heads its partner merges in one bulk copy
-//     into the partner's body (completing on the partner's mbarrier `pair_received`), makes its
-//     weights while its own rows arrive, and merges from its own shared memory. Distributed shared
-//     memory moves a block's bytes at about 25 GB/s however they go (bench/RESULTS.md, eighteenth
-//     session), so this gains little over pulling them (b64 −0.2 us, twenty-fourth session), but
-//     it keeps the round trips off the consumers' loads;
-//   * more splits pull: each block loads its pieces of every split through their cluster addresses,
-//     the weights made while the first loads are in flight, with as many pieces' loads in flight as
-//     up to 8 or up to 16 splits leave room for (a block would need up to (splits - 1) / splits of
-//     the partials' room to receive them; pushing to ten blocks, which has that room in narrow head
-//     groups, measured slower: bench/RESULTS.md, twenty-fourth session).
-// The partial rows and stats of a head group's padding are not written, and nothing read of them is
-// used. Called by the 256 consumer threads of every block of the cluster (the producers have exited,
+// (max, sum) in their blocks' shared memory, loaded while the block's first pieces load. The partial
+// rows and stats of a head group's padding are not written, and nothing read of them is used.
+// Called by the 256 consumer threads of every block of the cluster (the producers have exited,
 // which releases them from its barriers).
 template <class Out>
 __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0,
                                                         int head_end, int half, int lane,
                                                         const float (&acc)[kOutTiles][4],
-                                                        const mma::SoftmaxState& state, uint8_t* shared,
-                                                        uint64_t* pair_received) {
+                                                        const mma::SoftmaxState& state, uint8_t* shared) {
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
   float* const partial = reinterpret_cast<float*>(shared);
   float2* const stats = reinterpret_cast<float2*>(shared + kPartialBytes);
   float* const weights = reinterpret_cast<float*>(stats + kHeadsPerBlock);  // [split][head]
-  uint8_t* const received = shared + kMergeBytes;  // a pair's: the partner's rows of the heads merged here
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, g = lane / 4, c = lane % 4;
-  const int heads = head_end - head0, splits = a.splits, rank = static_cast<int>(cluster.block_rank());
-  const int pieces = heads * kMergePieces;
-  // The pieces block r merges, and the first and last heads they fall in.
-  auto first_piece = [&](int r) { return r * pieces / splits; };
-  auto head_range = [&](int r) { return int2{first_piece(r) / kMergePieces, (first_piece(r + 1) - 1) / kMergePieces}; };
-  const int first = first_piece(rank), end = first_piece(rank + 1);
-  const int2 merged_heads = head_range(rank);
+  const int heads = head_end - head0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = warp_in_group * 16 + g + 8 * r;
@@ -396,91 +371,56 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
           make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
     if (half == 0 && c == 0) stats[head] = make_float2(state.running_max[r], state.running_sum[r]);
   }
-  const bool pair = splits == 2;
-  if (pair) {
-    if (threadIdx.x == 0) {  // armed for the partner's rows before the cluster barrier
-      mbarrier_init(shared_address(pair_received), 1);
-      ::cuda::ptx::fence_mbarrier_init(::cuda::ptx::sem_release, ::cuda::ptx::scope_cluster);
-      ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta, ::cuda::ptx::space_shared,
-                                           pair_received,
-                                           static_cast<uint32_t>((merged_heads.y - merged_heads.x + 1) * kPartialRowBytes));
-    }
-    wgmma::fence_shared_for_async_proxy();  // the thread's partial rows, for the bulk copy to the partner
-  }
   cluster.sync();  // every block's partial is whole (release / acquire)
   DSV4_PHASE_STAMP(kStampMergeShared);
 
+  const int splits = a.splits, rank = static_cast<int>(cluster.block_rank());
+  constexpr int kPieces = kHeadDim / 4;
+  const int pieces = heads * kPieces, first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
   // The weights of the heads of pieces [first, end), each made by a group of kLanes lanes (kLanes >=
   // splits), split z's by lane z of the group, in as many passes as it takes the 256 / kLanes groups
-  // to cover the at most kPairMergedHeads heads a block merges (two splits or more); all passes'
-  // loads at once.
+  // to cover the at most kHeadsPerBlock / 2 + 1 heads a block merges (two splits or more); all
+  // passes' loads at once.
   auto make_weights = [&]<int kLanes>() {
     constexpr int kWeightGroups = kConsumerThreads / kLanes;
-    constexpr int kWeightPasses = (kPairMergedHeads + kWeightGroups - 1) / kWeightGroups;
+    constexpr int kWeightPasses = (kHeadsPerBlock / 2 + 1 + kWeightGroups - 1) / kWeightGroups;
+    const int first_head = first / kPieces, last_head = (end - 1) / kPieces;
     const int z = lane % kLanes, group = static_cast<int>(threadIdx.x) / kLanes;
     float2 split[kWeightPasses];
     float sink_log2[kWeightPasses];
 #pragma unroll
     for (int pass = 0; pass < kWeightPasses; ++pass) {
-      const int head = merged_heads.x + pass * kWeightGroups + group;
-      split[pass] = head <= merged_heads.y && z < splits
+      const int head = first_head + pass * kWeightGroups + group;
+      split[pass] = head <= last_head && z < splits
                         ? load_cluster_shared_v2(cluster_shared_address(shared_address(stats + head), static_cast<uint32_t>(z)))
                         : make_float2(-INFINITY, 0.0f);
-      sink_log2[pass] = a.sink && head <= merged_heads.y ? a.sink[head0 + head] * kLog2e : -INFINITY;
+      sink_log2[pass] = a.sink && head <= last_head ? a.sink[head0 + head] * kLog2e : -INFINITY;
     }
 #pragma unroll
     for (int pass = 0; pass < kWeightPasses; ++pass) {
-      const int head = merged_heads.x + pass * kWeightGroups + group;
-      if (merged_heads.x + pass * kWeightGroups > merged_heads.y) break;  // the same in the whole block
+      const int head = first_head + pass * kWeightGroups + group;
+      if (first_head + pass * kWeightGroups > last_head) break;  // the same in the whole block
       float weight;
       const SplitNormalization n =
           normalize_splits_across_lanes<kLanes>(splits, split[pass], sink_log2[pass], weight);
-      if (head <= merged_heads.y) {
+      if (head <= last_head) {
         if (z < splits) weights[z * kHeadsPerBlock + head] = weight * n.inverse;
-        if (z == 0 && a.lse && head * kMergePieces >= first) a.lse[t * a.heads + head0 + head] = n.lse();
+        if (z == 0 && a.lse && head * kPieces >= first) a.lse[t * a.heads + head0 + head] = n.lse();
       }
     }
     barrier_sync(kConsumerBarrier, kConsumerThreads);  // the weights are whole
     DSV4_PHASE_STAMP(kStampMergeWeights);
   };
-  // Piece i's place in a block's rows that start at head `head`.
-  auto piece_offset = [](int piece, int head) {
-    return static_cast<uint32_t>(((piece / kMergePieces - head) * kPartialRowValues + 4 * (piece % kMergePieces)) *
-                                 sizeof(float));
-  };
   const uint32_t partial_rows = shared_address(partial);
-  if (pair) {
-    if (threadIdx.x == 0) {
-      const uint32_t partner = static_cast<uint32_t>(rank ^ 1);
-      const int2 sent_heads = head_range(rank ^ 1);
-      copy_shared_to_cluster(cluster_shared_address(shared_address(received), partner),
-                             partial_rows + static_cast<uint32_t>(sent_heads.x * kPartialRowBytes),
-                             static_cast<uint32_t>((sent_heads.y - sent_heads.x + 1) * kPartialRowBytes),
-                             cluster_shared_address(shared_address(pair_received), partner));
-    }
-    make_weights.template operator()<2>();
-    mbarrier_wait(shared_address(pair_received), 0);
-    merge_pieces<Out, 2, 8>(
-        a, t, head0, first, end, weights,
-        [&](int piece, int z) {
-          const uint8_t* const rows = z == rank ? shared + piece_offset(piece, 0) : received + piece_offset(piece, merged_heads.x);
-          return *reinterpret_cast<const float4*>(rows);
-        },
-        [] {});
-  } else {
-    auto pull = [&]<int kMaxSplits>() {
-      merge_pieces<Out, kMaxSplits, kMergeLoadsInFlight / kMaxSplits>(
-          a, t, head0, first, end, weights,
-          [&](int piece, int z) {
-            return load_cluster_shared_v4(cluster_shared_address(partial_rows + piece_offset(piece, 0), static_cast<uint32_t>(z)));
-          },
-          [&] { make_weights.template operator()<kMaxSplits>(); });
-    };
-    if (splits <= 8) pull.template operator()<8>();
-    else pull.template operator()<kMaxClusterSplits>();
-  }
+  // Three variants, each with as many pieces' loads in flight as its splits leave room for: pairs
+  // (steps of up to half a wave of blocks), up to 8 splits and up to 16; four spill. A pair pushing
+  // its partner's rows in one bulk copy (cp.async.bulk.shared::cluster) instead measured no faster
+  // where it merges and slower elsewhere (bench/RESULTS.md, twenty-fourth and twenty-fifth sessions).
+  if (splits == 2) merge_pieces<Out, 2>(a, t, head0, first, end, partial_rows, weights, make_weights);
+  else if (splits <= 8) merge_pieces<Out, 8>(a, t, head0, first, end, partial_rows, weights, make_weights);
+  else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights, make_weights);
   DSV4_PHASE_STAMP(kStampMergePieces);
-  cluster.sync();  // no block leaves while the others read its shared memory (or its pushed rows)
+  cluster.sync();  // no block leaves while the others read its shared memory
 }
 
 }  // namespace attention_wgmma
@@ -500,10 +440,10 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   uint8_t* const q_tile = p_tile + kPBytes;  // [64 heads x channels R::kQSharedFirst … 511] bf16, SW128
   uint8_t* const tiles = shared + R::kQBytes;                // [stage][64 rows x 512] bf16, SW128
   uint8_t* const ring = tiles + 2 * kTileBytes;              // raw rows: see Ring
-  uint8_t* const valid_bits = shared + R::kBodyBytes;        // [kValidStages][slot][producer warp]
+  uint8_t* const valid_bits = ring + R::kRingBytes;          // [kValidStages][slot][producer warp]
   float* const exchange = reinterpret_cast<float*>(valid_bits + kValidBytes);  // [consumer warpgroup][head]
   // bf16 rows: tile stage s has landed (every producer thread's copies and its valid bits).
-  const uint32_t tile_landed = shared_address(exchange + 2 * kHeadsPerBlock);  // [stage] mbarrier, then the merge's
+  const uint32_t tile_landed = shared_address(exchange + 2 * kHeadsPerBlock);  // [stage] mbarrier
   // Launched as a dependent launch: nothing global is touched before the preceding grids are done
   // (they may have written Q, the picks, the caches). The next kernel may then be scheduled.
   wait_for_preceding_grids();
@@ -905,8 +845,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   for (int r = 0; r < 2; ++r)
     softmax.running_sum[r] = exchange[warp_in_group * 16 + g + 8 * r] + exchange[kHeadsPerBlock + warp_in_group * 16 + g + 8 * r];
   if (a.splits > 1) {
-    merge_splits_in_cluster<Out>(a, t, head0, head_end, half, lane, acc, softmax, shared,
-                                 reinterpret_cast<uint64_t*>(exchange + 2 * kHeadsPerBlock) + 2);
+    merge_splits_in_cluster<Out>(a, t, head0, head_end, half, lane, acc, softmax, shared);
   } else {
     write_output_staged<Out>(a, t, head0, head_end, half, lane, acc, softmax,
                              shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
