@@ -489,10 +489,6 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       return tabled ? cache.first_logical_page[rows.sequence] : 0;
     };
     const int32_t window_first_page = first_page(a.window), compressed_first_page = first_page(a.compressed);
-    // A step reads each cache row once: its rows (and Q) leave the L2 first, so that what the
-    // next lookups and launches read again (block tables, picks, token metadata) stays there
-    // (b128 −2.0 us, b64 −0.9 on an H100: bench/RESULTS.md, twenty-fifth session).
-    const uint64_t streamed = l2_evict_first_policy();
     DSV4_PHASE_STAMP_ON(kStampTokenRows, window_first_page + compressed_first_page + rows.n_rows);
     auto row_number = [&](int batch) { return rows.row_number(a, t, lookup_index(batch), end_row); };
     struct PageRow {
@@ -550,7 +546,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
           const int c = first_piece + round * kLanesPerRow;
           const uint8_t* from = !present ? reinterpret_cast<const uint8_t*>(a.q)  // any readable address; not read
                                 : c < data_pieces ? row.data + kCopy * c : row.scales + kCopy * (c - data_pieces);
-          if (c < pieces) cp_async<kCopy>(place(r, c), from, present, streamed);
+          if (c < pieces) cp_async<kCopy>(place(r, c), from, present);
         }
       };
       if (window_rows == 0) copy_rounds(std::integral_constant<int, kRounds(kCompressedPieces)>{});
@@ -687,13 +683,11 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   // then stay in uniform registers (else each wgmma's costs a 64-bit add and two R2UR moves).
   const int half = __shfl_sync(kFullMask, static_cast<int>(threadIdx.x) / 128, 0), warp_in_group = warp % 4;
   const uint32_t q_address = shared_address(q_tile), tiles_address = shared_address(tiles);
-  const uint64_t q_policy = l2_evict_first_policy();  // read once, like the cache rows
   for (int item = threadIdx.x; item < kHeadsPerBlock * (kQSharedChannels / 8); item += kConsumerThreads) {
     const int h = item / (kQSharedChannels / 8), offset = (item % (kQSharedChannels / 8)) * 8;
     const int channel = R::kQSharedFirst + offset;
     uint8_t* dst = q_tile + wgmma::sw128_offset(kHeadsPerBlock, h, offset);
-    if (head0 + h < head_end)
-      cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + channel), true, q_policy);
+    if (head0 + h < head_end) cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + channel));
     else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
   // The A fragments of Q's first k steps: the warp's heads 16·w + g (+ 8), channels 16k + 2c (+ 8).
