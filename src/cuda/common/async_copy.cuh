@@ -32,15 +32,21 @@ __device__ __forceinline__ void cp_async(uint32_t shared, const void* global, bo
                  : "memory");
 }
 
-// An L2 policy for data a kernel reads once (cache rows, Q): its lines are the first to go when the
-// L2 needs room, so that what every launch reads again (block tables, picks, token metadata) stays.
+// L2 policies for cp_async: evict-first for data a kernel reads once (its lines are the first to go
+// when the L2 needs room, so that what every launch reads again stays), evict-normal (the default)
+// for data other blocks read again.
 __device__ __forceinline__ uint64_t l2_evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
+__device__ __forceinline__ uint64_t l2_evict_normal_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 
-// cp_async with an L2 policy (l2_evict_first_policy).
+// cp_async with an L2 policy.
 template <int kBytes>
 __device__ __forceinline__ void cp_async(uint32_t shared, const void* global, bool valid, uint64_t policy) {
   static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16);
