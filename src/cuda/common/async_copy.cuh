@@ -32,6 +32,34 @@ __device__ __forceinline__ void cp_async(uint32_t shared, const void* global, bo
                  : "memory");
 }
 
+// L2 policies for cp_async: evict-first for data a kernel reads once (its lines are the first to go
+// when the L2 needs room, so that what every launch reads again stays), evict-normal (the default)
+// for data other blocks read again.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint64_t l2_evict_normal_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// cp_async with an L2 policy.
+template <int kBytes>
+__device__ __forceinline__ void cp_async(uint32_t shared, const void* global, bool valid, uint64_t policy) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16);
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(shared), "l"(global),
+                 "r"(valid ? 16 : 0), "l"(policy)
+                 : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], %2, %3, %4;\n" ::"r"(shared), "l"(global),
+                 "n"(kBytes), "r"(valid ? kBytes : 0), "l"(policy)
+                 : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Waits until at most kPending of the thread's committed groups are in flight.
