@@ -86,10 +86,6 @@ inline void combine_sparse_attention_splits(const SparseAttentionLaunch& a, DTyp
                        stream);
 }
 
-// Token t's attended rows: i < n_window is window position window_first + i, the rest pick
-// i - n_window; rows that are -1, not yet visible or not addressable are invalid refs. The window
-// ends at the token's window_last (default: its own position) and starts at its window_first
-// (default: W rows before; image spans give both); compressed entries stay bounded by the position.
 // Whether token t is the only one of its sequence among its neighbours in the launch (a decode step
 // of one token per sequence), so that no token near it in time reads its rows again; a prefill
 // chunk's tokens share their rows. Without token_sequence (flat caches) every token is sequence 0.
@@ -99,6 +95,10 @@ __device__ inline bool reads_rows_alone(const SparseAttentionLaunch& a, int64_t 
   return (t == 0 || a.token_sequence[t - 1] != own) && (t + 1 == a.tokens || a.token_sequence[t + 1] != own);
 }
 
+// Token t's attended rows: i < n_window is window position window_first + i, the rest pick
+// i - n_window; rows that are -1, not yet visible or not addressable are invalid refs. The window
+// ends at the token's window_last (default: its own position) and starts at its window_first
+// (default: W rows before; image spans give both); compressed entries stay bounded by the position.
 struct TokenRows {
   int64_t sequence = 0;
   int64_t window_first = 0;
