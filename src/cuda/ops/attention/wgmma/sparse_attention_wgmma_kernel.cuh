@@ -493,11 +493,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       return tabled ? cache.first_logical_page[rows.sequence] : 0;
     };
     const int32_t window_first_page = first_page(a.window), compressed_first_page = first_page(a.compressed);
-    // A decode step reads each cache row once: its rows (and Q) leave the L2 first, so that what
-    // the next lookups and launches read again (block tables, picks, token metadata) stays there
-    // (b128 −1.9 us, b64 −0.9 on an H100). A prefill chunk's tokens read the same rows again:
-    // evict-first cost it 8 % (bench/RESULTS.md, twenty-fifth and twenty-sixth sessions).
-    const uint64_t streamed = reads_rows_alone(a, t) ? l2_evict_first_policy() : l2_evict_normal_policy();
+    const uint64_t streamed = row_copy_policy(a, t);
     DSV4_PHASE_STAMP_ON(kStampTokenRows, window_first_page + compressed_first_page + rows.n_rows);
     auto row_number = [&](int batch) { return rows.row_number(a, t, lookup_index(batch), end_row); };
     struct PageRow {
@@ -692,8 +688,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   // then stay in uniform registers (else each wgmma's costs a 64-bit add and two R2UR moves).
   const int half = __shfl_sync(kFullMask, static_cast<int>(threadIdx.x) / 128, 0), warp_in_group = warp % 4;
   const uint32_t q_address = shared_address(q_tile), tiles_address = shared_address(tiles);
-  // Q by the producer's rule (Q always evict-first measured ~1 % slower on prefill 4096).
-  const uint64_t q_policy = reads_rows_alone(a, t) ? l2_evict_first_policy() : l2_evict_normal_policy();
+  const uint64_t q_policy = row_copy_policy(a, t);
   for (int item = threadIdx.x; item < kHeadsPerBlock * (kQSharedChannels / 8); item += kConsumerThreads) {
     const int h = item / (kQSharedChannels / 8), offset = (item % (kQSharedChannels / 8)) * 8;
     const int channel = R::kQSharedFirst + offset;
