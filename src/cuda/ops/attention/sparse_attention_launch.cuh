@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/async_copy.cuh"
 #include "cuda/common/paged_rows.cuh"
 #include "cuda/ops/attention/split_kv.h"
 #include "dsv4/cuda/attention.h"
@@ -93,6 +94,15 @@ __device__ inline bool reads_rows_alone(const SparseAttentionLaunch& a, int64_t 
   if (!a.token_sequence) return a.tokens == 1;
   const int32_t own = a.token_sequence[t];
   return (t == 0 || a.token_sequence[t - 1] != own) && (t + 1 == a.tokens || a.token_sequence[t + 1] != own);
+}
+
+// The L2 policy of token t's cache-row and Q copies: a decode step reads each once, so they leave
+// the L2 first and what the next lookups and launches read again (block tables, picks, token
+// metadata) stays there (b128 -1.9 us, b64 -0.9 on an H100). A prefill chunk's tokens read the same
+// rows again: evict-first cost it 8 %, on Q alone ~1 % (bench/RESULTS.md, twenty-fifth and
+// twenty-sixth sessions).
+__device__ inline uint64_t row_copy_policy(const SparseAttentionLaunch& a, int64_t t) {
+  return reads_rows_alone(a, t) ? l2_evict_first_policy() : l2_evict_normal_policy();
 }
 
 // Token t's attended rows: i < n_window is window position window_first + i, the rest pick

@@ -303,14 +303,16 @@ inline constexpr int kMergeLoadsInFlight = 32;
 // Pieces [first, end) of a token's merge (piece i: head i / 128, channels 4·(i % 128) …): the splits'
 // partials from their blocks' shared memory (at `partial` in each), weighted and summed in split
 // order. kMaxSplits >= splits bounds the loads per piece, so that each thread's
-// kMergeLoadsInFlight / kMaxSplits pieces load together. Every consumer thread runs the first round,
-// its loads in flight while it calls make_weights<kMaxSplits> (which ends in a consumer barrier:
-// the weights are whole after it).
-template <class Out, int kMaxSplits, class MakeWeights>
+// kMergeLoadsInFlight / kMaxSplits pieces load together. load_weights<kMaxSplits> issues the
+// splits' (max, sum) loads first, so that they do not queue behind the values; every consumer
+// thread runs the first round, its loads in flight while it makes the weights (ending in a consumer
+// barrier: the weights are whole after it).
+template <class Out, int kMaxSplits, class LoadWeights>
 __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int64_t t, int head0, int first, int end,
-                                             uint32_t partial, const float* weights, MakeWeights make_weights) {
+                                             uint32_t partial, const float* weights, LoadWeights load_weights) {
   constexpr int kPieces = kHeadDim / 4, kTogether = kMergeLoadsInFlight / kMaxSplits;
   const int splits = a.splits;
+  auto make_weights = load_weights.template operator()<kMaxSplits>();
 #pragma unroll 1
   for (int base = first + static_cast<int>(threadIdx.x), round = 0; round == 0 || base < end;
        base += kTogether * kConsumerThreads, ++round) {
@@ -324,7 +326,7 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
         if (piece < end && z < splits)
           values[i][z] = load_cluster_shared_v4(cluster_shared_address(local, static_cast<uint32_t>(z)));
     }
-    if (round == 0) make_weights.template operator()<kMaxSplits>();
+    if (round == 0) make_weights();
 #pragma unroll
     for (int i = 0; i < kTogether; ++i) {
       const int piece = base + i * kConsumerThreads, h = piece / kPieces;
@@ -379,9 +381,9 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   const int pieces = heads * kPieces, first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
   // The weights of the heads of pieces [first, end), each made by a group of kLanes lanes (kLanes >=
   // splits), split z's by lane z of the group, in as many passes as it takes the 256 / kLanes groups
-  // to cover the at most kHeadsPerBlock / 2 + 1 heads a block merges (two splits or more); all
-  // passes' loads at once.
-  auto make_weights = [&]<int kLanes>() {
+  // to cover the at most kHeadsPerBlock / 2 + 1 heads a block merges (two splits or more): all
+  // passes' loads at once, then the returned function makes the weights from them.
+  auto load_weights = [&]<int kLanes>() {
     constexpr int kWeightGroups = kConsumerThreads / kLanes;
     constexpr int kWeightPasses = (kHeadsPerBlock / 2 + 1 + kWeightGroups - 1) / kWeightGroups;
     const int first_head = first / kPieces, last_head = (end - 1) / kPieces;
@@ -396,29 +398,31 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
                         : make_float2(-INFINITY, 0.0f);
       sink_log2[pass] = a.sink && head <= last_head ? a.sink[head0 + head] * kLog2e : -INFINITY;
     }
+    return [&, split, sink_log2, first_head, last_head, z, group] {
 #pragma unroll
-    for (int pass = 0; pass < kWeightPasses; ++pass) {
-      const int head = first_head + pass * kWeightGroups + group;
-      if (first_head + pass * kWeightGroups > last_head) break;  // the same in the whole block
-      float weight;
-      const SplitNormalization n =
-          normalize_splits_across_lanes<kLanes>(splits, split[pass], sink_log2[pass], weight);
-      if (head <= last_head) {
-        if (z < splits) weights[z * kHeadsPerBlock + head] = weight * n.inverse;
-        if (z == 0 && a.lse && head * kPieces >= first) a.lse[t * a.heads + head0 + head] = n.lse();
+      for (int pass = 0; pass < kWeightPasses; ++pass) {
+        const int head = first_head + pass * kWeightGroups + group;
+        if (first_head + pass * kWeightGroups > last_head) break;  // the same in the whole block
+        float weight;
+        const SplitNormalization n =
+            normalize_splits_across_lanes<kLanes>(splits, split[pass], sink_log2[pass], weight);
+        if (head <= last_head) {
+          if (z < splits) weights[z * kHeadsPerBlock + head] = weight * n.inverse;
+          if (z == 0 && a.lse && head * kPieces >= first) a.lse[t * a.heads + head0 + head] = n.lse();
+        }
       }
-    }
-    barrier_sync(kConsumerBarrier, kConsumerThreads);  // the weights are whole
-    DSV4_PHASE_STAMP(kStampMergeWeights);
+      barrier_sync(kConsumerBarrier, kConsumerThreads);  // the weights are whole
+      DSV4_PHASE_STAMP(kStampMergeWeights);
+    };
   };
   const uint32_t partial_rows = shared_address(partial);
   // Three variants, each with as many pieces' loads in flight as its splits leave room for: pairs
   // (steps of up to half a wave of blocks), up to 8 splits and up to 16; four spill. A pair pushing
   // its partner's rows in one bulk copy (cp.async.bulk.shared::cluster) instead measured no faster
   // where it merges and slower elsewhere (bench/RESULTS.md, twenty-fourth and twenty-fifth sessions).
-  if (splits == 2) merge_pieces<Out, 2>(a, t, head0, first, end, partial_rows, weights, make_weights);
-  else if (splits <= 8) merge_pieces<Out, 8>(a, t, head0, first, end, partial_rows, weights, make_weights);
-  else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights, make_weights);
+  if (splits == 2) merge_pieces<Out, 2>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  else if (splits <= 8) merge_pieces<Out, 8>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights, load_weights);
   DSV4_PHASE_STAMP(kStampMergePieces);
   cluster.sync();  // no block leaves while the others read its shared memory
 }
@@ -489,11 +493,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       return tabled ? cache.first_logical_page[rows.sequence] : 0;
     };
     const int32_t window_first_page = first_page(a.window), compressed_first_page = first_page(a.compressed);
-    // A decode step reads each cache row once: its rows (and Q) leave the L2 first, so that what
-    // the next lookups and launches read again (block tables, picks, token metadata) stays there
-    // (b128 −1.9 us, b64 −0.9 on an H100). A prefill chunk's tokens read the same rows again:
-    // evict-first cost it 8 % (bench/RESULTS.md, twenty-fifth and twenty-sixth sessions).
-    const uint64_t streamed = reads_rows_alone(a, t) ? l2_evict_first_policy() : l2_evict_normal_policy();
+    const uint64_t streamed = row_copy_policy(a, t);
     DSV4_PHASE_STAMP_ON(kStampTokenRows, window_first_page + compressed_first_page + rows.n_rows);
     auto row_number = [&](int batch) { return rows.row_number(a, t, lookup_index(batch), end_row); };
     struct PageRow {
@@ -688,8 +688,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   // then stay in uniform registers (else each wgmma's costs a 64-bit add and two R2UR moves).
   const int half = __shfl_sync(kFullMask, static_cast<int>(threadIdx.x) / 128, 0), warp_in_group = warp % 4;
   const uint32_t q_address = shared_address(q_tile), tiles_address = shared_address(tiles);
-  // Q by the producer's rule (Q always evict-first measured ~1 % slower on prefill 4096).
-  const uint64_t q_policy = reads_rows_alone(a, t) ? l2_evict_first_policy() : l2_evict_normal_policy();
+  const uint64_t q_policy = row_copy_policy(a, t);
   for (int item = threadIdx.x; item < kHeadsPerBlock * (kQSharedChannels / 8); item += kConsumerThreads) {
     const int h = item / (kQSharedChannels / 8), offset = (item % (kQSharedChannels / 8)) * 8;
     const int channel = R::kQSharedFirst + offset;
