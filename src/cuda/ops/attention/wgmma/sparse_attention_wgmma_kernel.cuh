@@ -296,6 +296,10 @@ inline constexpr size_t kPartialBytes = size_t{kHeadsPerBlock} * kPartialRowValu
 inline constexpr size_t kMergeBytes =
     kPartialBytes + kHeadsPerBlock * sizeof(float2) + size_t{kMaxClusterSplits} * kHeadsPerBlock * sizeof(float);
 static_assert(kMergeBytes <= q_bytes(8) + 2 * kTileBytes);
+inline constexpr int kMergePieces = kHeadDim / 4;  // a head's four-channel pieces
+// The most heads a block merges where the token splits (two splits or more: half of a group's
+// pieces, and a head its range begins or ends inside).
+inline constexpr int kMaxMergedHeads = kHeadsPerBlock / 2 + 1;
 // Loads from the other blocks' shared memory a consumer thread has in flight at a time: each waits a
 // round trip, so they go out together (16-byte values: 128 registers).
 inline constexpr int kMergeLoadsInFlight = 32;
@@ -310,7 +314,7 @@ inline constexpr int kMergeLoadsInFlight = 32;
 template <class Out, int kMaxSplits, class LoadWeights>
 __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int64_t t, int head0, int first, int end,
                                              uint32_t partial, const float* weights, LoadWeights load_weights) {
-  constexpr int kPieces = kHeadDim / 4, kTogether = kMergeLoadsInFlight / kMaxSplits;
+  constexpr int kTogether = kMergeLoadsInFlight / kMaxSplits;
   const int splits = a.splits;
   auto make_weights = load_weights.template operator()<kMaxSplits>();
 #pragma unroll 1
@@ -320,7 +324,7 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 #pragma unroll
     for (int i = 0; i < kTogether; ++i) {
       const int piece = base + i * kConsumerThreads;
-      const uint32_t local = partial + ((piece / kPieces) * kPartialRowValues + 4 * (piece % kPieces)) * sizeof(float);
+      const uint32_t local = partial + ((piece / kMergePieces) * kPartialRowValues + 4 * (piece % kMergePieces)) * sizeof(float);
 #pragma unroll
       for (int z = 0; z < kMaxSplits; ++z)
         if (piece < end && z < splits)
@@ -329,7 +333,7 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
     if (round == 0) make_weights();
 #pragma unroll
     for (int i = 0; i < kTogether; ++i) {
-      const int piece = base + i * kConsumerThreads, h = piece / kPieces;
+      const int piece = base + i * kConsumerThreads, h = piece / kMergePieces;
       if (piece >= end) break;
       float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -338,7 +342,7 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
           const float w = weights[z * kHeadsPerBlock + h];
           sum[0] += values[i][z].x * w, sum[1] += values[i][z].y * w, sum[2] += values[i][z].z * w, sum[3] += values[i][z].w * w;
         }
-      store4(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + 4 * (piece % kPieces), sum);
+      store4(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + 4 * (piece % kMergePieces), sum);
     }
   }
 }
@@ -377,16 +381,15 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   DSV4_PHASE_STAMP(kStampMergeShared);
 
   const int splits = a.splits, rank = static_cast<int>(cluster.block_rank());
-  constexpr int kPieces = kHeadDim / 4;
-  const int pieces = heads * kPieces, first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
+  const int pieces = heads * kMergePieces, first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
   // The weights of the heads of pieces [first, end), each made by a group of kLanes lanes (kLanes >=
   // splits), split z's by lane z of the group, in as many passes as it takes the 256 / kLanes groups
-  // to cover the at most kHeadsPerBlock / 2 + 1 heads a block merges (two splits or more): all
-  // passes' loads at once, then the returned function makes the weights from them.
+  // to cover the at most kMaxMergedHeads heads a block merges: all passes' loads at once, then the
+  // returned function makes the weights from them.
   auto load_weights = [&]<int kLanes>() {
     constexpr int kWeightGroups = kConsumerThreads / kLanes;
-    constexpr int kWeightPasses = (kHeadsPerBlock / 2 + 1 + kWeightGroups - 1) / kWeightGroups;
-    const int first_head = first / kPieces, last_head = (end - 1) / kPieces;
+    constexpr int kWeightPasses = (kMaxMergedHeads + kWeightGroups - 1) / kWeightGroups;
+    const int first_head = first / kMergePieces, last_head = (end - 1) / kMergePieces;
     const int z = lane % kLanes, group = static_cast<int>(threadIdx.x) / kLanes;
     float2 split[kWeightPasses];
     float sink_log2[kWeightPasses];
@@ -408,7 +411,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
             normalize_splits_across_lanes<kLanes>(splits, split[pass], sink_log2[pass], weight);
         if (head <= last_head) {
           if (z < splits) weights[z * kHeadsPerBlock + head] = weight * n.inverse;
-          if (z == 0 && a.lse && head * kPieces >= first) a.lse[t * a.heads + head0 + head] = n.lse();
+          if (z == 0 && a.lse && head * kMergePieces >= first) a.lse[t * a.heads + head0 + head] = n.lse();
         }
       }
       barrier_sync(kConsumerBarrier, kConsumerThreads);  // the weights are whole
