@@ -6,10 +6,11 @@
 // One block per (token, group of up to 64 heads, split of rows), three warpgroups (a group narrower
 // than 64 at small steps, the rest of the MMAs' rows padding: see plan_split_kv_clusters):
 //   * the producer warpgroup gathers the raw bytes of the rows (window rows, then picks, as
-//     TokenRows orders them) with cp.async into a ring of 16-row slots (Ring), invalid rows
-//     zero-filled by the copy (so they decode to zeros). Warp w copies rows 4w … 4w + 3 of every
-//     slot; its lanes look those rows up for eight slots at a time (the pick, the block-table entry
-//     and the address each a batch apart, so that no load waits for another).
+//     TokenRows orders them) into a ring of 16-row slots (Ring): the V4.1 native rows by bulk copies
+//     (the copy engine), the others by cp.async; invalid rows are zero-filled (so they decode to
+//     zeros). Warp w copies rows 4w … 4w + 3 of every slot; its lanes look
+//     those rows up for eight slots at a time (the pick, the block-table entry and the address
+//     each a batch apart, so that no load waits for another).
 //   * two consumer warpgroups: each computes the scores of all 64 heads over half of the tile's
 //     rows (32 wgmma m64n32k16: Q's first 64 channels from registers, the rest and the tile from
 //     shared memory), the online softmax in fp32 with the two halves' maxima merged through shared
@@ -20,7 +21,7 @@
 // The raw rows are decoded exactly to bf16 (row_decode.cuh) into one of two 64-row tiles in the
 // SW128 layout the MMAs read, by whoever has the time:
 //   * where the ring holds a whole tile (the V4.1 native pair, Ring::kConsumersDecode) the
-//     consumers do: the producer copies a tile into the ring and hands it over (kRawReady), every
+//     consumers do: the producer's bulk copies of a tile land on the tile parity's mbarrier, every
 //     consumer warp decodes 8 of its rows while its P·V MMAs of the previous tile run and frees the
 //     ring (kRawFree), and a consumer barrier marks the decoded tile;
 //   * else (fp8_ds_mla, three slots) the producer does, slot by slot with all but one slot in
@@ -165,7 +166,6 @@ enum PhaseStamp {
   kStampQLanded = 1,     // consumers: Q in registers and shared memory
   kStampFirstDecoded = 2,  // consumers: tile 0 decoded (the consumers-decode ring)
   kStampTile = 3,        // consumers: tile_stamp(i, TileStamp) of tile i
-  kStampLanded = 1,      // producer: + u, tile u's raw rows landed (u < 39)
   kStampTokenRows = 40,  // producer: the token's rows and first pages known
   kStampFirstPages = 41,  // producer: the first batches' pages known
   kStampCopiesIssued = 50,  // producer: + u, tile u's copies issued (u < 46)
@@ -640,7 +640,8 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
         const int row_bytes = wide ? R::kRowBytes : R::kNarrowRowBytes;
         const int j = u * kSlotsPerTile + slot;
         advance_lookups(u * kSlotsPerTile);
-        const RowRef ref = (u * kSlotsPerTile) / kLookupSlots == current_batch ? ref_current : ref_next;
+        static_assert(kLookupSlots % kSlotsPerTile == 0);  // a tile's slots lie in one batch: the current one
+        const RowRef ref = ref_current;
         const int first_source = (u * kSlotsPerTile) % kLookupSlots * kRowsPerProducerWarp;
         const uint32_t valids = (__ballot_sync(kFullMask, ref.valid()) >> first_source) & 0xffffu;
         const int source = first_source + slot * kRowsPerProducerWarp + r;
