@@ -78,9 +78,6 @@ void dump() {
               median(2, kStampFirstPages, 0, kStampStart));
   for (int u = 0; kStampCopiesIssued + u < kStampEnd && median(2, kStampCopiesIssued + u, 0, kStampStart) >= 0; ++u)
     std::printf(" %.2f", median(2, kStampCopiesIssued + u, 0, kStampStart));
-  std::printf("\n  landed:");
-  for (int u = 0; kStampLanded + u < kStampTokenRows && median(2, kStampLanded + u, 0, kStampStart) >= 0; ++u)
-    std::printf(" %.2f", median(2, kStampLanded + u, 0, kStampStart));
   std::printf("\n");
 }
 }  // namespace

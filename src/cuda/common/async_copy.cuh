@@ -84,6 +84,27 @@ __device__ __forceinline__ void mbarrier_arrive(uint32_t barrier) {
 __device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t barrier) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
 }
+// The initializing thread's mbarrier.init made visible to the async proxy (a bulk copy's
+// complete_tx) and, after a barrier, to the other threads (sm_90).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// An arrival that also expects `bytes` of asynchronous copies (complete_tx) in the current phase
+// (sm_90). Copies may complete before it: the phase stays open until every arrival has happened.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
+}
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory by the
+// copy engine in one bulk copy, landing on `barrier` (complete_tx of its bytes), with an L2 policy
+// (sm_90).
+__device__ __forceinline__ void bulk_copy(uint32_t shared, const void* global, uint32_t bytes, uint32_t barrier,
+                                          uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
+          shared),
+      "l"(global), "r"(bytes), "r"(barrier), "l"(policy)
+      : "memory");
+}
 // Waits (acquire) until the phase of parity `parity` has completed.
 __device__ __forceinline__ void mbarrier_wait(uint32_t barrier, uint32_t parity) {
   asm volatile(

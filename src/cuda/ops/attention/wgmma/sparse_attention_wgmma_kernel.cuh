@@ -6,10 +6,11 @@
 // One block per (token, group of up to 64 heads, split of rows), three warpgroups (a group narrower
 // than 64 at small steps, the rest of the MMAs' rows padding: see plan_split_kv_clusters):
 //   * the producer warpgroup gathers the raw bytes of the rows (window rows, then picks, as
-//     TokenRows orders them) with cp.async into a ring of 16-row slots (Ring), invalid rows
-//     zero-filled by the copy (so they decode to zeros). Warp w copies rows 4w … 4w + 3 of every
-//     slot; its lanes look those rows up for eight slots at a time (the pick, the block-table entry
-//     and the address each a batch apart, so that no load waits for another).
+//     TokenRows orders them) into a ring of 16-row slots (Ring): the V4.1 native rows by bulk copies
+//     (the copy engine), the others by cp.async; invalid rows are zero-filled (so they decode to
+//     zeros). Warp w copies rows 4w … 4w + 3 of every slot; its lanes look
+//     those rows up for eight slots at a time (the pick, the block-table entry and the address
+//     each a batch apart, so that no load waits for another).
 //   * two consumer warpgroups: each computes the scores of all 64 heads over half of the tile's
 //     rows (32 wgmma m64n32k16: Q's first 64 channels from registers, the rest and the tile from
 //     shared memory), the online softmax in fp32 with the two halves' maxima merged through shared
@@ -20,7 +21,7 @@
 // The raw rows are decoded exactly to bf16 (row_decode.cuh) into one of two 64-row tiles in the
 // SW128 layout the MMAs read, by whoever has the time:
 //   * where the ring holds a whole tile (the V4.1 native pair, Ring::kConsumersDecode) the
-//     consumers do: the producer copies a tile into the ring and hands it over (kRawReady), every
+//     consumers do: the producer's bulk copies of a tile land on the tile parity's mbarrier, every
 //     consumer warp decodes 8 of its rows while its P·V MMAs of the previous tile run and frees the
 //     ring (kRawFree), and a consumer barrier marks the decoded tile;
 //   * else (fp8_ds_mla, three slots) the producer does, slot by slot with all but one slot in
@@ -165,7 +166,6 @@ enum PhaseStamp {
   kStampQLanded = 1,     // consumers: Q in registers and shared memory
   kStampFirstDecoded = 2,  // consumers: tile 0 decoded (the consumers-decode ring)
   kStampTile = 3,        // consumers: tile_stamp(i, TileStamp) of tile i
-  kStampLanded = 1,      // producer: + u, tile u's raw rows landed (u < 39)
   kStampTokenRows = 40,  // producer: the token's rows and first pages known
   kStampFirstPages = 41,  // producer: the first batches' pages known
   kStampCopiesIssued = 50,  // producer: + u, tile u's copies issued (u < 46)
@@ -182,8 +182,8 @@ __host__ __device__ constexpr int tile_stamp(int i, TileStamp s) {
 }
 
 // Named barriers (0 is __syncthreads', unused). The producer decodes: kFull / kEmpty per tile stage.
-// The consumers decode: kRawReady (a tile's raw rows have landed in the ring) and kRawFree (the
-// consumers have decoded them), one of each per tile parity, since the producer runs a tile ahead;
+// The consumers decode: kRawFree (the consumers have decoded a tile's raw rows; that they have
+// landed is the tile parity's mbarrier), one per tile parity, since the producer runs a tile ahead;
 // kConsumer also marks each decoded tile (every consumer passes it after its P·V of the tile
 // before: P and the maxima are then free to write). kConsumer also orders the consumers'
 // exchanges: the maxima, P, the final sums.
@@ -191,7 +191,6 @@ inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
 inline constexpr int kStagedBarrier = 6;    // + consumer warpgroup (2): its results are staged
-inline constexpr int kRawReadyBarrier = 8;  // + tile parity (2)
 inline constexpr int kRawFreeBarrier = 10;  // + tile parity (2)
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
@@ -449,7 +448,9 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   uint8_t* const ring = tiles + 2 * kTileBytes;              // raw rows: see Ring
   uint8_t* const valid_bits = ring + R::kRingBytes;          // [kValidStages][slot][producer warp]
   float* const exchange = reinterpret_cast<float*>(valid_bits + kValidBytes);  // [consumer warpgroup][head]
-  // bf16 rows: tile stage s has landed (every producer thread's copies and its valid bits).
+  // bf16 rows: tile stage s has landed (every producer thread's copies and its valid bits); where
+  // the consumers decode: the raw rows of the tiles of parity s have (every producer lane's bulk
+  // copy, its valid bits or zeros).
   const uint32_t tile_landed = shared_address(exchange + 2 * kHeadsPerBlock);  // [stage] mbarrier
   // Launched as a dependent launch: nothing global is touched before the preceding grids are done
   // (they may have written Q, the picks, the caches). The next kernel may then be scheduled.
@@ -458,6 +459,12 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   DSV4_PHASE_STAMP(kStampStart);
   if constexpr (R::kDirect) {
     if (threadIdx.x < 2) mbarrier_init(tile_landed + 8 * threadIdx.x, kProducerThreads + kProducerWarps);
+    __syncthreads();
+  } else if constexpr (R::kConsumersDecode) {
+    if (threadIdx.x < 2) {
+      mbarrier_init(tile_landed + 8 * threadIdx.x, kProducerThreads);
+      fence_mbarrier_init();
+    }
     __syncthreads();
   }
 
@@ -620,26 +627,45 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       auto wait_decoded = [&](int tiles_decoded) {
         for (; decoded < tiles_decoded; ++decoded) barrier_sync(kRawFreeBarrier + decoded % 2, kThreads);
       };
+      // Lane l copies part l % 2 (the data, the scales) of the warp's row (l / 2) % 4 of the tile's
+      // slot l / 8 in one bulk copy: the copy engine gathers the tile, nothing waits for it here,
+      // and the consumers wait for its bytes on the tile parity's mbarrier.
+      const int slot = lane / 8, r = (lane / 2) % kRowsPerProducerWarp;
+      const bool scales_part = lane % 2;
       for (int u = 0; u < n_tiles; ++u) {
         const bool wide = is_wide_tile(rows, first_row, u);
         wait_decoded(wide || (u > 0 && is_wide_tile(rows, first_row, u - 1)) ? u : u - 1);
-        uint8_t* const to = R::tile_rows(ring, wide, u);
+        // The consumers' reads of these ring bytes (and zero fills) before the copy engine's writes.
+        wgmma::fence_shared_for_async_proxy();
         const int row_bytes = wide ? R::kRowBytes : R::kNarrowRowBytes;
-        uint32_t valids = 0;
-#pragma unroll
-        for (int s = 0; s < kSlotsPerTile; ++s) {
-          advance_lookups(u * kSlotsPerTile + s);
-          valids |= request(u * kSlotsPerTile + s, in_ring(to + s * kSlotRows * row_bytes, row_bytes))
-                    << (kRowsPerProducerWarp * s);
-        }
+        const int j = u * kSlotsPerTile + slot;
+        advance_lookups(u * kSlotsPerTile);
+        static_assert(kLookupSlots % kSlotsPerTile == 0);  // a tile's slots lie in one batch: the current one
+        const RowRef ref = ref_current;
+        const int first_source = (u * kSlotsPerTile) % kLookupSlots * kRowsPerProducerWarp;
+        const uint32_t valids = (__ballot_sync(kFullMask, ref.valid()) >> first_source) & 0xffffu;
+        const int source = first_source + slot * kRowsPerProducerWarp + r;
+        const auto data = __shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), source);
+        const auto scales = __shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), source);
+        const bool window_row = row_index(j, r) < rows.n_window;
+        const int data_bytes = window_row ? kWindowData * kCopy : kCompressedData * kCopy;
+        const int bytes = scales_part ? (window_row ? kWindowPieces : kCompressedPieces) * kCopy - data_bytes : data_bytes;
+        uint8_t* const place = R::tile_rows(ring, wide, u) +
+                               (slot * kSlotRows + producer_warp * kRowsPerProducerWarp + r) * row_bytes +
+                               (scales_part ? data_bytes : 0);
+        const bool present = (valids >> (slot * kRowsPerProducerWarp + r)) & 1u;
+        const uint32_t landed = tile_landed + 8 * (u % 2);
+        if (present)
+          bulk_copy(shared_address(place), reinterpret_cast<const uint8_t*>(scales_part ? scales : data), bytes, landed,
+                    streamed);
+        else  // absent rows decode to zeros: no stale bytes reach the MMAs
+          for (int b = 0; b < bytes; b += 16) *reinterpret_cast<uint4*>(place + b) = make_uint4(0, 0, 0, 0);
         DSV4_PHASE_STAMP(kStampCopiesIssued + u);
-        cp_async_wait<0>();
         if (lane == 0)
 #pragma unroll
           for (int s = 0; s < kSlotsPerTile; ++s)
             valid_bits[((u % kValidStages) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
-        DSV4_PHASE_STAMP(kStampLanded + u);
-        barrier_arrive(kRawReadyBarrier + u % 2, kThreads);
+        mbarrier_arrive_expect_tx(landed, present ? bytes : 0);
       }
       wait_decoded(n_tiles - 1);  // every hand-back met once
       return;
@@ -731,7 +757,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   // Consumers that decode: the warp's rows of tile `tile_index` from the ring into its stage, once
   // the producer has handed them over; the ring then takes the next tile's.
   auto decode_tile = [&](int tile_index) {
-    barrier_sync(kRawReadyBarrier + tile_index % 2, kThreads);
+    mbarrier_wait(tile_landed + 8 * (tile_index % 2), (tile_index / 2) & 1);
     uint8_t* const tile = tiles + (tile_index % 2) * kTileBytes;
     const bool wide = is_wide_tile(rows, first_row, tile_index);
     const uint8_t* const raw = R::tile_rows(ring, wide, tile_index);
