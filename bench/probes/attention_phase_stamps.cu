@@ -69,6 +69,18 @@ void dump() {
                                                {"weights", kStampMergeWeights},
                                                {"pieces merged", kStampMergePieces},
                                                {"end", kStampEnd}};
+  // Small launches block by block: a split block's wait at the first cluster barrier (partials
+  // shared less its last P·V done) is short for the cluster's slowest block. SM clocks differ
+  // between SMs, so only intervals within a block are compared.
+  if (blocks <= 40)
+    for (int b = 0; b < blocks; ++b) {
+      int last = 0;
+      while (last + 1 < kStampedTiles && stamps[b][0][tile_stamp(last + 1, kPvDone)] != 0) ++last;
+      const auto at = [&](int k) { return stamps[b][0][k] ? (stamps[b][0][k] - stamps[b][0][kStampStart]) / 1980.0 : -1.0; };
+      std::printf("  block %2d: tile 0 decoded %.2f, last P.V done %.2f, partials shared %.2f (waited %.2f), end %.2f\n", b,
+                  at(kStampFirstDecoded), at(tile_stamp(last, kPvDone)), at(kStampMergeShared),
+                  at(kStampMergeShared) - at(tile_stamp(last, kPvDone)), at(kStampEnd));
+    }
   std::printf("merge (split blocks), p10 / p50 / p90:");
   for (const auto& [name, k] : merge)
     std::printf(" %s %.2f / %.2f / %.2f;", name, quantile(0.1, 0, k, 0, kStampStart), median(0, k, 0, kStampStart),
