@@ -35,4 +35,13 @@ __device__ __forceinline__ float2 load_cluster_shared_v2(uint32_t address) {
   return v;
 }
 
+// A cluster barrier in two halves. The arrival is relaxed: it orders none of the thread's memory
+// accesses (a barrier that only keeps blocks alive while others read their shared memory needs
+// none once those reads have returned, and then does not wait for the thread's global stores to
+// become visible, as a release would).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
+
 }  // namespace dsv4::cuda
