@@ -426,9 +426,9 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   else if (splits <= 8) merge_pieces<Out, 8>(a, t, head0, first, end, partial_rows, weights, load_weights);
   else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights, load_weights);
   DSV4_PHASE_STAMP(kStampMergePieces);
-  // No block leaves while the others read its shared memory. Every read of this block's has
-  // returned (its values are summed above), and nothing else needs ordering: a relaxed arrival, so
-  // that the barrier does not wait for the output stores.
+  // No block leaves while the others read its shared memory. This block's reads of theirs have all
+  // returned (their values are summed above), and nothing else needs ordering: a relaxed arrival,
+  // so that the barrier does not wait for the output stores.
   cluster_arrive_relaxed();
   cluster_wait();
 }
