@@ -35,10 +35,11 @@ __device__ __forceinline__ float2 load_cluster_shared_v2(uint32_t address) {
   return v;
 }
 
-// A cluster barrier in two halves. The arrival is relaxed: it orders none of the thread's memory
-// accesses (a barrier that only keeps blocks alive while others read their shared memory needs
-// none once those reads have returned, and then does not wait for the thread's global stores to
-// become visible, as a release would).
+// A cluster barrier in two halves, in the .aligned forms (every thread of the warp arrives
+// together), which cuda::ptx does not expose. The arrival is relaxed: it orders none of the
+// thread's memory accesses (a barrier that only keeps blocks alive while others read their shared
+// memory needs none once those reads have returned, and then does not wait for the thread's global
+// stores to become visible, as a release would).
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
