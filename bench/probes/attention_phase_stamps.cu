@@ -28,6 +28,7 @@ template void launch_sparse_attention_wgmma<uint16_t, KvRowFormat::v41_fp8, KvRo
                                                                                                  int64_t, bool, cudaStream_t);
 namespace {
 using namespace attention_wgmma;
+constexpr double kClocksPerUs = 1980.0;  // the assumed SM clock (1.98 GHz)
 long long stamps[kStampBlocks][kStampWarpgroups][kStampsPerWarpgroup];
 int blocks = 0;
 
@@ -40,7 +41,7 @@ double quantile(double q, int wg, int k, int base_wg, int base_k) {
   if (v.empty()) return -1.0;
   const auto at = v.begin() + static_cast<std::ptrdiff_t>(q * static_cast<double>(v.size() - 1));
   std::nth_element(v.begin(), at, v.end());
-  return static_cast<double>(*at) / 1980.0;
+  return static_cast<double>(*at) / kClocksPerUs;
 }
 double median(int wg, int k, int base_wg, int base_k) { return quantile(0.5, wg, k, base_wg, base_k); }
 
@@ -76,7 +77,7 @@ void dump() {
     for (int b = 0; b < blocks; ++b) {
       int last = 0;
       while (last + 1 < kStampedTiles && stamps[b][0][tile_stamp(last + 1, kPvDone)] != 0) ++last;
-      const auto at = [&](int k) { return stamps[b][0][k] ? (stamps[b][0][k] - stamps[b][0][kStampStart]) / 1980.0 : -1.0; };
+      const auto at = [&](int k) { return stamps[b][0][k] ? (stamps[b][0][k] - stamps[b][0][kStampStart]) / kClocksPerUs : -1.0; };
       std::printf("  block %2d: tile 0 decoded %.2f, last P.V done %.2f, partials shared %.2f (waited %.2f), end %.2f\n", b,
                   at(kStampFirstDecoded), at(tile_stamp(last, kPvDone)), at(kStampMergeShared),
                   at(kStampMergeShared) - at(tile_stamp(last, kPvDone)), at(kStampEnd));
