@@ -44,5 +44,12 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
+// Orders the thread's earlier accesses to its block's shared memory before its later ones at
+// cluster scope, and only those (a release restricted to shared::cta, sm_90): followed by a
+// relaxed arrival, the barrier's wait (acquire) then lets the other blocks read what it wrote,
+// without the full release's wait for the thread's global accesses.
+__device__ __forceinline__ void fence_release_shared_to_cluster() {
+  asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
+}
 
 }  // namespace dsv4::cuda

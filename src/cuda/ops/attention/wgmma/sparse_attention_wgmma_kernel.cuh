@@ -376,7 +376,11 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
           make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
     if (half == 0 && c == 0) stats[head] = make_float2(state.running_max[r], state.running_sum[r]);
   }
-  cluster.sync();  // every block's partial is whole (release / acquire)
+  // Every block's partial is whole: its shared-memory writes released to the cluster, acquired by
+  // the wait.
+  fence_release_shared_to_cluster();
+  cluster_arrive_relaxed();
+  cluster_wait();
   DSV4_PHASE_STAMP(kStampMergeShared);
 
   const int splits = a.splits, rank = static_cast<int>(cluster.block_rank());
