@@ -1,8 +1,8 @@
 // Probe: how many clusters of s blocks of the wgmma sparse attention (native rows, bf16 output) the
 // device runs at once (cudaOccupancyMaxActiveClusters, s = 1 … 16, as the launch asks), and the split
 // plan plan_split_kv_clusters makes from them for V4.1-Flash decode steps (64 heads, 640 rows: 10
-// tiles), and the split groups of 8 heads would get: whether the device can place them at b1, which
-// the twenty-eighth session's `wip/head-groups-8` run could not tell (bench/RESULTS.md).
+// tiles), and the split that groups of 8 heads would get: whether the device can place them at b1 (which
+// the twenty-eighth session's `wip/head-groups-8` run could not tell, bench/RESULTS.md).
 // Not part of the build. From build/ (a configured Release tree with libdsv4.a built):
 //   nvcc --options-file CMakeFiles/dsv4.dir/includes_CUDA.rsp -O3 -DNDEBUG -std=c++20 \
 //     --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
