@@ -687,7 +687,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
         else mbarrier_arrive_expect_tx(landed, present ? bytes : 0);
       }
       wait_decoded(n_tiles - 1);  // every hand-back met once
-      cp_async_wait<0>();
+      cp_async_wait_all();  // the last tiles' scale copies (in no committed group) land before the lane exits
       return;
     }
     // Slots j + 1 … j + kAhead in flight while j is decoded (their valid bits in `valids`, slot j
