@@ -685,6 +685,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
             valid_bits[((u % kValidStages) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
         if (scales_part) cp_async_mbarrier_arrive(landed);
         else mbarrier_arrive_expect_tx(landed, present ? bytes : 0);
+        __syncwarp();  // the data and scale lanes diverged: the warp meets the next aligned barrier whole
       }
       wait_decoded(n_tiles - 1);  // every hand-back met once
       cp_async_wait_all();  // the last tiles' scale copies (in no committed group) land before the lane exits
