@@ -639,7 +639,8 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       // Of the warp's row l % 4 of the tile's slot (l % 16) / 4, lane l < 16 copies the data in one
       // bulk copy (the copy engine; its lanes' copies issue one at a time) and lane l + 16 the
       // scales in 16-byte cp.async pieces. Nothing waits for them here: the consumers wait on the
-      // tile parity's mbarrier for every lane's bytes.
+      // tile parity's mbarrier for every lane's bytes. The scale pieces take no L2 policy: with
+      // one, ptxas 13.0 put it in an odd uniform register (desc[UR1]), an illegal instruction.
       const int slot = (lane % 16) / kRowsPerProducerWarp, r = lane % kRowsPerProducerWarp;
       const bool scales_part = lane >= 16;
       constexpr int kScalePieces = std::max(kWindowPieces - kWindowData, kCompressedPieces - kCompressedData);
@@ -672,7 +673,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
                                               : reinterpret_cast<const uint8_t*>(a.q);  // any readable address; not read
 #pragma unroll
           for (int c = 0; c < kScalePieces; ++c)
-            if (c * kCopy < bytes) cp_async<kCopy>(shared_address(place) + c * kCopy, from + (present ? c * kCopy : 0), present, streamed);
+            if (c * kCopy < bytes) cp_async<kCopy>(shared_address(place) + c * kCopy, from + (present ? c * kCopy : 0), present);
         } else if (present) {
           bulk_copy(shared_address(place), reinterpret_cast<const uint8_t*>(data), bytes, landed, streamed);
         } else {
