@@ -636,11 +636,14 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       auto wait_decoded = [&](int tiles_decoded) {
         for (; decoded < tiles_decoded; ++decoded) barrier_sync(kRawFreeBarrier + decoded % 2, kThreads);
       };
-      // Of the warp's row l % 4 of the tile's slot (l % 16) / 4, lane l < 16 copies the data in one
-      // bulk copy (the copy engine; its lanes' copies issue one at a time) and lane l + 16 the
-      // scales in 16-byte cp.async pieces. Nothing waits for them here: the consumers wait on the
-      // tile parity's mbarrier for every lane's bytes. The scale pieces take no L2 policy: with
-      // one, ptxas 13.0 put it in an odd uniform register (desc[UR1]), an illegal instruction.
+      // Of the warp's row l % 4 of the tile's slot (l % 16) / 4, lane l < 16 copies the data and
+      // lane l + 16 the scales, each in one bulk copy: the copy engine gathers the tile and nothing
+      // waits for it here; the consumers wait on the tile parity's mbarrier for every lane's bytes.
+      // A warp's bulk copies issue one at a time, so tile 0's scales, whose copies every block
+      // waits for, go by 16-byte cp.async pieces beside the data's bulk copies (half the serial
+      // issue; later tiles' copies overlap the MMAs and keep the streaming L2 policy). The pieces
+      // take no L2 policy: with one, ptxas 13.0 put it in an odd uniform register (desc[UR1]), an
+      // illegal instruction.
       const int slot = (lane % 16) / kRowsPerProducerWarp, r = lane % kRowsPerProducerWarp;
       const bool scales_part = lane >= 16;
       constexpr int kScalePieces = std::max(kWindowPieces - kWindowData, kCompressedPieces - kCompressedData);
@@ -667,15 +670,17 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
                                (scales_part ? data_bytes : 0);
         const bool present = (valids >> (slot * kRowsPerProducerWarp + r)) & 1u;
         const uint32_t landed = tile_landed + 8 * (u % 2);
+        const bool by_pieces = scales_part && u == 0;
         // Absent rows decode to zeros: no stale bytes reach the MMAs.
-        if (scales_part) {
+        if (by_pieces) {
           const uint8_t* const from = present ? reinterpret_cast<const uint8_t*>(scales)
                                               : reinterpret_cast<const uint8_t*>(a.q);  // any readable address; not read
 #pragma unroll
           for (int c = 0; c < kScalePieces; ++c)
             if (c * kCopy < bytes) cp_async<kCopy>(shared_address(place) + c * kCopy, from + (present ? c * kCopy : 0), present);
         } else if (present) {
-          bulk_copy(shared_address(place), reinterpret_cast<const uint8_t*>(data), bytes, landed, streamed);
+          bulk_copy(shared_address(place), reinterpret_cast<const uint8_t*>(scales_part ? scales : data), bytes, landed,
+                    streamed);
         } else {
           for (int b = 0; b < bytes; b += 16) *reinterpret_cast<uint4*>(place + b) = make_uint4(0, 0, 0, 0);
         }
@@ -684,12 +689,12 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
 #pragma unroll
           for (int s = 0; s < kSlotsPerTile; ++s)
             valid_bits[((u % kValidStages) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
-        if (scales_part) cp_async_mbarrier_arrive(landed);
+        if (by_pieces) cp_async_mbarrier_arrive(landed);
         else mbarrier_arrive_expect_tx(landed, present ? bytes : 0);
         __syncwarp();  // the data and scale lanes diverged: the warp meets the next aligned barrier whole
       }
       wait_decoded(n_tiles - 1);  // every hand-back met once
-      cp_async_wait_all();  // the last tiles' scale copies (in no committed group) land before the lane exits
+      cp_async_wait_all();  // tile 0's scale pieces (in no committed group) land before the lane exits
       return;
     }
     // Slots j + 1 … j + kAhead in flight while j is decoded (their valid bits in `valids`, slot j
