@@ -37,6 +37,7 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <mutex>
@@ -629,17 +630,23 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     if constexpr (R::kConsumersDecode) {
       // A tile at a time, as soon as its place in the ring is decoded: a wide tile needs the whole
       // ring (every earlier tile decoded), a narrow one its stage, last held by tile u - 2 (or by a
-      // wide tile u - 1). Its slots' copies, then (every lane's landed) its valid bits and the
-      // hand-over.
+      // wide tile u - 1). Its rows' copies, its valid bits, and each lane's arrival on the tile
+      // parity's mbarrier.
       int decoded = 0;  // the consumers' hand-backs met so far: tiles 0 … decoded - 1
       auto wait_decoded = [&](int tiles_decoded) {
         for (; decoded < tiles_decoded; ++decoded) barrier_sync(kRawFreeBarrier + decoded % 2, kThreads);
       };
-      // Lane l copies part l % 2 (the data, the scales) of the warp's row (l / 2) % 4 of the tile's
-      // slot l / 8 in one bulk copy: the copy engine gathers the tile, nothing waits for it here,
-      // and the consumers wait for its bytes on the tile parity's mbarrier.
-      const int slot = lane / 8, r = (lane / 2) % kRowsPerProducerWarp;
-      const bool scales_part = lane % 2;
+      // Of the warp's row l % 4 of the tile's slot (l % 16) / 4, lane l < 16 copies the data and
+      // lane l + 16 the scales, each in one bulk copy: the copy engine gathers the tile and nothing
+      // waits for it here; the consumers wait on the tile parity's mbarrier for every lane's bytes.
+      // A warp's bulk copies issue one at a time, so tile 0's scales, whose copies every block
+      // waits for, go by 16-byte cp.async pieces beside the data's bulk copies (half the serial
+      // issue; later tiles' copies overlap the MMAs and keep the streaming L2 policy). The pieces
+      // take no L2 policy: with one, ptxas 13.0 put it in an odd uniform register (desc[UR1]), an
+      // illegal instruction.
+      const int slot = (lane % 16) / kRowsPerProducerWarp, r = lane % kRowsPerProducerWarp;
+      const bool scales_part = lane >= 16;
+      constexpr int kScalePieces = std::max(kWindowPieces - kWindowData, kCompressedPieces - kCompressedData);
       for (int u = 0; u < n_tiles; ++u) {
         const bool wide = is_wide_tile(rows, first_row, u);
         wait_decoded(wide || (u > 0 && is_wide_tile(rows, first_row, u - 1)) ? u : u - 1);
@@ -663,19 +670,31 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
                                (scales_part ? data_bytes : 0);
         const bool present = (valids >> (slot * kRowsPerProducerWarp + r)) & 1u;
         const uint32_t landed = tile_landed + 8 * (u % 2);
-        if (present)
+        const bool by_pieces = scales_part && u == 0;
+        // Absent rows decode to zeros: no stale bytes reach the MMAs.
+        if (by_pieces) {
+          const uint8_t* const from = present ? reinterpret_cast<const uint8_t*>(scales)
+                                              : reinterpret_cast<const uint8_t*>(a.q);  // any readable address; not read
+#pragma unroll
+          for (int c = 0; c < kScalePieces; ++c)
+            if (c * kCopy < bytes) cp_async<kCopy>(shared_address(place) + c * kCopy, from + (present ? c * kCopy : 0), present);
+        } else if (present) {
           bulk_copy(shared_address(place), reinterpret_cast<const uint8_t*>(scales_part ? scales : data), bytes, landed,
                     streamed);
-        else  // absent rows decode to zeros: no stale bytes reach the MMAs
+        } else {
           for (int b = 0; b < bytes; b += 16) *reinterpret_cast<uint4*>(place + b) = make_uint4(0, 0, 0, 0);
+        }
         DSV4_PHASE_STAMP(kStampCopiesIssued + u);
         if (lane == 0)
 #pragma unroll
           for (int s = 0; s < kSlotsPerTile; ++s)
             valid_bits[((u % kValidStages) * kSlotsPerTile + s) * kProducerWarps + producer_warp] = row_bits(valids, s);
-        mbarrier_arrive_expect_tx(landed, present ? bytes : 0);
+        if (by_pieces) cp_async_mbarrier_arrive(landed);
+        else mbarrier_arrive_expect_tx(landed, present ? bytes : 0);
+        __syncwarp();  // the data and scale lanes diverged: the warp meets the next aligned barrier whole
       }
       wait_decoded(n_tiles - 1);  // every hand-back met once
+      cp_async_wait_all();  // tile 0's scale pieces (in no committed group) land before the lane exits
       return;
     }
     // Slots j + 1 … j + kAhead in flight while j is decoded (their valid bits in `valids`, slot j
