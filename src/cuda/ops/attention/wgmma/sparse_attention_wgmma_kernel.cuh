@@ -7,10 +7,10 @@
 // than 64 at small steps, the rest of the MMAs' rows padding: see plan_split_kv_clusters):
 //   * the producer warpgroup gathers the raw bytes of the rows (window rows, then picks, as
 //     TokenRows orders them) into a ring of 16-row slots (Ring): the V4.1 native rows by bulk copies
-//     (the copy engine), the others by cp.async; invalid rows are zero-filled (so they decode to
-//     zeros). Warp w copies rows 4w … 4w + 3 of every slot; its lanes look
-//     those rows up for eight slots at a time (the pick, the block-table entry and the address
-//     each a batch apart, so that no load waits for another).
+//     (the copy engine; a block's first tile's scales by cp.async), the others by cp.async; invalid
+//     rows are zero-filled (so they decode to zeros). Warp w copies rows 4w … 4w + 3 of every slot;
+//     its lanes look those rows up for eight slots at a time (the pick, the block-table entry and
+//     the address each a batch apart, so that no load waits for another).
 //   * two consumer warpgroups: each computes the scores of all 64 heads over half of the tile's
 //     rows (32 wgmma m64n32k16: Q's first 64 channels from registers, the rest and the tile from
 //     shared memory), the online softmax in fp32 with the two halves' maxima merged through shared
