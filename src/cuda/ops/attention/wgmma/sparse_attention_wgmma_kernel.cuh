@@ -192,7 +192,7 @@ inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
 inline constexpr int kStagedBarrier = 6;    // + consumer warpgroup (2): its results are staged
-inline constexpr int kRawFreeBarrier = 10;  // + tile parity (2)
+inline constexpr int kRawFreeBarrier = 8;  // + tile parity (2)
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
 // within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores (where
@@ -458,21 +458,18 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   uint8_t* const valid_bits = ring + R::kRingBytes;          // [kValidStages][slot][producer warp]
   float* const exchange = reinterpret_cast<float*>(valid_bits + kValidBytes);  // [consumer warpgroup][head]
   // bf16 rows: tile stage s has landed (every producer thread's copies and its valid bits); where
-  // the consumers decode: the raw rows of the tiles of parity s have (every producer lane's bulk
-  // copy, its valid bits or zeros).
+  // the consumers decode: the raw rows of the tiles of parity s have (every producer lane's copies
+  // or zeros, and its warp's valid bits).
   const uint32_t tile_landed = shared_address(exchange + 2 * kHeadsPerBlock);  // [stage] mbarrier
   // Launched as a dependent launch: nothing global is touched before the preceding grids are done
   // (they may have written Q, the picks, the caches). The next kernel may then be scheduled.
   wait_for_preceding_grids();
   allow_dependent_launch();
   DSV4_PHASE_STAMP(kStampStart);
-  if constexpr (R::kDirect) {
-    if (threadIdx.x < 2) mbarrier_init(tile_landed + 8 * threadIdx.x, kProducerThreads + kProducerWarps);
-    __syncthreads();
-  } else if constexpr (R::kConsumersDecode) {
+  if constexpr (R::kDirect || R::kConsumersDecode) {
     if (threadIdx.x < 2) {
-      mbarrier_init(tile_landed + 8 * threadIdx.x, kProducerThreads);
-      fence_mbarrier_init();
+      mbarrier_init(tile_landed + 8 * threadIdx.x, R::kDirect ? kProducerThreads + kProducerWarps : kProducerThreads);
+      fence_mbarrier_init();  // the native rows' bulk copies complete on it from the async proxy
     }
     __syncthreads();
   }
@@ -663,8 +660,9 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
         const auto data = __shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.data), source);
         const auto scales = __shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(ref.scales), source);
         const bool window_row = row_index(j, r) < rows.n_window;
-        const int data_bytes = window_row ? kWindowData * kCopy : kCompressedData * kCopy;
-        const int bytes = scales_part ? (window_row ? kWindowPieces : kCompressedPieces) * kCopy - data_bytes : data_bytes;
+        const KvRowFormat format = window_row ? kWindow : kCompressed;
+        const int data_bytes = static_cast<int>(row_codec::data_bytes(format, kHeadDim));
+        const int bytes = scales_part ? static_cast<int>(row_codec::scale_bytes(format, kHeadDim)) : data_bytes;
         uint8_t* const place = R::tile_rows(ring, wide, u) +
                                (slot * kSlotRows + producer_warp * kRowsPerProducerWarp + r) * row_bytes +
                                (scales_part ? data_bytes : 0);
