@@ -1,7 +1,7 @@
 // Hopper warpgroup MMAs (wgmma, sm_90a): shared-memory matrix descriptors of the 128- and
 // 32-byte-swizzled layouts, the fences, the bf16 -> f32 shapes the sparse attention uses
-// (S = Q·Kᵀ with Q's first k steps in registers, O += P·V from shared memory), the e4m3 one of the
-// index scores (keys in registers times the queries) and the bf16 m64n8 of their head sums.
+// (S = Q·Kᵀ with Q's first k steps in registers, O += P·V from shared memory) and the e4m3 one of the index scores
+// (keys in registers times the queries).
 //
 // Accumulator layout (PTX "wgmma .m64nNk16 D"): warp w of the warpgroup holds rows 16w … 16w+15;
 // lane l, g = l / 4, c = l % 4 holds d[j][0..1] = (16w + g, 8j + 2c … +1), d[j][2..3] = (16w + g + 8, 8j
@@ -105,16 +105,6 @@ __device__ __forceinline__ void m64n32k16_ss(float (&d)[4][4], uint64_t a, uint6
       "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
       : DSV4_WGMMA_D32(d, 0)
       : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
-}
-
-// d (64 x 8, f32) = a·bᵀ + (accumulate ? d : 0): a 64 x 16 bf16 in registers (the A fragment), b
-// 8 x 16 bf16 K-major SW32 (one 32-byte row per column).
-__device__ __forceinline__ void m64n8k16_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
 }
 
 // d (64 x 256, f32) += a·b: a 64 x 16 bf16 K-major and b 16 x 256 bf16 MN-major, both in shared memory.

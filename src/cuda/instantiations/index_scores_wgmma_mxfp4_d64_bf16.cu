@@ -1,7 +1,7 @@
-// fp8 warpgroup-MMA index scores (wgmma), index_mxfp4 keys, index_dim 64, bf16-rounded scores
-// summed in head order (partial sums), one token per CTA (decode).
+// fp8 warpgroup-MMA index scores (wgmma), index_mxfp4 keys, index_dim 64, bf16-rounded scores,
+// one token per CTA (decode).
 #include "cuda/ops/indexer/wgmma/index_scores_wgmma_kernel.cuh"
 
 namespace dsv4::cuda::index_wgmma {
-template void launch_index_scores_wgmma<2, true, false, HeadSum::ordered>(const IndexScoresRangeLaunch&, cudaStream_t);
+template void launch_index_scores_wgmma<2, true, false>(const IndexScoresRangeLaunch&, cudaStream_t);
 }  // namespace dsv4::cuda::index_wgmma

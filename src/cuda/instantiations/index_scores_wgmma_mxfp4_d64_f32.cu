@@ -1,7 +1,7 @@
-// fp8 warpgroup-MMA index scores (wgmma), index_mxfp4 keys, index_dim 64, fp32 scores, one token
-// per CTA (decode).
+// fp8 warpgroup-MMA index scores (wgmma), index_mxfp4 keys, index_dim 64, fp32 scores,
+// one token per CTA (decode).
 #include "cuda/ops/indexer/wgmma/index_scores_wgmma_kernel.cuh"
 
 namespace dsv4::cuda::index_wgmma {
-template void launch_index_scores_wgmma<2, false, false, HeadSum::ordered>(const IndexScoresRangeLaunch&, cudaStream_t);
+template void launch_index_scores_wgmma<2, false, false>(const IndexScoresRangeLaunch&, cudaStream_t);
 }  // namespace dsv4::cuda::index_wgmma

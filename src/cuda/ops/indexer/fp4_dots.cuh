@@ -42,16 +42,6 @@
 // normal, and then exact in fp32 (two 8-bit significands), when ek_lo >= −112 − e_w. Such rows
 // (FastBounds' packed_terms) form their terms with one bf16 multiply a pair, which rounds the
 // same exact product once.
-//
-// Head sums on tensor cores. The reference adds a row's 32 terms t_h (bf16 numbers) in fp32, head
-// by head, and rounds the sum to bf16. A bf16 MMA can add the same terms against a column of ones
-// (the products are exact) and, against the signs of the weights, their magnitudes m = Σ|t_h|
-// (relu makes every term's sign its weight's). The reference's sum of 32 terms is within
-// 31·2^-24·m < 2^-19·m of the exact one; the tensor cores add exact products with an fp32
-// accumulator, at most ten roundings of at most 2^-23 of a partial sum (below m each), < 2^-19.6·m
-// (the bound assumed of the hardware; the tests compare every score bit for bit). kHeadSumError =
-// 2^-17 doubles their sum, and decided_bf16_sum falls back to the ordered sum wherever that interval
-// does not decide the bf16 rounding: about 2^-8.5 · m / |S| of the rows.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -163,13 +153,6 @@ __device__ __forceinline__ float relu(float x) {
   return y;
 }
 
-// The reference's weighted terms of two dots in bf16_rounding: bf16(relu(bf16(dot)) · w), a pair
-// per conversion. relu keeps NaN (__hmax2_nan); it may turn a -0 into +0, which changes no sum.
-__device__ __forceinline__ float2 bf16_weighted_terms(float dot0, float dot1, float2 w) {
-  const float2 r = __bfloat1622float2(__hmax2_nan(__floats2bfloat162_rn(dot0, dot1), __float2bfloat162_rn(0.0f)));
-  return __bfloat1622float2(__floats2bfloat162_rn(__fmul_rn(r.x, w.x), __fmul_rn(r.y, w.y)));
-}
-
 // Two floats as a bf16 pair, x in the low half (exact for bf16 numbers).
 __device__ __forceinline__ uint32_t bf16_pair(float2 v) {
   uint32_t d;
@@ -179,8 +162,20 @@ __device__ __forceinline__ uint32_t bf16_pair(float2 v) {
 __device__ __forceinline__ float low_bf16(uint32_t pair) { return __uint_as_float(pair << 16); }
 __device__ __forceinline__ float high_bf16(uint32_t pair) { return __uint_as_float(pair & 0xffff0000u); }
 
-// The packed form of bf16_weighted_terms for bf16 weights w (a pair): relu(bf16(dot)) · w rounded
-// once to bf16, one conversion and one bf16 multiply a pair. Equal to it where the products are
+// The reference's weighted terms of two dots in bf16_rounding: bf16(relu(bf16(dot)) · w), as a
+// bf16 pair (dot0's term in the low half). relu keeps NaN (__hmax2_nan); it may turn a -0 into +0,
+// which changes no sum.
+__device__ __forceinline__ uint32_t bf16_weighted_term_pair(float dot0, float dot1, float2 w) {
+  const float2 r = __bfloat1622float2(__hmax2_nan(__floats2bfloat162_rn(dot0, dot1), __float2bfloat162_rn(0.0f)));
+  return bf16_pair(make_float2(__fmul_rn(r.x, w.x), __fmul_rn(r.y, w.y)));
+}
+__device__ __forceinline__ float2 bf16_weighted_terms(float dot0, float dot1, float2 w) {
+  const uint32_t pair = bf16_weighted_term_pair(dot0, dot1, w);
+  return make_float2(low_bf16(pair), high_bf16(pair));
+}
+
+// bf16_weighted_term_pair for bf16 weights w (a pair): relu(bf16(dot)) · w rounded once to bf16,
+// one conversion and one bf16 multiply a pair. Equal to it where the products are
 // normal (then the fp32 product of two bf16 numbers is exact, and so its rounding to bf16 is the
 // bf16 multiply's): see "Packed terms".
 __device__ __forceinline__ uint32_t packed_weighted_terms(float dot0, float dot1, uint32_t w) {
@@ -188,23 +183,6 @@ __device__ __forceinline__ uint32_t packed_weighted_terms(float dot0, float dot1
   asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(dot1), "f"(dot0));  // relu keeps NaN
   asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(r), "r"(w));
   return d;
-}
-
-// The reference's score bf16(S) of a row, S its fp32 sum of the weighted terms in head order,
-// from another sum of the same terms: a tensor-core sum `sum` and the sum `magnitude` of their
-// magnitudes (see "Head sums on tensor cores"). S lies within kHeadSumError · magnitude of `sum`;
-// when both ends of that interval round to one bf16 number, so does S (rounding is monotonic), and
-// that number is the score. Else (or for NaN, infinities and sums of subnormal size) it returns
-// false, and the caller adds the terms in the reference's order.
-inline constexpr float kHeadSumError = 0x1p-17f;
-inline constexpr float kHeadSumMinMagnitude = 0x1p-100f;
-__device__ __forceinline__ bool decided_bf16_sum(float sum, float magnitude, float& score) {
-  const float e = magnitude >= kHeadSumMinMagnitude ? __fmul_ru(magnitude, kHeadSumError)
-                  : magnitude == 0.0f             ? 0.0f
-                                                  : INFINITY;
-  const float lo = bf16_rounded(__fsub_rd(sum, e)), hi = bf16_rounded(__fadd_ru(sum, e));
-  score = lo + 0.0f;  // the reference's sum starts at +0 and is never -0
-  return lo == hi;
 }
 
 // x · 2^k, exact whenever the result is a normal fp32 or larger than x in magnitude (|k| <= 252):

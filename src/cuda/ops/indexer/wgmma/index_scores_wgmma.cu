@@ -11,25 +11,22 @@
 namespace dsv4::cuda {
 
 namespace index_wgmma {
-#define DSV4_WGMMA_INDEX_SCORES(kBlocks, kBf16Rounding, kTokenRuns, kHeadSum)                      \
-  extern template void launch_index_scores_wgmma<kBlocks, kBf16Rounding, kTokenRuns, HeadSum::kHeadSum>( \
+#define DSV4_WGMMA_INDEX_SCORES(kBlocks, kBf16Rounding, kTokenRuns)                      \
+  extern template void launch_index_scores_wgmma<kBlocks, kBf16Rounding, kTokenRuns>( \
       const IndexScoresRangeLaunch&, cudaStream_t);
-#define DSV4_WGMMA_INDEX_SCORES_OF_DIM(kBlocks)                  \
-  DSV4_WGMMA_INDEX_SCORES(kBlocks, false, false, ordered)        \
-  DSV4_WGMMA_INDEX_SCORES(kBlocks, true, false, ordered)         \
-  DSV4_WGMMA_INDEX_SCORES(kBlocks, true, false, tensor_cores)    \
-  DSV4_WGMMA_INDEX_SCORES(kBlocks, false, true, ordered)         \
-  DSV4_WGMMA_INDEX_SCORES(kBlocks, true, true, ordered)          \
-  DSV4_WGMMA_INDEX_SCORES(kBlocks, true, true, tensor_cores)
-DSV4_WGMMA_INDEX_SCORES_OF_DIM(2)
-DSV4_WGMMA_INDEX_SCORES_OF_DIM(4)
-#undef DSV4_WGMMA_INDEX_SCORES_OF_DIM
+DSV4_WGMMA_INDEX_SCORES(2, false, false)
+DSV4_WGMMA_INDEX_SCORES(2, true, false)
+DSV4_WGMMA_INDEX_SCORES(4, false, false)
+DSV4_WGMMA_INDEX_SCORES(4, true, false)
+DSV4_WGMMA_INDEX_SCORES(2, false, true)
+DSV4_WGMMA_INDEX_SCORES(2, true, true)
+DSV4_WGMMA_INDEX_SCORES(4, false, true)
+DSV4_WGMMA_INDEX_SCORES(4, true, true)
 #undef DSV4_WGMMA_INDEX_SCORES
 }  // namespace index_wgmma
 
 namespace {
 
-using index_wgmma::HeadSum;
 using index_wgmma::launch_index_scores_wgmma;
 
 constexpr int64_t kMaxGridY = 65535;
@@ -40,26 +37,17 @@ constexpr int64_t kMinKeysPerCta = 1024;     // 8 stages
 // One wave: CTAs of equal work finish together, and longer ranges amortize the query staging.
 constexpr int kWaves = 1;
 
-// bf16-rounded whole sums take the tensor-core head sum; fp32 scores and partial sums (the
-// tensor-parallel split) add in head order.
-HeadSum head_sum(const IndexScoresParams& p) {
-  return p.bf16_rounding && !p.partial ? HeadSum::tensor_cores : HeadSum::ordered;
-}
-
-size_t shared_bytes(int blocks, HeadSum sum, int tokens_per_cta) {
+size_t shared_bytes(int blocks, bool bf16_rounding, int tokens_per_cta) {
   using index_wgmma::SharedLayout;
-  const bool ordered = sum == HeadSum::ordered;
   if (blocks == 2)
-    return ordered ? SharedLayout<2, HeadSum::ordered>{tokens_per_cta}.bytes()
-                   : SharedLayout<2, HeadSum::tensor_cores>{tokens_per_cta}.bytes();
-  return ordered ? SharedLayout<4, HeadSum::ordered>{tokens_per_cta}.bytes()
-                 : SharedLayout<4, HeadSum::tensor_cores>{tokens_per_cta}.bytes();
+    return bf16_rounding ? SharedLayout<2, true>{tokens_per_cta}.bytes() : SharedLayout<2, false>{tokens_per_cta}.bytes();
+  return bf16_rounding ? SharedLayout<4, true>{tokens_per_cta}.bytes() : SharedLayout<4, false>{tokens_per_cta}.bytes();
 }
 
 // Tokens per CTA: as many as the budget of CTAs with token runs allows (1: the one-token kernel).
-int tokens_per_cta(int64_t tokens, int blocks, HeadSum sum) {
+int tokens_per_cta(int64_t tokens, int blocks, bool bf16_rounding) {
   return index_tokens_per_cta(tokens, index_wgmma::kMaxTokensPerCta, kTokenRunsSharedBudget,
-                              [&](int n) { return shared_bytes(blocks, sum, n); });
+                              [&](int n) { return shared_bytes(blocks, bf16_rounding, n); });
 }
 
 std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
@@ -76,36 +64,28 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
   // A row's scales: dim / 32 ue8m0 bytes.
   if (std::string why_not = tensor_core_copies_supported(p, dim / 32); !why_not.empty()) return why_not;
   const int blocks = static_cast<int>(dim / 32);
-  const HeadSum sum = head_sum(p);
-  const int per_cta = tokens_per_cta(tokens, blocks, sum);
+  const int per_cta = tokens_per_cta(tokens, blocks, p.bf16_rounding);
   if ((tokens + per_cta - 1) / per_cta > kMaxGridY)
     return std::to_string(tokens) + " tokens, supports at most " + std::to_string(kMaxGridY * per_cta);
-  return needs_shared_memory(static_cast<long long>(shared_bytes(blocks, sum, per_cta)), device);
+  return needs_shared_memory(static_cast<long long>(shared_bytes(blocks, p.bf16_rounding, per_cta)), device);
 }
 
 void run(const IndexScoresParams& p, cudaStream_t stream) {
   IndexScoresRangeLaunch a{index_scores_launch(p)};
   if (a.tokens == 0 || a.entries == 0) return;
   const int blocks = static_cast<int>(p.q.shape[2] / 32);
-  const HeadSum sum = head_sum(p);
-  a.tokens_per_cta = tokens_per_cta(a.tokens, blocks, sum);
+  a.tokens_per_cta = tokens_per_cta(a.tokens, blocks, a.bf16_rounding);
   const bool token_runs = a.tokens_per_cta > 1;
   a.keys_per_cta = index_keys_per_cta(a.entries, (a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta,
-                                      shared_bytes(blocks, sum, a.tokens_per_cta), index_wgmma::ctas_per_sm(token_runs),
+                                      shared_bytes(blocks, a.bf16_rounding, a.tokens_per_cta), index_wgmma::ctas_per_sm(token_runs),
                                       index_wgmma::kStageRows, kMinKeysPerCta, kWaves, device_info());
   using Launch = void (*)(const IndexScoresRangeLaunch&, cudaStream_t);
-  // [dim 128][scores: fp32, bf16 in head order, bf16 on tensor cores][token_runs]
-  constexpr Launch kLaunches[2][3][2] = {
-      {{launch_index_scores_wgmma<2, false, false, HeadSum::ordered>, launch_index_scores_wgmma<2, false, true, HeadSum::ordered>},
-       {launch_index_scores_wgmma<2, true, false, HeadSum::ordered>, launch_index_scores_wgmma<2, true, true, HeadSum::ordered>},
-       {launch_index_scores_wgmma<2, true, false, HeadSum::tensor_cores>,
-        launch_index_scores_wgmma<2, true, true, HeadSum::tensor_cores>}},
-      {{launch_index_scores_wgmma<4, false, false, HeadSum::ordered>, launch_index_scores_wgmma<4, false, true, HeadSum::ordered>},
-       {launch_index_scores_wgmma<4, true, false, HeadSum::ordered>, launch_index_scores_wgmma<4, true, true, HeadSum::ordered>},
-       {launch_index_scores_wgmma<4, true, false, HeadSum::tensor_cores>,
-        launch_index_scores_wgmma<4, true, true, HeadSum::tensor_cores>}}};
-  const int scores = sum == HeadSum::tensor_cores ? 2 : a.bf16_rounding ? 1 : 0;
-  kLaunches[blocks == 4][scores][token_runs](a, stream);
+  constexpr Launch kLaunches[2][2][2] = {  // [dim 128][bf16_rounding][token_runs]
+      {{launch_index_scores_wgmma<2, false, false>, launch_index_scores_wgmma<2, false, true>},
+       {launch_index_scores_wgmma<2, true, false>, launch_index_scores_wgmma<2, true, true>}},
+      {{launch_index_scores_wgmma<4, false, false>, launch_index_scores_wgmma<4, false, true>},
+       {launch_index_scores_wgmma<4, true, false>, launch_index_scores_wgmma<4, true, true>}}};
+  kLaunches[blocks == 4][a.bf16_rounding][token_runs](a, stream);
   check_launch("index_scores");
 }
 

@@ -22,16 +22,12 @@
 //
 // Epilogue. A unit is one token and one half of a stage. A lane holds 2 rows x 8 heads of each
 // block's accumulators: it combines the blocks with the rows' scales (in block order, as mma_f16
-// does) and forms the weighted terms (with the folded weights hs·w where the token and the warp's
-// rows allow: fp4_dots.cuh, "Folded weights"). Then the head sum (HeadSum):
-// - ordered: the lane writes its terms to one of the two 16-row slots of its warp's term buffer;
-//   once both slots hold a unit (a token's two halves, or two units of a run), each lane adds one
-//   row's terms in head order (the reference's order) and stores the score.
-// - tensor_cores (bf16-rounded whole sums): the terms, bf16 pairs in the accumulator layout, are
-//   the A operand of two bf16 m64n8k16 MMAs against the token's sign tile (columns: ones, the
-//   weights' signs), which give each row's sum and magnitude; decided_bf16_sum turns them into
-//   the reference's bf16 score, and where it cannot, the row's quad adds its terms in head order.
-//   With bf16 folded weights the fast rows' terms take one bf16 multiply a pair ("Packed terms").
+// does), forms the weighted terms (with the folded weights hs·w where the token and the warp's
+// rows allow: fp4_dots.cuh, "Folded weights"; bf16_rounding, with bf16 folded weights: one bf16
+// multiply a pair, "Packed terms") and writes them to one of the two 16-row slots of its warp's
+// term buffer (fp32 pairs, or bf16 pairs in bf16_rounding); once both slots hold a unit (a token's
+// two halves, or two units of a run), each lane adds one row's terms in head order (the
+// reference's order) and stores the score.
 //
 // K order. A lane's A register of a block holds the codes of the 4 bytes ldmatrix gives it (bytes
 // 4c … 4c + 3 of the block's 16 bytes): the low nibbles are logical k = 4c … 4c + 3, the high ones
@@ -64,11 +60,10 @@ inline constexpr int kWarpRows = 16;              // a warp's rows of a tile
 inline constexpr int kStageRows = 2 * kTileRows;  // one per thread for the copies
 inline constexpr int kStages = 3;  // with the term buffers, 4 CTAs fit an SM's shared memory
 inline constexpr int kHeads = 32;                 // the MMA's N: the index heads, zero-padded
-inline constexpr int kTermsStride = kHeads + 4;   // a lane's float4 reads of its row do not conflict
+// A term buffer row's stride in words (fp32 terms: one a word; bf16_rounding: a pair a word), so that
+// neither the lanes' pair writes nor a lane's 16-byte reads of its row conflict.
+__host__ __device__ constexpr int terms_stride(bool bf16_rounding) { return bf16_rounding ? kHeads / 2 + 4 : kHeads + 4; }
 inline constexpr int kMaxTokensPerCta = 8;
-
-// How a unit's weighted terms become scores (see "Epilogue"); both give the reference's bit for bit.
-enum class HeadSum { ordered, tensor_cores };
 // A CTA of one token (decode) fits 128 registers, four per SM; one that scores runs of several
 // tokens keeps a stage's A operand and row scales in registers across the run's tokens, which
 // takes more: three per SM.
@@ -77,9 +72,9 @@ __host__ __device__ constexpr int ctas_per_sm(bool token_runs) { return token_ru
 __host__ __device__ constexpr int query_channel(int k) { return 2 * (k % 16) + k / 16; }
 
 // Shared memory of a CTA (256-byte aligned): the tokens' queries ([tokens][blocks] SW32 [32 heads
-// x 32] e4m3), their TokenQueries and fast-path bounds, (tensor_cores) their sign tiles, then the
-// stages (key rows, scale words, row masks) and (ordered) per warp its buffer of weighted terms.
-template <int kBlocks, HeadSum kHeadSum>
+// x 32] e4m3), their TokenQueries and fast-path bounds, then the stages (key rows, scale words, row
+// masks) and per warp its buffer of weighted terms.
+template <int kBlocks, bool kBf16Rounding>
 struct SharedLayout {
   using Keys = SwizzledKeyRows<kBlocks * kBlockChannels / 2>;  // MXFP4: two codes a byte
   static constexpr int kStageBytes = kStageRows * Keys::kBytes;
@@ -90,19 +85,13 @@ struct SharedLayout {
   __host__ __device__ TokenArrays token_arrays() const { return {size_t(tokens), size_t(kHeads), size_t(kBlocks)}; }
   __host__ __device__ size_t tokens_offset() const { return query_bytes(); }
   __host__ __device__ size_t bounds_offset() const { return tokens_offset() + token_arrays().bytes(); }
-  // A token's sign tile: per k step of 16 heads, SW32 [8 columns x 16 heads] bf16 (columns 0 and 1:
-  // ones and the signs of the folded weights; 2 to 7: zero), the B operand of its head sums.
-  static constexpr size_t kSignTileBytes = kHeadSum == HeadSum::tensor_cores ? 2 * 256 : 0;
-  __host__ __device__ size_t sign_tiles_offset() const {
-    const size_t end = bounds_offset() + TokenArrays::align16(size_t(tokens) * sizeof(FastBounds));
-    return kSignTileBytes == 0 ? end : (end + 255) / 256 * 256;
+  __host__ __device__ size_t stages_offset() const {
+    return bounds_offset() + TokenArrays::align16(size_t(tokens) * sizeof(FastBounds));
   }
-  __host__ __device__ size_t stages_offset() const { return sign_tiles_offset() + size_t(tokens) * kSignTileBytes; }
   static constexpr size_t kScaleWordsOffset = size_t(kStages) * kStageBytes;
   static constexpr size_t kMasksOffset = kScaleWordsOffset + size_t(kStages) * kStageRows * 4;
   static constexpr size_t kTermsOffset = kMasksOffset + size_t(kStages) * 2 * kMaskWords * 4;
-  static constexpr size_t kTermsBytes =
-      kHeadSum == HeadSum::ordered ? size_t(kThreads / 32) * 2 * kWarpRows * kTermsStride * 4 : 0;
+  static constexpr size_t kTermsBytes = size_t(kThreads / 32) * 2 * kWarpRows * terms_stride(kBf16Rounding) * 4;
   // + 256: the kernel aligns its base
   __host__ __device__ size_t bytes() const { return stages_offset() + kTermsOffset + kTermsBytes + 256; }
 };
@@ -138,12 +127,11 @@ struct RowScales {
   float scale[kBlocks];  // 2^ek_b (for normal scale bytes: the fast path's rows)
 };
 
-template <int kBlocks, bool kBf16Rounding, bool kTokenRuns, HeadSum kHeadSum>
+template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_scores_wgmma_kernel(IndexScoresRangeLaunch a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(kHeadSum == HeadSum::ordered || kBf16Rounding, "the tensor-core head sum decides bf16 roundings");
-  constexpr bool kTensorHeadSum = kHeadSum == HeadSum::tensor_cores;
-  using Layout = SharedLayout<kBlocks, kHeadSum>;
+  using Layout = SharedLayout<kBlocks, kBf16Rounding>;
+  constexpr int kTermsStride = terms_stride(kBf16Rounding);
   using Keys = typename Layout::Keys;
   extern __shared__ uint8_t shared_unaligned[];
   uint8_t* const shared = shared_unaligned + ((256 - shared_address(shared_unaligned) % 256) % 256);
@@ -155,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
   const uint32_t* const scale_words = reinterpret_cast<const uint32_t*>(stages + Layout::kScaleWordsOffset);
   uint32_t* const row_masks = reinterpret_cast<uint32_t*>(stages + Layout::kMasksOffset);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  float* const terms = reinterpret_cast<float*>(stages + Layout::kTermsOffset) + warp * 2 * kWarpRows * kTermsStride;
+  uint32_t* const terms = reinterpret_cast<uint32_t*>(stages + Layout::kTermsOffset) + warp * 2 * kWarpRows * kTermsStride;
 
   const CtaRange cta(a);
   const int64_t t0 = cta.t0, k0 = cta.k0, k1 = cta.k1;
@@ -164,28 +152,17 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
         stage_query_block(q, h, eq, shift, queries + (i * kBlocks + b) * Layout::kQueryBlockBytes);
       }))
     return;
-  // bit i: token i's weights fold (kWeightsFold); and (tensor_cores) are bf16 numbers too
-  // (kWeightsBf16: "Packed terms"). In registers for every unit.
+  // Bit i: token i's weights fold (kWeightsFold); and (bf16_rounding) are bf16 numbers, so that its
+  // fast rows' terms are packed ("Packed terms"). In registers for every unit.
   uint32_t folding_tokens = 0, packing_tokens = 0;
   for (int i = 0; i < count; ++i) {
     const int* stats = tq.stats + kTokenStats * i;
     folding_tokens |= static_cast<uint32_t>(stats[kWeightsFold] != 0) << i;
-    packing_tokens |= static_cast<uint32_t>(kTensorHeadSum && stats[kWeightsFold] != 0 && stats[kWeightsBf16] != 0) << i;
+    packing_tokens |= static_cast<uint32_t>(kBf16Rounding && stats[kWeightsFold] != 0 && stats[kWeightsBf16] != 0) << i;
   }
   // Read by every unit of a token (the first stage's barrier orders these stores before them).
   for (int i = threadIdx.x; i < count; i += kThreads)
     token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding, ((packing_tokens >> i) & 1u) != 0);
-  uint8_t* const sign_tiles = shared + layout.sign_tiles_offset();
-  if constexpr (kTensorHeadSum) {
-    for (int e = threadIdx.x; e < count * 128; e += kThreads) {  // a word (two heads' entries) each
-      const int i = e / 128, s = e / 64 % 2, column = e / 8 % 8, pair = e % 8;
-      const float* w = tq.folded_weights + i * kHeads + 16 * s + 2 * pair;
-      auto entry = [&](float weight) { return column == 0 ? 0x3f80u : column == 1 ? 0x3f80u | (signbit(weight) ? 0x8000u : 0u) : 0u; };
-      *reinterpret_cast<uint32_t*>(sign_tiles + i * Layout::kSignTileBytes + 256 * s + wgmma::sw32_offset(column, pair / 4) +
-                                   4 * (pair % 4)) = entry(w[0]) | entry(w[1]) << 16;
-    }
-    wgmma::fence_shared_for_async_proxy();  // the head sums read the tiles through the async proxy
-  }
 
   const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
   const uint32_t stage_base = shared_address(stages);
@@ -308,10 +285,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
           f.weight[j] = *reinterpret_cast<const float2*>(tq.folded_weights + i * kHeads + 8 * j + 2 * c);
         return f;
       };
-      // This lane's 2 rows x 8 heads of the warp's rows from the finished MMAs: the blocks combined
-      // with the rows' scales, P (value[n tile j][row r][head 8j + 2c + k]).
-      auto combine = [&](const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
-                         float (&value)[kHeads / 8][2][2]) {
+      // Token i's dots of this lane's 2 rows x 8 heads of the warp's rows from warp_row, from the
+      // finished MMAs; their weighted terms into buffer slot `slot` of the warp's term buffer.
+      auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
+                             const bool (&fast)[2], const HeadFactors& head, int warp_row, int slot) {
+        float value[kHeads / 8][2][2];  // [n tile j][row r][head 8j + 2c + k]: P, then (unfolded) the dot
 #pragma unroll
         for (int j = 0; j < kHeads / 8; ++j) {
 #pragma unroll
@@ -324,17 +302,26 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
               value[j][r][k] = partial;
             }
         }
-      };
-      // Token i's weighted terms of the combined values (P: then, unfolded, the dots in place), each
-      // pair of heads 8j + 2c, + 1 of row g + 8r given to emit(j, r, terms).
-      auto weighted_terms = [&](int i, const float (&acc)[kBlocks][4][4], float (&value)[kHeads / 8][2][2],
-                                const bool (&fast)[2], const HeadFactors& head, int warp_row, auto emit) {
+        auto row_terms = [&](int r) { return terms + (slot * kWarpRows + g + 8 * r) * kTermsStride; };
         auto store = [&](int j, int r, float2 weight) {
           const float x = value[j][r][0], y = value[j][r][1];
-          if constexpr (kBf16Rounding) emit(j, r, bf16_weighted_terms(x, y, weight));
-          else emit(j, r, make_float2(__fmul_rn(relu(x), weight.x), __fmul_rn(relu(y), weight.y)));
+          if constexpr (kBf16Rounding)
+            row_terms(r)[4 * j + c] = bf16_weighted_term_pair(x, y, weight);
+          else
+            *reinterpret_cast<float2*>(row_terms(r) + 8 * j + 2 * c) =
+                make_float2(__fmul_rn(relu(x), weight.x), __fmul_rn(relu(y), weight.y));
         };
-        if (((folding_tokens >> i) & 1u) != 0 && __all_sync(kFullMask, fast[0] && fast[1])) {
+        const bool all_fast = __all_sync(kFullMask, fast[0] && fast[1]);
+        if (((packing_tokens >> i) & 1u) != 0 && all_fast) {
+#pragma unroll
+          for (int j = 0; j < kHeads / 8; ++j) {
+            const uint32_t weight = bf16_pair(head.weight[j]);  // exact: kWeightsBf16
+#pragma unroll
+            for (int r = 0; r < 2; ++r) row_terms(r)[4 * j + c] = packed_weighted_terms(value[j][r][0], value[j][r][1], weight);
+          }
+          return;
+        }
+        if (((folding_tokens >> i) & 1u) != 0 && all_fast) {
 #pragma unroll
           for (int j = 0; j < kHeads / 8; ++j) store(j, 0, head.weight[j]), store(j, 1, head.weight[j]);
           return;
@@ -372,102 +359,34 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
           store(j, 0, weight), store(j, 1, weight);
         }
       };
-      // (ordered) Token i's weighted terms into buffer slot `slot` of the warp's term buffer.
-      auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
-                             const bool (&fast)[2], const HeadFactors& head, int warp_row, int slot) {
-        float value[kHeads / 8][2][2];
-        combine(acc, rs, value);
-        weighted_terms(i, acc, value, fast, head, warp_row, [&](int j, int r, float2 term) {
-          *reinterpret_cast<float2*>(terms + (slot * kWarpRows + g + 8 * r) * kTermsStride + 8 * j + 2 * c) = term;
-        });
-      };
-      // (tensor_cores) Token i's weighted terms as bf16 pairs in the accumulator layout (t[j][r]:
-      // heads 8j + 2c, + 1 of row g + 8r), packed ("Packed terms") where the token and the warp's
-      // rows allow.
-      auto packed_terms = [&](int i, const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
-                              const bool (&fast)[2], const HeadFactors& head, int warp_row, uint32_t (&t)[kHeads / 8][2]) {
-        float value[kHeads / 8][2][2];
-        combine(acc, rs, value);
-        if (((packing_tokens >> i) & 1u) != 0 && __all_sync(kFullMask, fast[0] && fast[1])) {
-#pragma unroll
-          for (int j = 0; j < kHeads / 8; ++j) {
-            const uint32_t weight = bf16_pair(head.weight[j]);  // exact: kWeightsBf16
-#pragma unroll
-            for (int r = 0; r < 2; ++r) t[j][r] = packed_weighted_terms(value[j][r][0], value[j][r][1], weight);
-          }
-          return;
-        }
-        weighted_terms(i, acc, value, fast, head, warp_row, [&](int j, int r, float2 term) { t[j][r] = bf16_pair(term); });
-      };
-      // (tensor_cores) Token i's head sums of the terms: per row (on lanes c == 0) the sum (x: row g,
-      // z: row g + 8) and the magnitude (y, w).
-      auto head_sums = [&](int i, uint32_t (&t)[kHeads / 8][2]) {
-        float d[1][4] = {};
-        const uint64_t signs = wgmma::sw32_k_major(shared_address(sign_tiles + i * Layout::kSignTileBytes));
-        wgmma::fence();
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {  // k steps of 16 heads; the descriptor's address counts 16 bytes
-          const uint32_t a_step[4] = {t[2 * s][0], t[2 * s][1], t[2 * s + 1][0], t[2 * s + 1][1]};
-          wgmma::m64n8k16_rs(d[0], a_step, signs + s * (256 / 16), s > 0);
-        }
-        wgmma::commit();
-        wgmma::wait<0>();
-        wgmma::pin(d);
-        wgmma::pin(t);
-        return make_float4(d[0][0], d[0][1], d[0][2], d[0][3]);
-      };
       // Each lane adds the terms of one buffer row (slot lane / 16, row lane % 16: row sum_row of
       // the stage for token `token`) in the reference's order, head by head, and stores the score
       // (when `stores`). Padding heads (zero queries and weights) add +0, which leaves the sum
       // alone: it starts at +0 and a round-to-nearest sum is never -0 unless both terms are.
-      // Stores token `token`'s score of stage row `row` (in the key range): -inf where the row is
-      // not visible or not a candidate. `visible` is read first, so that its loads are in flight
-      // while the score is formed.
-      auto visible = [&](int row, int token) { return static_cast<bool>(addressable(row) & (row0 + row < tq.visible[token])); };
-      auto store_score = [&](int row, int token, bool seen, float score) {
-        const int64_t fj = row0 + row;
-        const bool listed = !a.candidates || contains_block(a.candidates + (t0 + token) * a.num_candidates,
-                                                            a.num_candidates, split_rows(fj, a.candidate_block_size).block);
-        a.scores[(t0 + token) * a.entries + fj] = !(seen && listed) ? -INFINITY : score;
-      };
       auto sum_terms = [&](int sum_row, int token, bool stores) {
-        const bool in_range = stores && row0 + sum_row < k1;
-        const bool seen = visible(sum_row, token);
+        const int64_t fj = row0 + sum_row;
+        const bool in_range = stores && fj < k1;
+        // The row's mask first: its loads are in flight while the terms are added.
+        const bool visible = addressable(sum_row) & (fj < tq.visible[token]);
         __syncwarp();
         float score = 0.0f;
+        const uint32_t* row = terms + lane * kTermsStride;
 #pragma unroll
-        for (int k = 0; k < kHeads; k += 4) {
-          const float4 t = *reinterpret_cast<const float4*>(terms + lane * kTermsStride + k);
-          score = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(score, t.x), t.y), t.z), t.w);
-        }
-        if (in_range) store_score(sum_row, token, seen, kBf16Rounding && !a.partial ? bf16_rounded(score) : score);
-        __syncwarp();
-      };
-      // (tensor_cores) Token `token`'s scores of this lane's rows (lanes c == 0: rows g, g + 8 of the
-      // warp's rows from warp_row) from their head sums; where these do not decide the rounding,
-      // every lane of the quad adds the row's terms in head order (the reference's sum).
-      auto store_summed = [&](int token, float4 sums, const uint32_t (&t)[kHeads / 8][2], int warp_row) {
-        const int row[2] = {warp_row + g, warp_row + g + 8};
-        float score[2];
-        bool decided[2] = {decided_bf16_sum(sums.x, sums.y, score[0]), decided_bf16_sum(sums.z, sums.w, score[1])};
-        if (__any_sync(kFullMask, c == 0 && !(decided[0] && decided[1]))) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < kHeads / 8; ++j)
-#pragma unroll
-              for (int q = 0; q < 4; ++q) {  // heads 8j + 2q, + 1 from lane q of the quad
-                const uint32_t pair = __shfl_sync(kFullMask, t[j][r], (lane & ~3) | q);
-                sum = __fadd_rn(__fadd_rn(sum, low_bf16(pair)), high_bf16(pair));
-              }
-            if (!decided[r]) score[r] = bf16_rounded(sum);
+        for (int k = 0; k < kTermsStride - 4; k += 4) {
+          const uint4 t = *reinterpret_cast<const uint4*>(row + k);
+          if constexpr (kBf16Rounding) {  // four head pairs
+            for (const uint32_t pair : {t.x, t.y, t.z, t.w}) score = __fadd_rn(__fadd_rn(score, low_bf16(pair)), high_bf16(pair));
+          } else {
+            for (const uint32_t term : {t.x, t.y, t.z, t.w}) score = __fadd_rn(score, __uint_as_float(term));
           }
         }
-        if (c == 0)
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-            if (row0 + row[r] < k1) store_score(row[r], token, visible(row[r], token), score[r]);
+        if (in_range) {
+          const bool listed = !a.candidates || contains_block(a.candidates + (t0 + token) * a.num_candidates,
+                                                              a.num_candidates, split_rows(fj, a.candidate_block_size).block);
+          a.scores[(t0 + token) * a.entries + fj] =
+              !(visible && listed) ? -INFINITY : kBf16Rounding && !a.partial ? bf16_rounded(score) : score;
+        }
+        __syncwarp();
       };
       const int lane_row = warp * kWarpRows + lane % kWarpRows;  // of its half
 
@@ -488,15 +407,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
           const RowScales<kBlocks> rs[2] = {row_scales(warp_row, 0), row_scales(warp_row, 1)};
           const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
           finish_mmas(acc, frag);
-          if constexpr (kTensorHeadSum) {
-            uint32_t t[kHeads / 8][2];
-            packed_terms(first, acc, rs, fast, head, warp_row, t);
-            store_summed(first, head_sums(first, t), t, warp_row);
-          } else {
-            store_terms(first, acc, rs, fast, head, warp_row, half);
-          }
+          store_terms(first, acc, rs, fast, head, warp_row, half);
         }
-        if constexpr (!kTensorHeadSum) sum_terms((lane / kWarpRows) * kTileRows + lane_row, first, true);
+        sum_terms((lane / kWarpRows) * kTileRows + lane_row, first, true);
       } else {
         // A run of tokens: half by half, the A operand and the rows' scales stay in registers
         // while the run's tokens are scored; consecutive units fill the buffer slots in turn, and
@@ -518,12 +431,6 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
             const FastBounds bounds = token_bounds[i];
             const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
             finish_mmas(acc, frag);
-            if constexpr (kTensorHeadSum) {
-              uint32_t t[kHeads / 8][2];
-              packed_terms(i, acc, rs, fast, head, warp_row, t);
-              store_summed(i, head_sums(i, t), t, warp_row);
-              continue;
-            }
             const int buffer_slot = unit & 1;
             store_terms(i, acc, rs, fast, head, warp_row, buffer_slot);
             (buffer_slot == 0 ? slot_units[0] : slot_units[1]) = make_int2(half, i);
@@ -543,10 +450,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
 #endif
 }
 
-template <int kBlocks, bool kBf16Rounding, bool kTokenRuns, HeadSum kHeadSum>
+template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
 void launch_index_scores_wgmma(const IndexScoresRangeLaunch& a, cudaStream_t stream) {
-  const size_t shared = SharedLayout<kBlocks, kHeadSum>{a.tokens_per_cta}.bytes();
-  auto kernel = index_scores_wgmma_kernel<kBlocks, kBf16Rounding, kTokenRuns, kHeadSum>;
+  const size_t shared = SharedLayout<kBlocks, kBf16Rounding>{a.tokens_per_cta}.bytes();
+  auto kernel = index_scores_wgmma_kernel<kBlocks, kBf16Rounding, kTokenRuns>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   kernel<<<range_grid(a), kThreads, shared, stream>>>(a);
 }
