@@ -160,7 +160,10 @@ struct IndexScoresSetup {
         tokens(make_tokens(o.batch, std::min(per_sequence, o.context), o.context - std::min(per_sequence, o.context))),
         B(o.batch), L(std::min(per_sequence, o.context)), E(o.context), T(o.batch * L) {
     q = fp4_queries(T, c.index_n_heads, c.index_head_dim, 2);
-    weights = random_device_tensor(DType::f32, {T, c.index_n_heads}, 3);
+    // bf16 values, as the engine's weights projection gives them (f32 storage).
+    std::vector<float> w = cuda::inputs::random_floats(T * c.index_n_heads, 3);
+    for (float& x : w) x = round_to_bf16(x);
+    weights = cuda::inputs::device_tensor(w, DType::f32, {T, c.index_n_heads});
     scores = poisoned_tensor(DType::f32, {T, E});
     params.q = q.view;
     params.weights = weights.view;

@@ -47,6 +47,7 @@ struct ScoresCase {
   bool spoil_query = false;                         // token 0, head 0 gets a value that is not FP4
   int key_exponent_shift = 0;                       // keys scaled by 2^shift
   bool extreme_weights = false;                     // token 0 head 1's weight subnormal, token 1 head 2's 2^120
+  bool cancelling_heads = false;                    // odd heads: the even one's query, about minus its weight
   DType q_dtype = DType::bf16;                      // f32: Precision::fp32's queries, not rounded
   const char* implementation = nullptr;             // the expected pick on an sm_90 device
 };
@@ -93,6 +94,12 @@ void check_index_scores(const ScoresCase& c) {
   // The engine's head weights are bf16 values of either sign in reference precision.
   auto weights = testing::random_floats(tokens * c.heads, c.seed + 2, c.bf16_rounding ? -0.1f : 0.0f, 0.1f);
   if (c.extreme_weights) weights[1] = 1e-40f, weights[c.heads + 2] = std::ldexp(1.0f, 120);
+  if (c.cancelling_heads)  // head pairs whose terms nearly cancel: sums far below their magnitudes
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 1; h < c.heads; h += 2) {
+        std::copy_n(q.begin() + (t * c.heads + h - 1) * dim, dim, q.begin() + (t * c.heads + h) * dim);
+        weights[t * c.heads + h] = -weights[t * c.heads + h - 1] * (h % 4 == 1 ? 1.0f : 1.015625f);
+      }
   if (c.bf16_rounding) weights = testing::rounded_to_bf16(weights);
 
   std::vector<int32_t> sequence(tokens), position(tokens), candidates;
@@ -335,6 +342,20 @@ TEST_F(CudaTest, IndexScoresTensorCoresWeightsThatDoNotFoldAndTinyKeys) {
     c.tokens = {{0, 500}, {1, 333}};
     check_index_scores(c);
   }
+}
+
+// Head pairs whose terms cancel exactly or to within 2^-6: the scores are far below the terms'
+// magnitudes, where any other order of the head sum than the reference's shows in the bf16 scores
+// (and exact cancellations must give +0). Decode tokens, a prefill run and a padded head tile.
+TEST_F(CudaTest, IndexScoresTensorCoresTermsThatCancel) {
+  ScoresCase c{.heads = 32, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 900}, {1, 1300}}, .seed = 1101,
+               .fp4_queries = true, .cancelling_heads = true, .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)};
+  check_index_scores(c);
+  c.tokens.clear();
+  for (int32_t p = 500; p < 580; ++p) c.tokens.push_back({0, p});
+  check_index_scores(c);
+  c.heads = 6, c.dim = 64, c.seed = 1102, c.implementation = fp4_pick(KvRowFormat::index_mxfp4, 6);
+  check_index_scores(c);
 }
 
 // fp4_queries promises FP4 values: a head with a block that is not FP4 gets NaN dots (every score

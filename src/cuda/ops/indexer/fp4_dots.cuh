@@ -34,6 +34,14 @@
 // The bf16 rounding of the dot commutes with hs as well, bf16(P·hs) = hs·bf16(P), where P and P·hs
 // are normal: P is a multiple of 2^(ek_lo − 14) and P·hs of 2^(E_min − 2), so the fast path that
 // allows the fold there (FastBounds' normal_dots) also asks ek_lo >= -112 and E_min >= -124.
+//
+// Packed terms. With bf16 folded weights w' = hs·w (kWeightsBf16), a fast row's weighted term is
+// bf16(relu(bf16(P))·w') (the reference's bf16(fp32(relu(bf16(dot))·w)), by "Folded weights" when
+// the fp32 product is exact). relu(bf16(P)) is a multiple of 2^(ek_lo − 14) and w' at least
+// 2^e_w (kWeightExponentMin), so a nonzero product of the two is at least 2^(ek_lo − 14 + e_w):
+// normal, and then exact in fp32 (two 8-bit significands), when ek_lo >= −112 − e_w. Such rows
+// (FastBounds' packed_terms) form their terms with one bf16 multiply a pair, which rounds the
+// same exact product once.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -55,6 +63,7 @@ inline constexpr int kFastSpread = 9;      // see "Exactness" above
 inline constexpr int kFastMinExponent = -147;
 inline constexpr int kNormalDotMinExponent = -124;  // bf16(P·hs) = hs·bf16(P): see "Folded weights"
 inline constexpr int kNormalPartialMinScale = 15;   // the scale byte of ek = -112
+inline constexpr int kPackedProductMinScale = 15;   // ek >= -112 - e_w: see "Packed terms"
 inline constexpr int kFastMaxExponent = 114;
 inline constexpr int kMaxPartialExponent = 126;
 inline constexpr int kMaxFoldShift = 12;     // 6 · 2^(12 − 6) = 384 <= 448, the e4m3 maximum
@@ -107,6 +116,8 @@ enum TokenStat {
   kEqSpread,     // the largest eq spread of one head
   kSequence,     // the token's sequence
   kWeightsFold,  // 1 when hs·w is exact for every head (see "Folded weights")
+  kWeightsBf16,  // 1 when every hs·w is also a bf16 number (see "Packed terms")
+  kWeightExponentMin,  // the smallest exponent of a nonzero finite hs·w (INT_MAX: none)
   kTokenStats = 8  // per token (32 bytes: the arrays after stats stay aligned)
 };
 
@@ -115,14 +126,17 @@ enum TokenStat {
 // for every head of the token. normal_scales also excludes the scale bytes 0 (2^-127, a subnormal)
 // and 255 (NaN), so that a kernel may form the fast rows' scales as byte << 23; normal_dots also
 // keeps P and P·hs normal, so that bf16 rounding commutes with hs ("Folded weights").
+// packed_terms also keeps the packed terms' products normal ("Packed terms").
 struct FastBounds {
   int spread, lo, hi;  // on scale bytes
-  __device__ FastBounds(const int* stats, bool normal_scales, bool normal_dots)
+  __device__ FastBounds(const int* stats, bool normal_scales, bool normal_dots, bool packed_terms = false)
       : spread(kFastSpread - stats[kEqSpread]),
         lo((normal_dots ? kNormalDotMinExponent : kFastMinExponent) - stats[kEqLow] + 127),
         hi(min(kFastMaxExponent - stats[kEqHigh], kMaxPartialExponent - stats[kEqSpread]) + 127) {
     if (normal_scales) lo = max(lo, 1), hi = min(hi, 254);
     if (normal_dots) lo = max(lo, kNormalPartialMinScale);
+    if (packed_terms && stats[kWeightExponentMin] != INT_MAX)
+      lo = max(lo, kPackedProductMinScale - stats[kWeightExponentMin]);  // e_w in [-149, 127]
   }
   __device__ bool holds(ExponentRange key) const {
     return (key.hi - key.lo <= spread) & (key.lo >= lo) & (key.hi <= hi);
@@ -139,11 +153,36 @@ __device__ __forceinline__ float relu(float x) {
   return y;
 }
 
-// The reference's weighted terms of two dots in bf16_rounding: bf16(relu(bf16(dot)) · w), a pair
-// per conversion. relu keeps NaN (__hmax2_nan); it may turn a -0 into +0, which changes no sum.
-__device__ __forceinline__ float2 bf16_weighted_terms(float dot0, float dot1, float2 w) {
+// Two floats as a bf16 pair, x in the low half (exact for bf16 numbers).
+__device__ __forceinline__ uint32_t bf16_pair(float2 v) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(v.y), "f"(v.x));
+  return d;
+}
+__device__ __forceinline__ float low_bf16(uint32_t pair) { return __uint_as_float(pair << 16); }
+__device__ __forceinline__ float high_bf16(uint32_t pair) { return __uint_as_float(pair & 0xffff0000u); }
+
+// The reference's weighted terms of two dots in bf16_rounding: bf16(relu(bf16(dot)) · w), as a
+// bf16 pair (dot0's term in the low half). relu keeps NaN (__hmax2_nan); it may turn a -0 into +0,
+// which changes no sum.
+__device__ __forceinline__ uint32_t bf16_weighted_term_pair(float dot0, float dot1, float2 w) {
   const float2 r = __bfloat1622float2(__hmax2_nan(__floats2bfloat162_rn(dot0, dot1), __float2bfloat162_rn(0.0f)));
-  return __bfloat1622float2(__floats2bfloat162_rn(__fmul_rn(r.x, w.x), __fmul_rn(r.y, w.y)));
+  return bf16_pair(make_float2(__fmul_rn(r.x, w.x), __fmul_rn(r.y, w.y)));
+}
+__device__ __forceinline__ float2 bf16_weighted_terms(float dot0, float dot1, float2 w) {
+  const uint32_t pair = bf16_weighted_term_pair(dot0, dot1, w);
+  return make_float2(low_bf16(pair), high_bf16(pair));
+}
+
+// bf16_weighted_term_pair for bf16 weights w (a pair): relu(bf16(dot)) · w rounded once to bf16,
+// one conversion and one bf16 multiply a pair. Equal to it where the products are
+// normal (then the fp32 product of two bf16 numbers is exact, and so its rounding to bf16 is the
+// bf16 multiply's): see "Packed terms".
+__device__ __forceinline__ uint32_t packed_weighted_terms(float dot0, float dot1, uint32_t w) {
+  uint32_t r, d;
+  asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(dot1), "f"(dot0));  // relu keeps NaN
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(r), "r"(w));
+  return d;
 }
 
 // x · 2^k, exact whenever the result is a normal fp32 or larger than x in magnitude (|k| <= 252):
@@ -230,6 +269,7 @@ __device__ void init_tokens(const IndexScoresLaunch& a, int64_t t0, int count, c
   for (int i = threadIdx.x; i < count; i += kThreads) {
     int* stats = s.stats + kTokenStats * i;
     stats[kEqLow] = INT_MAX, stats[kEqHigh] = INT_MIN, stats[kEqSpread] = 0, stats[kWeightsFold] = 1;
+    stats[kWeightsBf16] = 1, stats[kWeightExponentMin] = INT_MAX;
     stats[kSequence] = a.token_sequence ? a.token_sequence[t0 + i] : 0;
     const int64_t n_vis = visible_entries(a.token_position[t0 + i], a.compress_ratio);
     s.visible[i] = n_vis < a.entries ? n_vis : a.entries;
@@ -274,6 +314,8 @@ __device__ void prepare_queries(const IndexScoresLaunch& a, int64_t t0, int coun
       s.head_scales[i * padded_heads + h] = head_scale;
       s.folded_weights[i * padded_heads + h] = folded_weight;
       if (!scales_exactly(w, folded_weight)) atomicAnd(&stats[kWeightsFold], 0);
+      if ((__float_as_uint(folded_weight) & 0xffffu) != 0) atomicAnd(&stats[kWeightsBf16], 0);
+      if (folded_weight != 0.0f && isfinite(folded_weight)) atomicMin(&stats[kWeightExponentMin], ilogbf(folded_weight));
       if (fp4 && nonzero && h < a.heads) {
         atomicMin(&stats[kEqLow], lo);
         atomicMax(&stats[kEqHigh], hi);

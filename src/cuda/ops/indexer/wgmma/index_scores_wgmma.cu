@@ -37,15 +37,17 @@ constexpr int64_t kMinKeysPerCta = 1024;     // 8 stages
 // One wave: CTAs of equal work finish together, and longer ranges amortize the query staging.
 constexpr int kWaves = 1;
 
-size_t shared_bytes(int blocks, int tokens_per_cta) {
+size_t shared_bytes(int blocks, bool bf16_rounding, int tokens_per_cta) {
   using index_wgmma::SharedLayout;
-  return blocks == 2 ? SharedLayout<2>{tokens_per_cta}.bytes() : SharedLayout<4>{tokens_per_cta}.bytes();
+  if (blocks == 2)
+    return bf16_rounding ? SharedLayout<2, true>{tokens_per_cta}.bytes() : SharedLayout<2, false>{tokens_per_cta}.bytes();
+  return bf16_rounding ? SharedLayout<4, true>{tokens_per_cta}.bytes() : SharedLayout<4, false>{tokens_per_cta}.bytes();
 }
 
 // Tokens per CTA: as many as the budget of CTAs with token runs allows (1: the one-token kernel).
-int tokens_per_cta(int64_t tokens, int blocks) {
+int tokens_per_cta(int64_t tokens, int blocks, bool bf16_rounding) {
   return index_tokens_per_cta(tokens, index_wgmma::kMaxTokensPerCta, kTokenRunsSharedBudget,
-                              [&](int n) { return shared_bytes(blocks, n); });
+                              [&](int n) { return shared_bytes(blocks, bf16_rounding, n); });
 }
 
 std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
@@ -62,20 +64,20 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
   // A row's scales: dim / 32 ue8m0 bytes.
   if (std::string why_not = tensor_core_copies_supported(p, dim / 32); !why_not.empty()) return why_not;
   const int blocks = static_cast<int>(dim / 32);
-  const int per_cta = tokens_per_cta(tokens, blocks);
+  const int per_cta = tokens_per_cta(tokens, blocks, p.bf16_rounding);
   if ((tokens + per_cta - 1) / per_cta > kMaxGridY)
     return std::to_string(tokens) + " tokens, supports at most " + std::to_string(kMaxGridY * per_cta);
-  return needs_shared_memory(static_cast<long long>(shared_bytes(blocks, per_cta)), device);
+  return needs_shared_memory(static_cast<long long>(shared_bytes(blocks, p.bf16_rounding, per_cta)), device);
 }
 
 void run(const IndexScoresParams& p, cudaStream_t stream) {
   IndexScoresRangeLaunch a{index_scores_launch(p)};
   if (a.tokens == 0 || a.entries == 0) return;
   const int blocks = static_cast<int>(p.q.shape[2] / 32);
-  a.tokens_per_cta = tokens_per_cta(a.tokens, blocks);
+  a.tokens_per_cta = tokens_per_cta(a.tokens, blocks, a.bf16_rounding);
   const bool token_runs = a.tokens_per_cta > 1;
   a.keys_per_cta = index_keys_per_cta(a.entries, (a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta,
-                                      shared_bytes(blocks, a.tokens_per_cta), index_wgmma::ctas_per_sm(token_runs),
+                                      shared_bytes(blocks, a.bf16_rounding, a.tokens_per_cta), index_wgmma::ctas_per_sm(token_runs),
                                       index_wgmma::kStageRows, kMinKeysPerCta, kWaves, device_info());
   using Launch = void (*)(const IndexScoresRangeLaunch&, cudaStream_t);
   constexpr Launch kLaunches[2][2][2] = {  // [dim 128][bf16_rounding][token_runs]

@@ -23,9 +23,11 @@
 // Epilogue. A unit is one token and one half of a stage. A lane holds 2 rows x 8 heads of each
 // block's accumulators: it combines the blocks with the rows' scales (in block order, as mma_f16
 // does), forms the weighted terms (with the folded weights hs·w where the token and the warp's
-// rows allow: fp4_dots.cuh, "Folded weights") and writes them to one of the two 16-row slots of
-// its warp's term buffer; once both slots hold a unit (a token's two halves, or two units of a
-// run), each lane adds one row's terms in head order (the reference's order) and stores the score.
+// rows allow: fp4_dots.cuh, "Folded weights"; bf16_rounding, with bf16 folded weights: one bf16
+// multiply a pair, "Packed terms") and writes them to one of the two 16-row slots of its warp's
+// term buffer (fp32 pairs, or bf16 pairs in bf16_rounding); once both slots hold a unit (a token's
+// two halves, or two units of a run), each lane adds one row's terms in head order (the
+// reference's order) and stores the score.
 //
 // K order. A lane's A register of a block holds the codes of the 4 bytes ldmatrix gives it (bytes
 // 4c … 4c + 3 of the block's 16 bytes): the low nibbles are logical k = 4c … 4c + 3, the high ones
@@ -58,7 +60,9 @@ inline constexpr int kWarpRows = 16;              // a warp's rows of a tile
 inline constexpr int kStageRows = 2 * kTileRows;  // one per thread for the copies
 inline constexpr int kStages = 3;  // with the term buffers, 4 CTAs fit an SM's shared memory
 inline constexpr int kHeads = 32;                 // the MMA's N: the index heads, zero-padded
-inline constexpr int kTermsStride = kHeads + 4;   // a lane's float4 reads of its row do not conflict
+// A term buffer row's stride in words (fp32 terms: one a word; bf16_rounding: a pair a word), so that
+// neither the lanes' pair writes nor a lane's 16-byte reads of its row conflict.
+__host__ __device__ constexpr int terms_stride(bool bf16_rounding) { return bf16_rounding ? kHeads / 2 + 4 : kHeads + 4; }
 inline constexpr int kMaxTokensPerCta = 8;
 // A CTA of one token (decode) fits 128 registers, four per SM; one that scores runs of several
 // tokens keeps a stage's A operand and row scales in registers across the run's tokens, which
@@ -70,7 +74,7 @@ __host__ __device__ constexpr int query_channel(int k) { return 2 * (k % 16) + k
 // Shared memory of a CTA (256-byte aligned): the tokens' queries ([tokens][blocks] SW32 [32 heads
 // x 32] e4m3), their TokenQueries and fast-path bounds, then the stages (key rows, scale words, row
 // masks) and per warp its buffer of weighted terms.
-template <int kBlocks>
+template <int kBlocks, bool kBf16Rounding>
 struct SharedLayout {
   using Keys = SwizzledKeyRows<kBlocks * kBlockChannels / 2>;  // MXFP4: two codes a byte
   static constexpr int kStageBytes = kStageRows * Keys::kBytes;
@@ -87,7 +91,7 @@ struct SharedLayout {
   static constexpr size_t kScaleWordsOffset = size_t(kStages) * kStageBytes;
   static constexpr size_t kMasksOffset = kScaleWordsOffset + size_t(kStages) * kStageRows * 4;
   static constexpr size_t kTermsOffset = kMasksOffset + size_t(kStages) * 2 * kMaskWords * 4;
-  static constexpr size_t kTermsBytes = size_t(kThreads / 32) * 2 * kWarpRows * kTermsStride * 4;
+  static constexpr size_t kTermsBytes = size_t(kThreads / 32) * 2 * kWarpRows * terms_stride(kBf16Rounding) * 4;
   // + 256: the kernel aligns its base
   __host__ __device__ size_t bytes() const { return stages_offset() + kTermsOffset + kTermsBytes + 256; }
 };
@@ -126,7 +130,8 @@ struct RowScales {
 template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_scores_wgmma_kernel(IndexScoresRangeLaunch a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Layout = SharedLayout<kBlocks>;
+  using Layout = SharedLayout<kBlocks, kBf16Rounding>;
+  constexpr int kTermsStride = terms_stride(kBf16Rounding);
   using Keys = typename Layout::Keys;
   extern __shared__ uint8_t shared_unaligned[];
   uint8_t* const shared = shared_unaligned + ((256 - shared_address(shared_unaligned) % 256) % 256);
@@ -138,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
   const uint32_t* const scale_words = reinterpret_cast<const uint32_t*>(stages + Layout::kScaleWordsOffset);
   uint32_t* const row_masks = reinterpret_cast<uint32_t*>(stages + Layout::kMasksOffset);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  float* const terms = reinterpret_cast<float*>(stages + Layout::kTermsOffset) + warp * 2 * kWarpRows * kTermsStride;
+  uint32_t* const terms = reinterpret_cast<uint32_t*>(stages + Layout::kTermsOffset) + warp * 2 * kWarpRows * kTermsStride;
 
   const CtaRange cta(a);
   const int64_t t0 = cta.t0, k0 = cta.k0, k1 = cta.k1;
@@ -147,12 +152,17 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
         stage_query_block(q, h, eq, shift, queries + (i * kBlocks + b) * Layout::kQueryBlockBytes);
       }))
     return;
+  // Bit i: token i's weights fold (kWeightsFold); and (bf16_rounding) are bf16 numbers, so that its
+  // fast rows' terms are packed ("Packed terms"). In registers for every unit.
+  uint32_t folding_tokens = 0, packing_tokens = 0;
+  for (int i = 0; i < count; ++i) {
+    const int* stats = tq.stats + kTokenStats * i;
+    folding_tokens |= static_cast<uint32_t>(stats[kWeightsFold] != 0) << i;
+    packing_tokens |= static_cast<uint32_t>(kBf16Rounding && stats[kWeightsFold] != 0 && stats[kWeightsBf16] != 0) << i;
+  }
   // Read by every unit of a token (the first stage's barrier orders these stores before them).
   for (int i = threadIdx.x; i < count; i += kThreads)
-    token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding);
-  uint32_t folding_tokens = 0;  // bit i: token i's weights fold (kWeightsFold), in a register for every unit
-  for (int i = 0; i < count; ++i)
-    folding_tokens |= static_cast<uint32_t>(tq.stats[kTokenStats * i + kWeightsFold] != 0) << i;
+    token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding, ((packing_tokens >> i) & 1u) != 0);
 
   const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
   const uint32_t stage_base = shared_address(stages);
@@ -292,14 +302,26 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
               value[j][r][k] = partial;
             }
         }
+        auto row_terms = [&](int r) { return terms + (slot * kWarpRows + g + 8 * r) * kTermsStride; };
         auto store = [&](int j, int r, float2 weight) {
           const float x = value[j][r][0], y = value[j][r][1];
-          float2 term;
-          if constexpr (kBf16Rounding) term = bf16_weighted_terms(x, y, weight);
-          else term = make_float2(__fmul_rn(relu(x), weight.x), __fmul_rn(relu(y), weight.y));
-          *reinterpret_cast<float2*>(terms + (slot * kWarpRows + g + 8 * r) * kTermsStride + 8 * j + 2 * c) = term;
+          if constexpr (kBf16Rounding)
+            row_terms(r)[4 * j + c] = bf16_weighted_term_pair(x, y, weight);
+          else
+            *reinterpret_cast<float2*>(row_terms(r) + 8 * j + 2 * c) =
+                make_float2(__fmul_rn(relu(x), weight.x), __fmul_rn(relu(y), weight.y));
         };
-        if (((folding_tokens >> i) & 1u) != 0 && __all_sync(kFullMask, fast[0] && fast[1])) {
+        const bool all_fast = __all_sync(kFullMask, fast[0] && fast[1]);
+        if (((packing_tokens >> i) & 1u) != 0 && all_fast) {
+#pragma unroll
+          for (int j = 0; j < kHeads / 8; ++j) {
+            const uint32_t weight = bf16_pair(head.weight[j]);  // exact: kWeightsBf16
+#pragma unroll
+            for (int r = 0; r < 2; ++r) row_terms(r)[4 * j + c] = packed_weighted_terms(value[j][r][0], value[j][r][1], weight);
+          }
+          return;
+        }
+        if (((folding_tokens >> i) & 1u) != 0 && all_fast) {
 #pragma unroll
           for (int j = 0; j < kHeads / 8; ++j) store(j, 0, head.weight[j]), store(j, 1, head.weight[j]);
           return;
@@ -348,10 +370,15 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
         const bool visible = addressable(sum_row) & (fj < tq.visible[token]);
         __syncwarp();
         float score = 0.0f;
+        const uint32_t* row = terms + lane * kTermsStride;
 #pragma unroll
-        for (int k = 0; k < kHeads; k += 4) {
-          const float4 t = *reinterpret_cast<const float4*>(terms + lane * kTermsStride + k);
-          score = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(score, t.x), t.y), t.z), t.w);
+        for (int k = 0; k < kTermsStride - 4; k += 4) {
+          const uint4 t = *reinterpret_cast<const uint4*>(row + k);
+          if constexpr (kBf16Rounding) {  // four head pairs
+            for (const uint32_t pair : {t.x, t.y, t.z, t.w}) score = __fadd_rn(__fadd_rn(score, low_bf16(pair)), high_bf16(pair));
+          } else {
+            for (const uint32_t term : {t.x, t.y, t.z, t.w}) score = __fadd_rn(score, __uint_as_float(term));
+          }
         }
         if (in_range) {
           const bool listed = !a.candidates || contains_block(a.candidates + (t0 + token) * a.num_candidates,
@@ -425,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
 
 template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
 void launch_index_scores_wgmma(const IndexScoresRangeLaunch& a, cudaStream_t stream) {
-  const size_t shared = SharedLayout<kBlocks>{a.tokens_per_cta}.bytes();
+  const size_t shared = SharedLayout<kBlocks, kBf16Rounding>{a.tokens_per_cta}.bytes();
   auto kernel = index_scores_wgmma_kernel<kBlocks, kBf16Rounding, kTokenRuns>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   kernel<<<range_grid(a), kThreads, shared, stream>>>(a);
