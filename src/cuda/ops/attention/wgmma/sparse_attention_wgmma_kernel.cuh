@@ -192,7 +192,7 @@ inline constexpr int kFullBarrier = 1;   // + tile stage (2)
 inline constexpr int kEmptyBarrier = 3;  // + tile stage (2)
 inline constexpr int kConsumerBarrier = 5;
 inline constexpr int kStagedBarrier = 6;    // + consumer warpgroup (2): its results are staged
-inline constexpr int kRawFreeBarrier = 8;  // + tile parity (2)
+inline constexpr int kRawFreeBarrier = 8;    // + tile parity (2)
 
 // 384 threads start with 168 registers each (__launch_bounds__(384, 1)); ptxas compiles each role
 // within its setmaxnreg bound: a consumer holds 128 accumulators, Q's registers, 16 scores (where
