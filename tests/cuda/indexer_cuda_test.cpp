@@ -362,7 +362,8 @@ TEST_F(CudaTest, IndexScoresTensorCoresTermsThatCancel) {
 
 // The wgmma kernel copies pages of whole 64-row segments with tensor copies (one thread, a tensor
 // map) and other pages row by row with cp.async: pages of 128 and 192 rows (a stage then spans two
-// pages), and of 32 rows (cp.async), at both index dims, decode and a prefill run.
+// pages), and of 32 rows (cp.async), at both index dims, for tokens of three sequences and for 80
+// tokens of one (both one token a CTA: token runs always take cp.async).
 TEST_F(CudaTest, IndexScoresTensorCoresPageShapes) {
   for (const int64_t dim : {64, 128})
     for (const int64_t rows : {128, 192, 32}) {

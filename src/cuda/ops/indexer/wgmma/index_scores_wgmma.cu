@@ -113,9 +113,11 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
   static_cast<IndexScoresRangeLaunch&>(a) = IndexScoresRangeLaunch{index_scores_launch(p)};
   if (a.tokens == 0 || a.entries == 0) return;
   const int blocks = static_cast<int>(p.q.shape[2] / 32);
-  a.tensor_copies = encode_key_rows(a.keys, blocks, &a.key_rows);
   a.tokens_per_cta = tokens_per_cta(a.tokens, blocks, a.bf16_rounding);
   const bool token_runs = a.tokens_per_cta > 1;
+  // Token runs share each stage among their tokens, so its per-row copies cost little there; with
+  // tensor copies the prefill measured slower (RESULTS, thirty-second session).
+  a.tensor_copies = !token_runs && encode_key_rows(a.keys, blocks, &a.key_rows);
   a.keys_per_cta = index_keys_per_cta(a.entries, (a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta,
                                       shared_bytes(blocks, a.bf16_rounding, a.tokens_per_cta), index_wgmma::ctas_per_sm(token_runs),
                                       index_wgmma::kStageRows, kMinKeysPerCta, kWaves, device_info());

@@ -72,8 +72,8 @@ __host__ __device__ constexpr int ctas_per_sm(bool token_runs) { return token_ru
 
 __host__ __device__ constexpr int query_channel(int k) { return 2 * (k % 16) + k / 16; }
 
-// The wgmma kernels' call: with tensor_copies (segregated pages of whole 64-row segments, see
-// index_scores_wgmma.cu) one thread copies a stage's rows as two 64-row boxes of key_rows (a 3-d
+// The wgmma kernels' call: with tensor_copies (one-token CTAs, the decode kernel, over segregated
+// pages of whole 64-row segments, see index_scores_wgmma.cu) one thread copies a stage's rows as two 64-row boxes of key_rows (a 3-d
 // map [pages][rows][row bytes] whose swizzle is SwizzledKeyRows') and their scales as bulk copies,
 // landing on the stage's mbarrier; else every thread copies its row with cp.async.
 struct IndexScoresWgmmaLaunch : IndexScoresRangeLaunch {
@@ -96,17 +96,21 @@ struct SharedLayout {
   __host__ __device__ TokenArrays token_arrays() const { return {size_t(tokens), size_t(kHeads), size_t(kBlocks)}; }
   __host__ __device__ size_t tokens_offset() const { return query_bytes(); }
   __host__ __device__ size_t bounds_offset() const { return tokens_offset() + token_arrays().bytes(); }
-  // 1024-byte aligned: the tensor copies' swizzle follows the address bits.
+  // Only one-token CTAs take tensor copies, whose swizzle follows the address bits: their base and
+  // stages are 1024-byte aligned. (Token runs keep the smaller alignment: their CTAs fill the SM's
+  // shared memory three at a time.)
+  __host__ __device__ size_t base_alignment() const { return tokens == 1 ? 1024 : 256; }
   __host__ __device__ size_t stages_offset() const {
-    return (bounds_offset() + TokenArrays::align16(size_t(tokens) * sizeof(FastBounds)) + 1023) / 1024 * 1024;
+    const size_t end = bounds_offset() + TokenArrays::align16(size_t(tokens) * sizeof(FastBounds));
+    return tokens == 1 ? (end + 1023) / 1024 * 1024 : end;
   }
   static constexpr size_t kScaleWordsOffset = size_t(kStages) * kStageBytes;
   static constexpr size_t kMasksOffset = kScaleWordsOffset + size_t(kStages) * kStageRows * 4;
   static constexpr size_t kTermsOffset = kMasksOffset + size_t(kStages) * 2 * kMaskWords * 4;
   static constexpr size_t kTermsBytes = size_t(kThreads / 32) * 2 * kWarpRows * terms_stride(kBf16Rounding) * 4;
   static constexpr size_t kBarriersOffset = kTermsOffset + kTermsBytes;  // [stage] mbarrier (tensor copies)
-  // + 1024: the kernel aligns its base
-  __host__ __device__ size_t bytes() const { return stages_offset() + kBarriersOffset + kStages * 8 + 1024; }
+  // + base_alignment(): the kernel aligns its base
+  __host__ __device__ size_t bytes() const { return stages_offset() + kBarriersOffset + kStages * 8 + base_alignment(); }
 };
 
 // Block b of q[t, h] (exponent eq, folded by `shift`; null: a padding head) as the e4m3 codes of
@@ -147,9 +151,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
   using Layout = SharedLayout<kBlocks, kBf16Rounding>;
   constexpr int kTermsStride = terms_stride(kBf16Rounding);
   using Keys = typename Layout::Keys;
-  extern __shared__ uint8_t shared_unaligned[];
-  uint8_t* const shared = shared_unaligned + ((1024 - shared_address(shared_unaligned) % 1024) % 1024);
   const Layout layout{a.tokens_per_cta};
+  const uint32_t alignment = static_cast<uint32_t>(layout.base_alignment());
+  extern __shared__ uint8_t shared_unaligned[];
+  uint8_t* const shared = shared_unaligned + ((alignment - shared_address(shared_unaligned) % alignment) % alignment);
   uint8_t* const queries = shared;
   const TokenQueries tq = layout.token_arrays().at(shared + layout.tokens_offset());
   FastBounds* const token_bounds = reinterpret_cast<FastBounds*>(shared + layout.bounds_offset());  // [tokens]
@@ -182,7 +187,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
   const uint32_t stage_base = shared_address(stages);
   const uint32_t stage_landed = stage_base + static_cast<uint32_t>(Layout::kBarriersOffset);  // [slot] mbarrier
   uint32_t landed_parity = 0;  // bit s: the parity of slot s's next phase (tensor copies)
-  if (a.tensor_copies && threadIdx.x == 0) {  // the thread that issues the copies; the others wait after a barrier
+  const bool tensor_copies = !kTokenRuns && a.tensor_copies;  // the token-run kernels have none
+  if (tensor_copies && threadIdx.x == 0) {  // the thread that issues the copies; the others wait after a barrier
     for (int slot = 0; slot < kStages; ++slot) mbarrier_init(stage_landed + 8 * slot, 1);
     fence_mbarrier_init();
   }
@@ -234,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       mbarrier_arrive_expect_tx(barrier, bytes);
     };
     auto issue = [&](int n) {
-      if (a.tensor_copies) return issue_tensor_copies(n);
+      if (tensor_copies) return issue_tensor_copies(n);
       const int slot = n % kStages;
       const int64_t row0 = k0 + int64_t{n} * kStageRows;
       if (n < stage_count && row0 < load_end) {
@@ -261,12 +267,12 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
 
     for (int n = 0; n < kStages - 1; ++n) issue(n);
     for (int n = 0; n < stage_count; ++n) {
-      if (!a.tensor_copies) cp_async_wait<kStages - 2>();
+      if (!tensor_copies) cp_async_wait<kStages - 2>();
       __syncthreads();  // (cp.async) stage n has landed; every thread is done with the slot issue() refills
       issue(n + kStages - 1);
       const int slot = n % kStages;
       const int64_t row0 = k0 + int64_t{n} * kStageRows;
-      if (a.tensor_copies && row0 < load_end) {  // issued: wait for its copies and row masks
+      if (tensor_copies && row0 < load_end) {  // issued: wait for its copies and row masks
         mbarrier_wait(stage_landed + 8 * slot, (landed_parity >> slot) & 1u);
         landed_parity ^= 1u << slot;
       }
@@ -283,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       // (Tensor copies land a segment's scales packed: kBlocks bytes a row.)
       auto scale_word = [&](int row) {
         if constexpr (kBlocks == 2) {
-          if (a.tensor_copies) return uint32_t{reinterpret_cast<const uint16_t*>(scale_words + slot * kStageRows)[row]};
+          if (tensor_copies) return uint32_t{reinterpret_cast<const uint16_t*>(scale_words + slot * kStageRows)[row]};
           const uint32_t word = scale_words[slot * kStageRows + row];
           return (masks[Layout::kMaskWords + row / 32] >> (row % 32)) & 1u ? word >> 16 : word & 0xffffu;
         }
