@@ -48,6 +48,7 @@ struct ScoresCase {
   int key_exponent_shift = 0;                       // keys scaled by 2^shift
   bool extreme_weights = false;                     // token 0 head 1's weight subnormal, token 1 head 2's 2^120
   bool cancelling_heads = false;                    // odd heads: the even one's query, about minus its weight
+  int64_t rows_per_page = 64;
   DType q_dtype = DType::bf16;                      // f32: Precision::fp32's queries, not rounded
   const char* implementation = nullptr;             // the expected pick on an sm_90 device
 };
@@ -71,8 +72,9 @@ void check_index_scores(const ScoresCase& c) {
     sequences = std::max<int64_t>(sequences, s + 1);
   }
   const int64_t entries = (max_position + 1) / c.ratio + 3, dim = c.dim;
-  testing::HostPagedCache keys = testing::make_host_cache(c.key_format, dim, 64, PagePlacement::segregated,
-                                                          std::vector<int32_t>(sequences, 0), entries / 64 + 1, 1, c.seed);
+  testing::HostPagedCache keys = testing::make_host_cache(c.key_format, dim, c.rows_per_page, PagePlacement::segregated,
+                                                          std::vector<int32_t>(sequences, 0), entries / c.rows_per_page + 1, 1,
+                                                          c.seed);
   // keys[s] [entries, dim]: the decoded rows the reference scores against.
   std::vector<std::vector<float>> decoded(sequences);
   for (int64_t s = 0; s < sequences; ++s)
@@ -356,6 +358,24 @@ TEST_F(CudaTest, IndexScoresTensorCoresTermsThatCancel) {
   check_index_scores(c);
   c.heads = 6, c.dim = 64, c.seed = 1102, c.implementation = fp4_pick(KvRowFormat::index_mxfp4, 6);
   check_index_scores(c);
+}
+
+// The wgmma kernel copies pages of whole 64-row segments with tensor copies (one thread, a tensor
+// map) and other pages row by row with cp.async: pages of 128 and 192 rows (a stage then spans two
+// pages), and of 32 rows (cp.async), at both index dims, for tokens of three sequences and for 80
+// tokens of one (both one token a CTA: token runs always take cp.async).
+TEST_F(CudaTest, IndexScoresTensorCoresPageShapes) {
+  for (const int64_t dim : {64, 128})
+    for (const int64_t rows : {128, 192, 32}) {
+      ScoresCase c{.heads = 32, .dim = dim, .bf16_rounding = true, .ratio = 1, .tokens = {{0, 700}, {1, 1100}, {2, 0}},
+                   .seed = static_cast<uint32_t>(1200 + rows + dim), .fp4_queries = true, .rows_per_page = rows,
+                   .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)};
+      check_index_scores(c);
+      c.tokens.clear();
+      for (int32_t p = 300; p < 380; ++p) c.tokens.push_back({0, p});
+      c.bf16_rounding = false;
+      check_index_scores(c);
+    }
 }
 
 // fp4_queries promises FP4 values: a head with a block that is not FP4 gets NaN dots (every score

@@ -3,5 +3,5 @@
 #include "cuda/ops/indexer/wgmma/index_scores_wgmma_kernel.cuh"
 
 namespace dsv4::cuda::index_wgmma {
-template void launch_index_scores_wgmma<4, false, true>(const IndexScoresRangeLaunch&, cudaStream_t);
+template void launch_index_scores_wgmma<4, false, true>(const IndexScoresWgmmaLaunch&, cudaStream_t);
 }  // namespace dsv4::cuda::index_wgmma

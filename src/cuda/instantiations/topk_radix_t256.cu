@@ -3,4 +3,5 @@
 
 namespace dsv4::cuda {
 template void launch_topk_radix<256>(const RadixTopkLaunch&, int64_t, cudaStream_t);
+template int topk_radix_resident_rows<256>(int64_t, int, int);
 }  // namespace dsv4::cuda

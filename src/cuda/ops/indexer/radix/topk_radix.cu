@@ -1,9 +1,13 @@
 // The radix implementation of run_topk: a row's keys are read from global memory once, into the
 // shared memory of the CTAs that select its picks (topk_radix_kernel.cuh, radix_select.cuh). On
-// sm_90 a row longer than kChunkTarget is split over a thread-block cluster of up to kMaxCluster
-// CTAs (distributed shared memory, no global scratch); elsewhere one CTA holds the whole row.
+// sm_90 a row may be split over a thread-block cluster of up to kMaxCluster CTAs (distributed
+// shared memory, no global scratch), as split_rows() chooses from the clusters' occupancy;
+// elsewhere one CTA holds the whole row.
 #include <algorithm>
 #include <climits>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "cuda/ops/indexer/indexer_implementations.h"
 #include "cuda/ops/indexer/radix/topk_radix_kernel.cuh"
@@ -13,20 +17,19 @@ namespace dsv4::cuda {
 extern template void launch_topk_radix<256>(const RadixTopkLaunch&, int64_t, cudaStream_t);
 extern template void launch_topk_radix<512>(const RadixTopkLaunch&, int64_t, cudaStream_t);
 extern template void launch_topk_radix<1024>(const RadixTopkLaunch&, int64_t, cudaStream_t);
+extern template int topk_radix_resident_rows<256>(int64_t, int, int);
+extern template int topk_radix_resident_rows<512>(int64_t, int, int);
+extern template int topk_radix_resident_rows<1024>(int64_t, int, int);
 
 namespace {
 
-constexpr int64_t kChunkTarget = 16384;  // keys per CTA (64 KB) a long row is split into
-constexpr int64_t kSmallChunk = 4096;    // chunks up to this many keys take 256 threads, longer ones 512 or 1024
-// CTAs of 1024 threads an H100 / H200 runs at once: one per SM, 16 clusters of 8 on its 132 SMs.
-// A grid of more takes CTAs of 512 threads, two per SM where their chunks fit (16K keys do): twice
-// the rows in flight, and one CTA's barriers and distributed shared memory reads overlap the
-// other's loads and passes. One wave of fewer CTAs keeps 1024 threads: more warps per chunk.
-constexpr int64_t kOneWaveCtas = 128;
+constexpr int64_t kMinChunk = 8192;    // keys per CTA below which a row is not split further
+constexpr int64_t kSmallChunk = 4096;  // chunks up to this many keys take 256 threads, longer ones 512 or 1024
 
 struct RowSplit {
   int cluster = 1;    // CTAs per row
   int64_t chunk = 0;  // keys per CTA
+  int threads = 1024;
 };
 
 // Keys one CTA can hold next to the selection's own shared memory (of the 1024-thread kernel: a
@@ -44,22 +47,65 @@ int max_cluster(const DeviceInfo& device) {
   return device.compute_capability == 90 ? radix_topk::kMaxCluster : 1;
 }
 
-// Chunks of about kChunkTarget keys, on at most max_cluster() CTAs; smaller chunks on more CTAs
-// where one CTA cannot hold kChunkTarget keys (supports() rejects rows needing more than
-// max_cluster() CTAs).
-RowSplit split_rows(int64_t n, const DeviceInfo& device) {
-  const int64_t capacity = std::max<int64_t>(max_chunk(device), 1);
-  const int64_t target = std::clamp<int64_t>((n + kChunkTarget - 1) / kChunkTarget, 1, max_cluster(device));
-  const int64_t cluster = std::max(target, (n + capacity - 1) / capacity);
+int64_t chunk_of(int64_t n, int64_t cluster) {
   const int64_t chunk = (n + cluster - 1) / cluster;
-  return {static_cast<int>(std::min<int64_t>(cluster, INT_MAX)),
-          (chunk + radix_topk::kTileKeys - 1) / radix_topk::kTileKeys * radix_topk::kTileKeys};
+  return (chunk + radix_topk::kTileKeys - 1) / radix_topk::kTileKeys * radix_topk::kTileKeys;
+}
+
+// The fewest CTAs a row of n keys fits (supports() rejects rows needing more than max_cluster()).
+int64_t min_cluster(int64_t n, const DeviceInfo& device) {
+  const int64_t capacity = std::max<int64_t>(max_chunk(device), radix_topk::kTileKeys);
+  int64_t cluster = (n + capacity - 1) / capacity;
+  while (chunk_of(n, cluster) > capacity) ++cluster;  // the rounding to whole tiles
+  return cluster;
+}
+
+// Rows that run at once for a split (topk_radix_resident_rows), cached per device and split: the
+// occupancy queries take microseconds, and a step asks for the same few splits each layer.
+int resident_rows(const RowSplit& split, const DeviceInfo& device) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int, int64_t>, int> cache;
+  int ordinal = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&ordinal));
+  const auto key = std::make_tuple(ordinal, split.threads, split.cluster, split.chunk);
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto found = cache.find(key); found != cache.end()) return found->second;
+  const int rows = split.threads == 256   ? topk_radix_resident_rows<256>(split.chunk, split.cluster, device.multiprocessors)
+                   : split.threads == 512 ? topk_radix_resident_rows<512>(split.chunk, split.cluster, device.multiprocessors)
+                                          : topk_radix_resident_rows<1024>(split.chunk, split.cluster, device.multiprocessors);
+  cache.emplace(key, rows);
+  return rows;
+}
+
+// The split of `rows` rows of n keys expected to finish first. A wave of resident rows takes time
+// in proportion to a thread's keys (a resident SM holds 1024 threads of any of these kernels), so
+// the cost is waves x keys per thread: 64 rows of 128K take clusters of 4 CTAs of 1024 threads (2
+// waves of 32 rows on an H100, 32 keys a thread) rather than of 8 CTAs of 512 (3 waves: 30 rows
+// of 8 clusters run at once). Ties go to fewer waves, then to fewer CTAs a row (fewer cluster
+// barriers). A row is split only into chunks of at least kMinChunk keys.
+RowSplit split_rows(int64_t rows, int64_t n, const DeviceInfo& device) {
+  const int64_t first = min_cluster(n, device);
+  RowSplit best;
+  int64_t best_cost = INT64_MAX, best_waves = INT64_MAX;
+  for (int64_t cluster = first; cluster <= std::max<int64_t>(first, max_cluster(device)); ++cluster) {
+    const int64_t chunk = chunk_of(n, cluster);
+    if (cluster > first && chunk < kMinChunk) break;
+    for (const int threads : {256, 512, 1024}) {
+      if ((threads == 256) != (chunk <= kSmallChunk)) continue;
+      const RowSplit split{static_cast<int>(cluster), chunk, threads};
+      const int64_t resident = std::max(resident_rows(split, device), 1);
+      const int64_t waves = (rows + resident - 1) / resident;
+      const int64_t cost = waves * ((chunk + threads - 1) / threads);
+      if (cost < best_cost || (cost == best_cost && waves < best_waves)) best = split, best_cost = cost, best_waves = waves;
+    }
+  }
+  return best;
 }
 
 std::string supports(const TopkParams& p, const DeviceInfo& device) {
   if (std::string why_not = needs_compute_capability_at_least(80, device); !why_not.empty()) return why_not;
   const int64_t n = p.scores.shape[1];
-  if (split_rows(n, device).cluster <= max_cluster(device)) return "";  // any k, group size and number of rows
+  if (min_cluster(n, device) <= max_cluster(device)) return "";  // any k, group size and number of rows
   return "rows of " + std::to_string(n) + " scores exceed the shared memory of " + std::to_string(max_cluster(device)) +
          (max_cluster(device) == 1 ? " CTA" : " CTAs") + " (" + std::to_string(max_cluster(device) * max_chunk(device)) +
          " scores)";
@@ -69,13 +115,13 @@ void run(const TopkParams& p, cudaStream_t stream) {
   RadixTopkLaunch a{topk_launch(p)};
   const int64_t tokens = p.scores.shape[0];
   if (tokens == 0 || a.k == 0) return;
-  const RowSplit split = split_rows(a.n, device_info());
+  const RowSplit split = split_rows(tokens, a.n, device_info());
   DSV4_CHECK(tokens * split.cluster <= INT_MAX, "topk: ", tokens, " rows of ", split.cluster, " CTAs are too many");
   a.chunk = split.chunk;
   a.cluster = split.cluster;
-  if (split.chunk <= kSmallChunk) launch_topk_radix<256>(a, tokens, stream);
-  else if (tokens * split.cluster <= kOneWaveCtas) launch_topk_radix<1024>(a, tokens, stream);
-  else launch_topk_radix<512>(a, tokens, stream);
+  if (split.threads == 256) launch_topk_radix<256>(a, tokens, stream);
+  else if (split.threads == 512) launch_topk_radix<512>(a, tokens, stream);
+  else launch_topk_radix<1024>(a, tokens, stream);
   check_launch("topk");
 }
 

@@ -66,26 +66,52 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) topk_radix_kernel(R
   radix_topk::write_picks(keys, count, first, selection, a.picks + t * a.k, a.k, shared);
 }
 
+// A launch of `ctas` CTAs in clusters of `cluster` (attribute: storage for the cluster attribute).
 template <int kThreads>
-void launch_topk_radix(const RadixTopkLaunch& a, int64_t tokens, cudaStream_t stream) {
-  const size_t shared = static_cast<size_t>(a.chunk) * sizeof(uint32_t);
+cudaLaunchConfig_t topk_radix_config(int64_t ctas, int64_t chunk, int cluster, cudaStream_t stream,
+                                     cudaLaunchAttribute& attribute) {
+  const size_t shared = static_cast<size_t>(chunk) * sizeof(uint32_t);
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(topk_radix_kernel<kThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(shared)));
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(tokens * a.cluster));
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = shared;
   config.stream = stream;
-  cudaLaunchAttribute cluster = {};
-  if (a.cluster > 1) {
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = static_cast<unsigned>(a.cluster);
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
+  if (cluster > 1) {
+    attribute = {};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
     config.numAttrs = 1;
   }
+  return config;
+}
+
+template <int kThreads>
+void launch_topk_radix(const RadixTopkLaunch& a, int64_t tokens, cudaStream_t stream) {
+  cudaLaunchAttribute cluster;
+  const cudaLaunchConfig_t config = topk_radix_config<kThreads>(tokens * a.cluster, a.chunk, a.cluster, stream, cluster);
   DSV4_CUDA_CHECK(cudaLaunchKernelEx(&config, topk_radix_kernel<kThreads>, a));
+}
+
+// Rows (clusters of `cluster` CTAs of `chunk` keys) the device runs at once: the occupancy of
+// clusters on sm_90 (which counts how they fit the GPCs), else of CTAs.
+template <int kThreads>
+int topk_radix_resident_rows(int64_t chunk, int cluster, int multiprocessors) {
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = topk_radix_config<kThreads>(cluster, chunk, cluster, nullptr, attribute);
+  int rows = 0;
+  if (cluster > 1) {
+    DSV4_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&rows, topk_radix_kernel<kThreads>, &config));
+  } else {
+    DSV4_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&rows, topk_radix_kernel<kThreads>, kThreads, config.dynamicSmemBytes));
+    rows *= multiprocessors;
+  }
+  return rows;
 }
 
 }  // namespace dsv4::cuda

@@ -1,6 +1,9 @@
 // The fp8 warpgroup-MMA implementation of run_index_scores ("wgmma": FP4 queries against
 // index_mxfp4 keys, sm_90a), index_scores_wgmma_kernel.cuh; the kernels are instantiated in
 // src/cuda/instantiations/index_scores_wgmma_*.cu.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <string>
 
 #include "cuda/common/paged_rows.h"
@@ -13,7 +16,7 @@ namespace dsv4::cuda {
 namespace index_wgmma {
 #define DSV4_WGMMA_INDEX_SCORES(kBlocks, kBf16Rounding, kTokenRuns)                      \
   extern template void launch_index_scores_wgmma<kBlocks, kBf16Rounding, kTokenRuns>( \
-      const IndexScoresRangeLaunch&, cudaStream_t);
+      const IndexScoresWgmmaLaunch&, cudaStream_t);
 DSV4_WGMMA_INDEX_SCORES(2, false, false)
 DSV4_WGMMA_INDEX_SCORES(2, true, false)
 DSV4_WGMMA_INDEX_SCORES(4, false, false)
@@ -27,6 +30,7 @@ DSV4_WGMMA_INDEX_SCORES(4, true, true)
 
 namespace {
 
+using index_wgmma::IndexScoresWgmmaLaunch;
 using index_wgmma::launch_index_scores_wgmma;
 
 constexpr int64_t kMaxGridY = 65535;
@@ -70,16 +74,54 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
   return needs_shared_memory(static_cast<long long>(shared_bytes(blocks, p.bf16_rounding, per_cta)), device);
 }
 
+// The driver's tensor-map encoder (null when the driver has none), looked up once.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t status = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    return status == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+                                                                         : nullptr;
+  }();
+  return encoder;
+}
+
+// Tensor copies (IndexScoresWgmmaLaunch) need segregated pages of whole 64-row segments: rows of
+// row_bytes data back to back from the page start and their scale bytes back to back (kBlocks a
+// row), 16-byte aligned pages and scale blocks, and the map encoded: [pages][rows][row bytes] with
+// the swizzle of SwizzledKeyRows (64-byte rows: 64 B, 32-byte rows: 32 B). Else cp.async.
+bool encode_key_rows(const DeviceRows& k, int blocks, CUtensorMap* map) {
+  const int64_t row_bytes = blocks * 16;  // MXFP4: 32 channels a block, two codes a byte
+  const bool fits = k.data_row_stride == row_bytes && k.scale_row_stride == blocks &&
+                    k.rows_per_page % index_wgmma::kSegmentRows == 0 && k.num_pages >= 1 &&
+                    reinterpret_cast<uintptr_t>(k.pages) % 16 == 0 && k.page_stride % 16 == 0 && k.scale_base % 16 == 0 &&
+                    k.scale_base >= k.rows_per_page * row_bytes && k.num_pages <= INT32_MAX && k.rows_per_page <= INT32_MAX;
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = fits ? tensor_map_encoder() : nullptr;
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(k.rows_per_page),
+                              static_cast<cuuint64_t>(k.num_pages)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k.data_row_stride), static_cast<cuuint64_t>(k.page_stride)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(row_bytes), index_wgmma::kSegmentRows, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, k.pages, dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, blocks == 4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 void run(const IndexScoresParams& p, cudaStream_t stream) {
-  IndexScoresRangeLaunch a{index_scores_launch(p)};
+  IndexScoresWgmmaLaunch a{};
+  static_cast<IndexScoresRangeLaunch&>(a) = IndexScoresRangeLaunch{index_scores_launch(p)};
   if (a.tokens == 0 || a.entries == 0) return;
   const int blocks = static_cast<int>(p.q.shape[2] / 32);
   a.tokens_per_cta = tokens_per_cta(a.tokens, blocks, a.bf16_rounding);
   const bool token_runs = a.tokens_per_cta > 1;
+  // Token runs share each stage among their tokens, so its per-row copies cost little there; with
+  // tensor copies the prefill measured slower (RESULTS, thirty-second session).
+  a.tensor_copies = !token_runs && encode_key_rows(a.keys, blocks, &a.key_rows);
   a.keys_per_cta = index_keys_per_cta(a.entries, (a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta,
                                       shared_bytes(blocks, a.bf16_rounding, a.tokens_per_cta), index_wgmma::ctas_per_sm(token_runs),
                                       index_wgmma::kStageRows, kMinKeysPerCta, kWaves, device_info());
-  using Launch = void (*)(const IndexScoresRangeLaunch&, cudaStream_t);
+  using Launch = void (*)(const IndexScoresWgmmaLaunch&, cudaStream_t);
   constexpr Launch kLaunches[2][2][2] = {  // [dim 128][bf16_rounding][token_runs]
       {{launch_index_scores_wgmma<2, false, false>, launch_index_scores_wgmma<2, false, true>},
        {launch_index_scores_wgmma<2, true, false>, launch_index_scores_wgmma<2, true, true>}},

@@ -35,6 +35,7 @@
 // staged in that order.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -71,6 +72,16 @@ __host__ __device__ constexpr int ctas_per_sm(bool token_runs) { return token_ru
 
 __host__ __device__ constexpr int query_channel(int k) { return 2 * (k % 16) + k / 16; }
 
+// The wgmma kernels' call: with tensor_copies (one-token CTAs, the decode kernel, over segregated
+// pages of whole 64-row segments, see index_scores_wgmma.cu) one thread copies a stage's rows as two 64-row boxes of key_rows (a 3-d
+// map [pages][rows][row bytes] whose swizzle is SwizzledKeyRows') and their scales as bulk copies,
+// landing on the stage's mbarrier; else every thread copies its row with cp.async.
+struct IndexScoresWgmmaLaunch : IndexScoresRangeLaunch {
+  CUtensorMap key_rows;
+  bool tensor_copies = false;
+};
+inline constexpr int kSegmentRows = 64;  // a tensor copy's box
+
 // Shared memory of a CTA (256-byte aligned): the tokens' queries ([tokens][blocks] SW32 [32 heads
 // x 32] e4m3), their TokenQueries and fast-path bounds, then the stages (key rows, scale words, row
 // masks) and per warp its buffer of weighted terms.
@@ -85,15 +96,21 @@ struct SharedLayout {
   __host__ __device__ TokenArrays token_arrays() const { return {size_t(tokens), size_t(kHeads), size_t(kBlocks)}; }
   __host__ __device__ size_t tokens_offset() const { return query_bytes(); }
   __host__ __device__ size_t bounds_offset() const { return tokens_offset() + token_arrays().bytes(); }
+  // Only one-token CTAs take tensor copies, whose swizzle follows the address bits: their base and
+  // stages are 1024-byte aligned. (Token runs keep the smaller alignment: their CTAs fill the SM's
+  // shared memory three at a time.)
+  __host__ __device__ size_t base_alignment() const { return tokens == 1 ? 1024 : 256; }
   __host__ __device__ size_t stages_offset() const {
-    return bounds_offset() + TokenArrays::align16(size_t(tokens) * sizeof(FastBounds));
+    const size_t end = bounds_offset() + TokenArrays::align16(size_t(tokens) * sizeof(FastBounds));
+    return tokens == 1 ? (end + 1023) / 1024 * 1024 : end;
   }
   static constexpr size_t kScaleWordsOffset = size_t(kStages) * kStageBytes;
   static constexpr size_t kMasksOffset = kScaleWordsOffset + size_t(kStages) * kStageRows * 4;
   static constexpr size_t kTermsOffset = kMasksOffset + size_t(kStages) * 2 * kMaskWords * 4;
   static constexpr size_t kTermsBytes = size_t(kThreads / 32) * 2 * kWarpRows * terms_stride(kBf16Rounding) * 4;
-  // + 256: the kernel aligns its base
-  __host__ __device__ size_t bytes() const { return stages_offset() + kTermsOffset + kTermsBytes + 256; }
+  static constexpr size_t kBarriersOffset = kTermsOffset + kTermsBytes;  // [stage] mbarrier (tensor copies)
+  // + base_alignment(): the kernel aligns its base
+  __host__ __device__ size_t bytes() const { return stages_offset() + kBarriersOffset + kStages * 8 + base_alignment(); }
 };
 
 // Block b of q[t, h] (exponent eq, folded by `shift`; null: a padding head) as the e4m3 codes of
@@ -128,14 +145,16 @@ struct RowScales {
 };
 
 template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
-__global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_scores_wgmma_kernel(IndexScoresRangeLaunch a) {
+__global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
+    index_scores_wgmma_kernel(const __grid_constant__ IndexScoresWgmmaLaunch a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Layout = SharedLayout<kBlocks, kBf16Rounding>;
   constexpr int kTermsStride = terms_stride(kBf16Rounding);
   using Keys = typename Layout::Keys;
-  extern __shared__ uint8_t shared_unaligned[];
-  uint8_t* const shared = shared_unaligned + ((256 - shared_address(shared_unaligned) % 256) % 256);
   const Layout layout{a.tokens_per_cta};
+  const uint32_t alignment = static_cast<uint32_t>(layout.base_alignment());
+  extern __shared__ uint8_t shared_unaligned[];
+  uint8_t* const shared = shared_unaligned + ((alignment - shared_address(shared_unaligned) % alignment) % alignment);
   uint8_t* const queries = shared;
   const TokenQueries tq = layout.token_arrays().at(shared + layout.tokens_offset());
   FastBounds* const token_bounds = reinterpret_cast<FastBounds*>(shared + layout.bounds_offset());  // [tokens]
@@ -166,6 +185,13 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
 
   const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
   const uint32_t stage_base = shared_address(stages);
+  const uint32_t stage_landed = stage_base + static_cast<uint32_t>(Layout::kBarriersOffset);  // [slot] mbarrier
+  uint32_t landed_parity = 0;  // bit s: the parity of slot s's next phase (tensor copies)
+  const bool tensor_copies = !kTokenRuns && a.tensor_copies;  // the token-run kernels have none
+  if (tensor_copies && threadIdx.x == 0) {  // the thread that issues the copies; the others wait after a barrier
+    for (int slot = 0; slot < kStages; ++slot) mbarrier_init(stage_landed + 8 * slot, 1);
+    fence_mbarrier_init();
+  }
   const uint64_t query_descriptor = wgmma::sw32_k_major(shared_address(queries));  // token 0, block 0
 
   for (int first = 0; first < count;) {
@@ -181,7 +207,40 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
     const SequenceRows sequence_rows(a.keys, sequence);
     RowSplit next = split_rows(k0 + threadIdx.x, a.keys.rows_per_page);
     int32_t next_entry = sequence_rows.entry(next);  // 32 bits until used: nothing waits for the load
+    // Tensor copies: thread 0 copies stage n's 64-row segments that start before load_end, from
+    // pages that exist, and records which rows are addressable.
+    auto issue_tensor_copies = [&](int n) {
+      const int slot = n % kStages;
+      const int64_t row0 = k0 + int64_t{n} * kStageRows;
+      if (threadIdx.x != 0 || n >= stage_count || row0 >= load_end) return;
+      const uint32_t barrier = stage_landed + 8 * slot;
+      uint32_t bytes = 0;
+      uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords;
+#pragma unroll
+      for (int s = 0; s < kStageRows / kSegmentRows; ++s) {
+        const int64_t first_row = row0 + s * kSegmentRows;
+        const RowSplit split = split_rows(first_row, a.keys.rows_per_page);
+        const int64_t page = first_row < load_end ? sequence_rows.page(split, sequence_rows.entry(split)) : -1;
+        const bool exists = page >= 0 && page < a.keys.num_pages;
+        if (exists) {
+          tensor_copy_3d(stage_base + slot * Layout::kStageBytes + s * kSegmentRows * Keys::kBytes, &a.key_rows, 0,
+                         static_cast<int>(split.row), static_cast<int>(page), barrier);
+          bulk_copy(stage_base + static_cast<uint32_t>(Layout::kScaleWordsOffset) + slot * kStageRows * 4 + s * kSegmentRows * kBlocks,
+                    a.keys.pages + page * a.keys.page_stride + a.keys.scale_base + split.row * a.keys.scale_row_stride,
+                    kSegmentRows * kBlocks, barrier, l2_evict_first_policy());
+          bytes += kSegmentRows * (Keys::kBytes + kBlocks);
+        }
+        const int rows = exists ? static_cast<int>(load_end - first_row < kSegmentRows ? load_end - first_row : kSegmentRows) : 0;
+#pragma unroll
+        for (int w = 0; w < kSegmentRows / 32; ++w) {
+          const int in_word = min(max(rows - 32 * w, 0), 32);
+          masks[s * kSegmentRows / 32 + w] = in_word == 32 ? ~0u : (1u << in_word) - 1u;
+        }
+      }
+      mbarrier_arrive_expect_tx(barrier, bytes);
+    };
     auto issue = [&](int n) {
+      if (tensor_copies) return issue_tensor_copies(n);
       const int slot = n % kStages;
       const int64_t row0 = k0 + int64_t{n} * kStageRows;
       if (n < stage_count && row0 < load_end) {
@@ -208,11 +267,15 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
 
     for (int n = 0; n < kStages - 1; ++n) issue(n);
     for (int n = 0; n < stage_count; ++n) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // stage n has landed, and every thread is done with the slot issue() refills
+      if (!tensor_copies) cp_async_wait<kStages - 2>();
+      __syncthreads();  // (cp.async) stage n has landed; every thread is done with the slot issue() refills
       issue(n + kStages - 1);
       const int slot = n % kStages;
       const int64_t row0 = k0 + int64_t{n} * kStageRows;
+      if (tensor_copies && row0 < load_end) {  // issued: wait for its copies and row masks
+        mbarrier_wait(stage_landed + 8 * slot, (landed_parity >> slot) & 1u);
+        landed_parity ^= 1u << slot;
+      }
       if (row0 >= load_end) {  // beyond every token of the run
         const int64_t j = row0 + threadIdx.x;
         for (int i = first; i < end; ++i)
@@ -223,11 +286,14 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
       const uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords;
       auto addressable = [&](int row) { return ((masks[row / 32] >> (row % 32)) & 1u) != 0; };
       // A row's kBlocks ue8m0 scale bytes.
+      // (Tensor copies land a segment's scales packed: kBlocks bytes a row.)
       auto scale_word = [&](int row) {
-        const uint32_t word = scale_words[slot * kStageRows + row];
-        if constexpr (kBlocks == 2)
+        if constexpr (kBlocks == 2) {
+          if (tensor_copies) return uint32_t{reinterpret_cast<const uint16_t*>(scale_words + slot * kStageRows)[row]};
+          const uint32_t word = scale_words[slot * kStageRows + row];
           return (masks[Layout::kMaskWords + row / 32] >> (row % 32)) & 1u ? word >> 16 : word & 0xffffu;
-        return word;
+        }
+        return scale_words[slot * kStageRows + row];
       };
 
       // The work of one unit (one token, one 64-row half of the stage), in the pieces both loop
@@ -451,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns)) index_score
 }
 
 template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
-void launch_index_scores_wgmma(const IndexScoresRangeLaunch& a, cudaStream_t stream) {
+void launch_index_scores_wgmma(const IndexScoresWgmmaLaunch& a, cudaStream_t stream) {
   const size_t shared = SharedLayout<kBlocks, kBf16Rounding>{a.tokens_per_cta}.bytes();
   auto kernel = index_scores_wgmma_kernel<kBlocks, kBf16Rounding, kTokenRuns>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
