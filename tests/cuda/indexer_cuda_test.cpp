@@ -481,9 +481,10 @@ TEST_F(CudaTest, TopkMatchesReferenceWithTiesNanAndInfinities) {
 }
 
 // The radix top-k against the reference on the row lengths it runs differently: one CTA of 256
-// threads (up to 4096 scores) or of 1024, and on sm_90 clusters of 5 and 8 CTAs (chunks of 52, 64
-// and 150 KB); rows whose chunks are not 16-byte aligned (odd lengths); grids of more CTAs than run
-// at once (CTAs of 512 threads). The chooser picks it for them.
+// threads (up to 4096 scores) or of 1024, and on sm_90 clusters of several CTAs (as split_rows
+// chooses them from the occupancy; chunks up to 150 KB); rows whose chunks are not 16-byte aligned
+// (odd lengths); grids of more CTAs than run at once (CTAs of 512 and of 1024 threads). The chooser
+// picks it for them.
 TEST_F(CudaTest, TopkRadixMatchesReference) {
   uint32_t seed = 40;
   for (const int64_t n : {1, 7, 513, 4096, 65536 + 3, 131072})
@@ -500,7 +501,7 @@ TEST_F(CudaTest, TopkRadixMatchesReference) {
              &kTopkRadix);
   check_topk({.tokens = 9, .n = 301, .k = 37, .ratio = 2, .group_size = 8, .seed = 63}, &kTopkRadix);
   check_topk({.tokens = 3, .n = 300001, .k = 512, .ratio = 0, .seed = 64, .mixed = true}, &kTopkRadix);
-  // 64 rows of 128K (512 CTAs in clusters of 8) and 150 single-CTA rows of odd length.
+  // 64 rows of 128K (clusters in more than one wave) and 150 single-CTA rows of odd length.
   check_topk({.tokens = 64, .n = 131072, .k = 512, .ratio = 0, .seed = 65, .mixed = true}, &kTopkRadix);
   check_topk({.tokens = 150, .n = 8197, .k = 2048, .ratio = 1, .seed = 66, .mixed = true}, &kTopkRadix);
 

@@ -77,12 +77,12 @@ int resident_rows(const RowSplit& split, const DeviceInfo& device) {
   return rows;
 }
 
-// The split of `rows` rows of n keys expected to finish first. A wave of resident rows takes time
-// in proportion to a thread's keys (a resident SM holds 1024 threads of any of these kernels), so
-// the cost is waves x keys per thread: 64 rows of 128K take clusters of 4 CTAs of 1024 threads (2
-// waves of 32 rows on an H100, 32 keys a thread) rather than of 8 CTAs of 512 (3 waves: 30 rows
-// of 8 clusters run at once). Ties go to fewer waves, then to fewer CTAs a row (fewer cluster
-// barriers). A row is split only into chunks of at least kMinChunk keys.
+// The split of `rows` rows of n keys expected to finish first, by a simple model: a wave of
+// resident rows takes time in proportion to a thread's keys, so the cost is waves x keys per
+// thread. For 64 rows of 128K on an H100, clusters of 8 CTAs of 512 threads (16K keys each) run 30
+// at once, 3 waves of 32 keys a thread; clusters of 4 CTAs of 1024 threads cost less when 32 of
+// them fit (2 waves). Ties go to fewer waves, then to fewer CTAs a row (fewer cluster barriers). A
+// row is split only into chunks of at least kMinChunk keys.
 RowSplit split_rows(int64_t rows, int64_t n, const DeviceInfo& device) {
   const int64_t first = min_cluster(n, device);
   RowSplit best;
