@@ -164,6 +164,16 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   uint32_t* const terms = reinterpret_cast<uint32_t*>(stages + Layout::kTermsOffset) + warp * 2 * kWarpRows * kTermsStride;
 
+  const uint32_t stage_base = shared_address(stages);
+  const uint32_t stage_landed = stage_base + static_cast<uint32_t>(Layout::kBarriersOffset);  // [slot] mbarrier
+  uint32_t landed_parity = 0;  // bit s: the parity of slot s's next phase (tensor copies)
+  const bool tensor_copies = !kTokenRuns && a.tensor_copies;  // the token-run kernels have none
+  // Thread 0 issues the copies; start_tokens' barriers order the init before every other use.
+  if (tensor_copies && threadIdx.x == 0) {
+    for (int slot = 0; slot < kStages; ++slot) mbarrier_init(stage_landed + 8 * slot, 1);
+    fence_mbarrier_init();
+  }
+
   const CtaRange cta(a);
   const int64_t t0 = cta.t0, k0 = cta.k0, k1 = cta.k1;
   const int count = cta.count;
@@ -184,14 +194,6 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding, ((packing_tokens >> i) & 1u) != 0);
 
   const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
-  const uint32_t stage_base = shared_address(stages);
-  const uint32_t stage_landed = stage_base + static_cast<uint32_t>(Layout::kBarriersOffset);  // [slot] mbarrier
-  uint32_t landed_parity = 0;  // bit s: the parity of slot s's next phase (tensor copies)
-  const bool tensor_copies = !kTokenRuns && a.tensor_copies;  // the token-run kernels have none
-  if (tensor_copies && threadIdx.x == 0) {  // the thread that issues the copies; the others wait after a barrier
-    for (int slot = 0; slot < kStages; ++slot) mbarrier_init(stage_landed + 8 * slot, 1);
-    fence_mbarrier_init();
-  }
   const uint64_t query_descriptor = wgmma::sw32_k_major(shared_address(queries));  // token 0, block 0
 
   for (int first = 0; first < count;) {
