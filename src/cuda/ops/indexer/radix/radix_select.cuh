@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "cuda/common/device_math.cuh"
+#include "cuda/common/phase_stamps.cuh"
 
 namespace dsv4::cuda::radix_topk {
 
@@ -87,6 +88,18 @@ struct RowCluster {
     for (int r = 0; r < kMaxCluster; ++r) total += static_cast<int>(count[r]);
     return total;
   }
+};
+
+// Phase stamps of a diagnostic build (phase_stamps.cuh; bench/probes/topk_phase_stamps.cu prints
+// them): per CTA, from its first warpgroup's leading thread.
+enum TopkStamp {
+  kTopkStampStart = 0,      // the kernel's start
+  kTopkStampLoaded = 1,     // the thread's keys loaded, stored and counted
+  kTopkStampCounted = 2,    // + pass: the pass's counts complete in every CTA (after its cluster barrier)
+  kTopkStampThreshold = 5,  // + pass: the pass's threshold bin known (after warp 0's search)
+  kTopkStampTotals = 8,     // write_picks: every CTA's totals published (after its cluster barrier)
+  kTopkStampWritten = 9,    // write_picks: this thread's picks written
+  kTopkStampEnd = 10,       // the CTA's last cluster wait passed
 };
 
 inline constexpr int kKeysPerLane = 4;
@@ -243,6 +256,7 @@ __device__ Threshold find_threshold(int pass, int remaining, SelectShared<kThrea
     if (lane == 0) groups[g] = group_count;
   }
   RowCluster::sync();  // every CTA's counts of this pass are complete
+  DSV4_PHASE_STAMP(kTopkStampCounted + pass);
   // Zero the next pass's counts: the other CTAs are done with the previous pass's, which they read
   // before counting this one (after the first pass: this CTA's second copy, folded above).
   if (pass_shift(pass) > 0)
@@ -273,6 +287,7 @@ __device__ Threshold find_threshold(int pass, int remaining, SelectShared<kThrea
     }
   }
   __syncthreads();
+  DSV4_PHASE_STAMP(kTopkStampThreshold + pass);
   // s is written again only after the next pass's cluster barrier.
   return {s.bucket, s.above, s.bucket_count, s.matching};
 }
@@ -360,6 +375,7 @@ __device__ void write_picks(const uint32_t* keys, int count, int64_t first, cons
     }
   }
   RowCluster::sync();  // every CTA's totals are published
+  DSV4_PHASE_STAMP(kTopkStampTotals);
   if (warp == 0) {
     // Lane r < this CTA's rank reads CTA r's totals.
     const bool before = static_cast<unsigned>(lane) < RowCluster::rank();
@@ -403,7 +419,9 @@ __device__ void write_picks(const uint32_t* keys, int count, int64_t first, cons
   const int64_t stride = int64_t{RowCluster::size()} * kThreads;
   for (int64_t i = selection.taken + int64_t{RowCluster::rank()} * kThreads + threadIdx.x; i < k; i += stride)
     picks[i] = -1;
+  DSV4_PHASE_STAMP(kTopkStampWritten);
   RowCluster::wait();  // the later CTAs have read this CTA's totals
+  DSV4_PHASE_STAMP(kTopkStampEnd);
 }
 
 }  // namespace dsv4::cuda::radix_topk

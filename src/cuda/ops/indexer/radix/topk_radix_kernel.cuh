@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) topk_radix_kernel(R
   const float* row = a.scores + t * a.n + first;
   const bool aligned = reinterpret_cast<uintptr_t>(row) % sizeof(float4) == 0;
   const int lane_first = static_cast<int>(threadIdx.x) % kWarpSize * radix_topk::kKeysPerLane;
+  DSV4_PHASE_STAMP(radix_topk::kTopkStampStart);
   radix_topk::clear_counts(shared);
   const radix_topk::TileRange tiles = radix_topk::warp_tiles<kThreads>(count);
   for (int base = tiles.begin; base < tiles.end; base += kRadixLoadBatch) {
@@ -62,6 +63,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) topk_radix_kernel(R
         radix_topk::count_first_pass(key, shared);
       }
   }
+  DSV4_PHASE_STAMP(radix_topk::kTopkStampLoaded);
   const radix_topk::Selection selection = radix_topk::select_picks(keys, count, a.k, shared);
   radix_topk::write_picks(keys, count, first, selection, a.picks + t * a.k, a.k, shared);
 }
@@ -92,6 +94,10 @@ cudaLaunchConfig_t topk_radix_config(int64_t ctas, int64_t chunk, int cluster, c
 
 template <int kThreads>
 void launch_topk_radix(const RadixTopkLaunch& a, int64_t tokens, cudaStream_t stream) {
+#ifdef DSV4_PHASE_STAMPS
+  static const bool stamps_registered = (register_phase_stamps_dump(), true);
+  (void)stamps_registered;
+#endif
   cudaLaunchAttribute cluster;
   const cudaLaunchConfig_t config = topk_radix_config<kThreads>(tokens * a.cluster, a.chunk, a.cluster, stream, cluster);
   DSV4_CUDA_CHECK(cudaLaunchKernelEx(&config, topk_radix_kernel<kThreads>, a));
