@@ -82,11 +82,11 @@ int resident_rows(const RowSplit& split, const DeviceInfo& device, int ordinal) 
 
 // The split of `rows` rows of n keys expected to finish first, by a simple model: a wave of
 // resident rows takes time in proportion to a thread's keys, so the cost is waves x keys per
-// thread. For 64 rows of 128K on an H100 (bench/probes/topk_split_table.cu prints the occupancy
-// per split) clusters of 8 CTAs of 512 threads run 30 at once, 3 waves of 32 keys a thread; clusters
-// of 7 CTAs of 512 threads run 32, 2 waves of 37 keys: the model picks them. Ties go to fewer waves, then to
-// fewer CTAs a row (fewer cluster barriers). A row is split only into chunks of at least kMinChunk
-// keys.
+// thread. For 64 rows of 128K on an H100 (bench/probes/topk_split_table.cu prints the occupancy per
+// split) clusters of 8 CTAs of 512 threads run 30 at once, 3 waves of 32 keys a thread; clusters of
+// 7 CTAs of 512 threads run 32, 2 waves of 37 keys: the model picks them. Ties go to fewer waves,
+// then to fewer CTAs a row (fewer cluster barriers). A row is split only into chunks of at least
+// kMinChunk keys.
 RowSplit split_rows(int64_t rows, int64_t n, const DeviceInfo& device) {
   const int64_t first = min_cluster(n, device);
   int ordinal = 0;
