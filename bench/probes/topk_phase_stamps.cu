@@ -4,15 +4,15 @@
 // SM clock at each TopkStamp of radix_select.cuh per CTA, and at exit this prints their 10th, 50th
 // and 90th percentiles over the CTAs, in us from the CTA's start at an assumed 1.98 GHz (relative
 // figures; the clock is the SM's). Each CTA's slot keeps the latest launch that had it, so run one
-// shape per process (as `dsv4 bench` does), and a shape whose split takes 1024 threads (64 x 128K,
-// 4 x 128K: see split_rows in topk_radix.cu).
+// shape per process (as `dsv4 bench` does), and a shape whose split takes 1024 threads (4 x 128K on
+// an H100; 64 x 128K takes 512: bench/probes/topk_split_table.cu prints what split_rows weighs).
 // Not part of the build. From build/ (a configured Release tree), a `dsv4` that prints them:
 //   nvcc --options-file CMakeFiles/dsv4.dir/includes_CUDA.rsp -O3 -DNDEBUG -std=c++20 \
 //     --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -c \
 //     ../bench/probes/topk_phase_stamps.cu -o topk_radix_t1024.cu.o
 //   cp libdsv4.a stamps.a && ar r stamps.a topk_radix_t1024.cu.o
 //   sed 's# libdsv4.a # stamps.a #g; s#-o dsv4 #-o dsv4_stamps #' CMakeFiles/dsv4_cli.dir/link.txt | sh
-//   ./dsv4_stamps bench --op index-topk --batch 64 --context 131072
+//   ./dsv4_stamps bench --op topk --batch 4 --context 131072
 #define DSV4_PHASE_STAMPS 1
 #include <algorithm>
 #include <cstddef>
