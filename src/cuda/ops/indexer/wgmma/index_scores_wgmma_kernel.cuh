@@ -168,9 +168,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
   const uint32_t stage_landed = stage_base + static_cast<uint32_t>(Layout::kBarriersOffset);  // [slot] mbarrier
   uint32_t landed_parity = 0;  // bit s: the parity of slot s's next phase (tensor copies)
   const bool tensor_copies = !kTokenRuns && a.tensor_copies;  // the token-run kernels have none
-  // Thread 0 issues the copies; start_tokens' barriers order the init before every other use.
+  // Each segment's first thread issues its copies and arrives; start_tokens' barriers order the init
+  // before every other use.
   if (tensor_copies && threadIdx.x == 0) {
-    for (int slot = 0; slot < kStages; ++slot) mbarrier_init(stage_landed + 8 * slot, 1);
+    for (int slot = 0; slot < kStages; ++slot) mbarrier_init(stage_landed + 8 * slot, kStageRows / kSegmentRows);
     fence_mbarrier_init();
   }
 
@@ -202,42 +203,46 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     const int end = kTokenRuns ? run.end : first + 1;  // without runs, a CTA has one token
     const int64_t sequence = run.sequence, load_end = run.load_end;
 
-    // Thread t copies row t of stage n: its chunks (zero-filled when not addressable) and its
-    // scale word; lane 0 of each warp records which of its rows are addressable. Stages are issued
-    // in order, so the thread follows its row's (page, row) instead of dividing per stage, and
-    // reads the block table a stage ahead (else each stage's copies wait for that load).
+    // Thread t copies row t of stage n (cp.async), or the 64-row segment that starts there (tensor
+    // copies, threads 0 and 64). Stages are issued in order, so the thread follows its row's (page,
+    // row) instead of dividing per stage, and reads the block table a stage ahead (else each stage's
+    // copies wait for that load).
     const SequenceRows sequence_rows(a.keys, sequence);
     RowSplit next = split_rows(k0 + threadIdx.x, a.keys.rows_per_page);
     int32_t next_entry = sequence_rows.entry(next);  // 32 bits until used: nothing waits for the load
-    // Tensor copies: thread 0 copies stage n's 64-row segments that start before load_end, from
-    // pages that exist, and records which rows are addressable.
+    auto advance = [&] {
+      for (next.row += kStageRows; next.row >= a.keys.rows_per_page; ++next.block) next.row -= a.keys.rows_per_page;
+      next_entry = sequence_rows.entry(next);
+    };
+    // Tensor copies: a segment's first thread copies it when it starts before load_end from a page
+    // that exists, records which of its rows are addressable and arrives on the stage's barrier. Two
+    // warps share the issue, which the other warps wait for at the stage's first MMA (Nsight
+    // Compute's "Stall GMMA": with one thread dividing and reading the block table for both
+    // segments, a third of the scan's samples).
     auto issue_tensor_copies = [&](int n) {
       const int slot = n % kStages;
       const int64_t row0 = k0 + int64_t{n} * kStageRows;
-      if (threadIdx.x != 0 || n >= stage_count || row0 >= load_end) return;
+      if (threadIdx.x % kSegmentRows != 0 || n >= stage_count || row0 >= load_end) return;
       const uint32_t barrier = stage_landed + 8 * slot;
+      const int64_t first_row = row0 + threadIdx.x;
+      const int64_t page = first_row < load_end ? sequence_rows.page(next, next_entry) : -1;
+      const bool exists = page >= 0 && page < a.keys.num_pages;
       uint32_t bytes = 0;
-      uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords;
+      if (exists) {
+        tensor_copy_3d(stage_base + slot * Layout::kStageBytes + threadIdx.x * Keys::kBytes, &a.key_rows, 0,
+                       static_cast<int>(next.row), static_cast<int>(page), barrier);
+        bulk_copy(stage_base + static_cast<uint32_t>(Layout::kScaleWordsOffset) + slot * kStageRows * 4 + threadIdx.x * kBlocks,
+                  a.keys.pages + page * a.keys.page_stride + a.keys.scale_base + next.row * a.keys.scale_row_stride,
+                  kSegmentRows * kBlocks, barrier, l2_evict_first_policy());
+        bytes = kSegmentRows * (Keys::kBytes + kBlocks);
+      }
+      advance();
+      const int rows = exists ? static_cast<int>(load_end - first_row < kSegmentRows ? load_end - first_row : kSegmentRows) : 0;
+      uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords + threadIdx.x / 32;
 #pragma unroll
-      for (int s = 0; s < kStageRows / kSegmentRows; ++s) {
-        const int64_t first_row = row0 + s * kSegmentRows;
-        const RowSplit split = split_rows(first_row, a.keys.rows_per_page);
-        const int64_t page = first_row < load_end ? sequence_rows.page(split, sequence_rows.entry(split)) : -1;
-        const bool exists = page >= 0 && page < a.keys.num_pages;
-        if (exists) {
-          tensor_copy_3d(stage_base + slot * Layout::kStageBytes + s * kSegmentRows * Keys::kBytes, &a.key_rows, 0,
-                         static_cast<int>(split.row), static_cast<int>(page), barrier);
-          bulk_copy(stage_base + static_cast<uint32_t>(Layout::kScaleWordsOffset) + slot * kStageRows * 4 + s * kSegmentRows * kBlocks,
-                    a.keys.pages + page * a.keys.page_stride + a.keys.scale_base + split.row * a.keys.scale_row_stride,
-                    kSegmentRows * kBlocks, barrier, l2_evict_first_policy());
-          bytes += kSegmentRows * (Keys::kBytes + kBlocks);
-        }
-        const int rows = exists ? static_cast<int>(load_end - first_row < kSegmentRows ? load_end - first_row : kSegmentRows) : 0;
-#pragma unroll
-        for (int w = 0; w < kSegmentRows / 32; ++w) {
-          const int in_word = min(max(rows - 32 * w, 0), 32);
-          masks[s * kSegmentRows / 32 + w] = in_word == 32 ? ~0u : (1u << in_word) - 1u;
-        }
+      for (int w = 0; w < kSegmentRows / 32; ++w) {
+        const int in_word = min(max(rows - 32 * w, 0), 32);
+        masks[w] = in_word == 32 ? ~0u : (1u << in_word) - 1u;
       }
       mbarrier_arrive_expect_tx(barrier, bytes);
     };
@@ -249,8 +254,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         const int64_t j = row0 + threadIdx.x;
         const RowRef ref =
             j < load_end ? row_in_page(a.keys, sequence_rows.page(next, next_entry), next.row) : RowRef{};
-        for (next.row += kStageRows; next.row >= a.keys.rows_per_page; ++next.block) next.row -= a.keys.rows_per_page;
-        next_entry = sequence_rows.entry(next);
+        advance();
         const uint8_t* data = ref.valid() ? ref.data : a.keys.pages;
         const uint32_t rows = stage_base + slot * Layout::kStageBytes;
 #pragma unroll
