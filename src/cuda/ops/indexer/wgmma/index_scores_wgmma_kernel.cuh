@@ -459,7 +459,12 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         // One token: its two halves fill the two buffer slots. Unrolled, so that the lane's
         // addresses are formed once per stage: in a loop ptxas rebuilt them from threadIdx.x in
         // each half, and the S2R's latency stalled the half's first instructions (3 % at 64 x 128K).
+        const int sum_row = (lane / kWarpRows) * kTileRows + lane_row;
+        // Which of the warp's 32 rows take the fast path (bit 16·half + row of the half's 16), each
+        // lane checking the row it sums: an MMA fragment holds a row in four lanes.
         const FastBounds bounds = token_bounds[first];
+        const uint32_t fast_rows =
+            __ballot_sync(kFullMask, !addressable(sum_row) || bounds.holds(key_exponents<kBlocks>(scale_word(sum_row))));
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int warp_row = half * kTileRows + warp * kWarpRows;  // the warp's first row in the stage
@@ -470,11 +475,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           // Meanwhile the head factors and the rows' scales.
           const HeadFactors head = load_head_factors(first);
           const RowScales<kBlocks> rs[2] = {row_scales(warp_row, 0), row_scales(warp_row, 1)};
-          const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
+          const bool fast[2] = {((fast_rows >> (kWarpRows * half + g)) & 1u) != 0, ((fast_rows >> (kWarpRows * half + g + 8)) & 1u) != 0};
           finish_mmas(acc, frag);
           store_terms(first, acc, rs, fast, head, warp_row, half);
         }
-        sum_terms((lane / kWarpRows) * kTileRows + lane_row, first, true);
+        sum_terms(sum_row, first, true);
       } else {
         // A run of tokens: half by half, the A operand and the rows' scales stay in registers
         // while the run's tokens are scored; consecutive units fill the buffer slots in turn, and
