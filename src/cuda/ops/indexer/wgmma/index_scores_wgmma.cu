@@ -86,7 +86,7 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encoder;
 }
 
-// Tensor copies (IndexScoresWgmmaLaunch) need segregated pages of whole 32-row boxes: rows of
+// Tensor copies (IndexScoresWgmmaLaunch) need segregated pages of whole 64-row boxes: rows of
 // row_bytes data back to back from the page start and their scale bytes back to back (kBlocks a
 // row), 16-byte aligned pages and scale blocks, and the maps encoded: the rows [pages][rows][row
 // bytes] with the swizzle of SwizzledKeyRows (64-byte rows: 64 B, 32-byte rows: 32 B), the scales

@@ -73,15 +73,19 @@ __host__ __device__ constexpr int ctas_per_sm(bool token_runs) { return token_ru
 __host__ __device__ constexpr int query_channel(int k) { return 2 * (k % 16) + k / 16; }
 
 // The wgmma kernels' call: with tensor_copies (one-token CTAs, the decode kernel, over segregated
-// pages of whole 32-row boxes, see index_scores_wgmma.cu) each warp copies its 32 rows of a stage
-// as a box of key_rows and one of scale_rows, landing on the stage's mbarrier; else every thread
-// copies its row with cp.async.
+// pages of whole 64-row boxes, see index_scores_wgmma.cu) threads 0 and 64 copy a stage's two
+// boxes of key_rows and scale_rows, landing on the stage's mbarrier; else every thread copies its
+// row with cp.async.
 struct IndexScoresWgmmaLaunch : IndexScoresRangeLaunch {
   CUtensorMap key_rows;    // [pages][rows][row bytes], the swizzle of SwizzledKeyRows
   CUtensorMap scale_rows;  // [pages][rows x kBlocks] scale bytes
   bool tensor_copies = false;
 };
-inline constexpr int kCopyRows = 32;  // a tensor copy's box: a warp's rows of a stage
+// A tensor copy's box of rows. (Four boxes a stage, one a warp, measured slower: every warp pays
+// the issue, RESULTS, thirty-fourth session.) A box's scales land 128-byte aligned, as tensor
+// copies need, for both row sizes.
+inline constexpr int kCopyRows = 64;
+static_assert(kStageRows % kCopyRows == 0 && kCopyRows % 32 == 0 && kCopyRows * 2 % 128 == 0);
 
 // Shared memory of a CTA (256-byte aligned): the tokens' queries ([tokens][blocks] SW32 [32 heads
 // x 32] e4m3), their TokenQueries and fast-path bounds, then the stages (key rows, scale words, row
@@ -169,8 +173,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
   const uint32_t stage_landed = stage_base + static_cast<uint32_t>(Layout::kBarriersOffset);  // [slot] mbarrier
   uint32_t landed_parity = 0;  // bit s: the parity of slot s's next phase (tensor copies)
   const bool tensor_copies = !kTokenRuns && a.tensor_copies;  // the token-run kernels have none
-  // Each warp issues its rows' copies and arrives; start_tokens' barriers order the init before
-  // every other use.
+  // Each box's first thread issues its copies and arrives; start_tokens' barriers order the init
+  // before every other use.
   if (tensor_copies && threadIdx.x == 0) {
     for (int slot = 0; slot < kStages; ++slot) mbarrier_init(stage_landed + 8 * slot, kStageRows / kCopyRows);
     fence_mbarrier_init();
@@ -204,10 +208,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     const int end = kTokenRuns ? run.end : first + 1;  // without runs, a CTA has one token
     const int64_t sequence = run.sequence, load_end = run.load_end;
 
-    // Thread t copies row t of stage n (cp.async), or (tensor copies) lane 0 the warp's 32 rows from
-    // there. Stages are issued in order, so the thread follows its row's (page, row) instead of
-    // dividing per stage, and reads the block table a stage ahead (else each stage's copies wait for
-    // that load).
+    // Thread t copies row t of stage n (cp.async), or (tensor copies) the box of rows from there.
+    // Stages are issued in order, so the thread follows its row's (page, row) instead of dividing
+    // per stage, and reads the block table a stage ahead (else each stage's copies wait for that
+    // load).
     const SequenceRows sequence_rows(a.keys, sequence);
     RowSplit next = split_rows(k0 + threadIdx.x, a.keys.rows_per_page);
     int32_t next_entry = sequence_rows.entry(next);  // 32 bits until used: nothing waits for the load
@@ -215,15 +219,15 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       for (next.row += kStageRows; next.row >= a.keys.rows_per_page; ++next.block) next.row -= a.keys.rows_per_page;
       next_entry = sequence_rows.entry(next);
     };
-    // Tensor copies: lane 0 of each warp copies the warp's rows when they start before load_end in a
-    // page that exists, records which of them are addressable and arrives on the stage's barrier.
-    // Every warp issues its own share because the warpgroup's first MMA waits for the last warp to
-    // come (Nsight Compute's "Stall GMMA": with thread 0 copying the whole stage, a third of the
-    // scan's samples).
+    // Tensor copies: a box's first thread copies it when it starts before load_end in a page that
+    // exists, records which of its rows are addressable and arrives on the stage's barrier. The
+    // warpgroup's first MMA waits for the last warp to come (Nsight Compute's "Stall GMMA"): with
+    // thread 0 dividing and reading the block table for the whole stage, a third of the scan's
+    // samples. Two warps share the issue now, which takes coordinates only, from the row walk.
     auto issue_tensor_copies = [&](int n) {
       const int slot = n % kStages;
       const int64_t row0 = k0 + int64_t{n} * kStageRows, first_row = row0 + threadIdx.x;
-      if (lane != 0 || n >= stage_count || row0 >= load_end) return;
+      if (threadIdx.x % kCopyRows != 0 || n >= stage_count || row0 >= load_end) return;
       const uint32_t barrier = stage_landed + 8 * slot;
       const int64_t page = first_row < load_end ? sequence_rows.page(next, next_entry) : -1;
       const bool exists = page >= 0 && page < a.keys.num_pages;
@@ -236,7 +240,12 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
                        &a.scale_rows, row * kBlocks, static_cast<int>(page), barrier);
       }
       const int64_t rows = exists ? min(load_end - first_row, int64_t{kCopyRows}) : 0;
-      row_masks[slot * 2 * Layout::kMaskWords + warp] = rows == 32 ? ~0u : (1u << rows) - 1u;
+      uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords + warp;
+#pragma unroll
+      for (int w = 0; w < kCopyRows / 32; ++w) {
+        const int64_t in_word = min(max(rows - 32 * w, int64_t{0}), int64_t{32});
+        masks[w] = in_word == 32 ? ~0u : (1u << in_word) - 1u;
+      }
       mbarrier_arrive_expect_tx(barrier, exists ? kCopyRows * (Keys::kBytes + kBlocks) : 0);
     };
     auto issue = [&](int n) {
