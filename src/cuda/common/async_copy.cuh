@@ -105,6 +105,13 @@ __device__ __forceinline__ void bulk_copy(uint32_t shared, const void* global, u
       "l"(global), "r"(bytes), "r"(barrier), "l"(policy)
       : "memory");
 }
+// The box at coordinates (x, y) of a 2-d tensor map, as tensor_copy_3d.
+__device__ __forceinline__ void tensor_copy_2d(uint32_t shared, const void* tensor_map, int x, int y, uint32_t barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(shared),
+      "l"(tensor_map), "r"(x), "r"(y), "r"(barrier)
+      : "memory");
+}
 // The box at coordinates (x, y, z) of a 3-d tensor map (a __grid_constant__ kernel parameter or
 // global memory) from global to shared memory (aligned as the map's swizzle needs), landing on
 // `barrier` (complete_tx of the box's bytes) (sm_90).

@@ -86,26 +86,33 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encoder;
 }
 
-// Tensor copies (IndexScoresWgmmaLaunch) need segregated pages of whole 64-row segments: rows of
+// Tensor copies (IndexScoresWgmmaLaunch) need segregated pages of whole 64-row boxes: rows of
 // row_bytes data back to back from the page start and their scale bytes back to back (kBlocks a
-// row), 16-byte aligned pages and scale blocks, and the map encoded: [pages][rows][row bytes] with
-// the swizzle of SwizzledKeyRows (64-byte rows: 64 B, 32-byte rows: 32 B). Else cp.async.
-bool encode_key_rows(const DeviceRows& k, int blocks, CUtensorMap* map) {
+// row), 16-byte aligned pages and scale blocks, and the maps encoded: the rows [pages][rows][row
+// bytes] with the swizzle of SwizzledKeyRows (64-byte rows: 64 B, 32-byte rows: 32 B), the scales
+// [pages][rows x kBlocks bytes]. Else cp.async.
+bool encode_key_maps(const DeviceRows& k, int blocks, CUtensorMap* rows, CUtensorMap* scales) {
   const int64_t row_bytes = blocks * 16;  // MXFP4: 32 channels a block, two codes a byte
   const bool fits = k.data_row_stride == row_bytes && k.scale_row_stride == blocks &&
-                    k.rows_per_page % index_wgmma::kSegmentRows == 0 && k.num_pages >= 1 &&
+                    k.rows_per_page % index_wgmma::kCopyRows == 0 && k.num_pages >= 1 &&
                     reinterpret_cast<uintptr_t>(k.pages) % 16 == 0 && k.page_stride % 16 == 0 && k.scale_base % 16 == 0 &&
-                    k.scale_base >= k.rows_per_page * row_bytes && k.num_pages <= INT32_MAX && k.rows_per_page <= INT32_MAX;
+                    k.scale_base >= k.rows_per_page * row_bytes && k.num_pages <= INT32_MAX && k.rows_per_page * blocks <= INT32_MAX;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = fits ? tensor_map_encoder() : nullptr;
   if (encode == nullptr) return false;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(k.rows_per_page),
-                              static_cast<cuuint64_t>(k.num_pages)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k.data_row_stride), static_cast<cuuint64_t>(k.page_stride)};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(row_bytes), index_wgmma::kSegmentRows, 1};
+  const auto page_stride = static_cast<cuuint64_t>(k.page_stride);
+  const auto rows_per_page = static_cast<cuuint64_t>(k.rows_per_page), pages = static_cast<cuuint64_t>(k.num_pages);
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, k.pages, dims, strides, box, element_strides,
+  const cuuint64_t row_dims[3] = {static_cast<cuuint64_t>(row_bytes), rows_per_page, pages};
+  const cuuint64_t row_strides[2] = {static_cast<cuuint64_t>(k.data_row_stride), page_stride};
+  const cuuint32_t row_box[3] = {static_cast<cuuint32_t>(row_bytes), index_wgmma::kCopyRows, 1};
+  const cuuint64_t scale_dims[2] = {rows_per_page * blocks, pages};
+  const cuuint32_t scale_box[2] = {static_cast<cuuint32_t>(index_wgmma::kCopyRows * blocks), 1};
+  return encode(rows, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, k.pages, row_dims, row_strides, row_box, element_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, blocks == 4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS &&
+         encode(scales, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, k.pages + k.scale_base, scale_dims, &page_stride, scale_box,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 void run(const IndexScoresParams& p, cudaStream_t stream) {
@@ -117,7 +124,7 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
   const bool token_runs = a.tokens_per_cta > 1;
   // Token runs share each stage among their tokens, so its per-row copies cost little there; with
   // tensor copies the prefill measured slower (RESULTS, thirty-second session).
-  a.tensor_copies = !token_runs && encode_key_rows(a.keys, blocks, &a.key_rows);
+  a.tensor_copies = !token_runs && encode_key_maps(a.keys, blocks, &a.key_rows, &a.scale_rows);
   a.keys_per_cta = index_keys_per_cta(a.entries, (a.tokens + a.tokens_per_cta - 1) / a.tokens_per_cta,
                                       shared_bytes(blocks, a.bf16_rounding, a.tokens_per_cta), index_wgmma::ctas_per_sm(token_runs),
                                       index_wgmma::kStageRows, kMinKeysPerCta, kWaves, device_info());

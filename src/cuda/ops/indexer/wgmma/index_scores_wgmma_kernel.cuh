@@ -73,14 +73,19 @@ __host__ __device__ constexpr int ctas_per_sm(bool token_runs) { return token_ru
 __host__ __device__ constexpr int query_channel(int k) { return 2 * (k % 16) + k / 16; }
 
 // The wgmma kernels' call: with tensor_copies (one-token CTAs, the decode kernel, over segregated
-// pages of whole 64-row segments, see index_scores_wgmma.cu) one thread copies a stage's rows as two 64-row boxes of key_rows (a 3-d
-// map [pages][rows][row bytes] whose swizzle is SwizzledKeyRows') and their scales as bulk copies,
-// landing on the stage's mbarrier; else every thread copies its row with cp.async.
+// pages of whole 64-row boxes, see index_scores_wgmma.cu) threads 0 and 64 copy a stage's two
+// boxes of key_rows and scale_rows, landing on the stage's mbarrier; else every thread copies its
+// row with cp.async.
 struct IndexScoresWgmmaLaunch : IndexScoresRangeLaunch {
-  CUtensorMap key_rows;
+  CUtensorMap key_rows;    // [pages][rows][row bytes], the swizzle of SwizzledKeyRows
+  CUtensorMap scale_rows;  // [pages][rows x kBlocks] scale bytes
   bool tensor_copies = false;
 };
-inline constexpr int kSegmentRows = 64;  // a tensor copy's box
+// A tensor copy's box of rows. (Four boxes a stage, one a warp, measured slower: every warp pays
+// the issue, RESULTS, thirty-fourth session.) A box's scales land 128-byte aligned, as tensor
+// copies need, for both row sizes.
+inline constexpr int kCopyRows = 64;
+static_assert(kStageRows % kCopyRows == 0 && kCopyRows % 32 == 0 && kCopyRows * 2 % 128 == 0);
 
 // Shared memory of a CTA (256-byte aligned): the tokens' queries ([tokens][blocks] SW32 [32 heads
 // x 32] e4m3), their TokenQueries and fast-path bounds, then the stages (key rows, scale words, row
@@ -168,10 +173,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
   const uint32_t stage_landed = stage_base + static_cast<uint32_t>(Layout::kBarriersOffset);  // [slot] mbarrier
   uint32_t landed_parity = 0;  // bit s: the parity of slot s's next phase (tensor copies)
   const bool tensor_copies = !kTokenRuns && a.tensor_copies;  // the token-run kernels have none
-  // Each segment's first thread issues its copies and arrives; start_tokens' barriers order the init
+  // Each box's first thread issues its copies and arrives; start_tokens' barriers order the init
   // before every other use.
   if (tensor_copies && threadIdx.x == 0) {
-    for (int slot = 0; slot < kStages; ++slot) mbarrier_init(stage_landed + 8 * slot, kStageRows / kSegmentRows);
+    for (int slot = 0; slot < kStages; ++slot) mbarrier_init(stage_landed + 8 * slot, kStageRows / kCopyRows);
     fence_mbarrier_init();
   }
 
@@ -203,10 +208,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     const int end = kTokenRuns ? run.end : first + 1;  // without runs, a CTA has one token
     const int64_t sequence = run.sequence, load_end = run.load_end;
 
-    // Thread t copies row t of stage n (cp.async), or the 64-row segment that starts there (tensor
-    // copies, threads 0 and 64). Stages are issued in order, so the thread follows its row's (page,
-    // row) instead of dividing per stage, and reads the block table a stage ahead (else each stage's
-    // copies wait for that load).
+    // Thread t copies row t of stage n (cp.async), or (tensor copies) the box of rows from there.
+    // Stages are issued in order, so the thread follows its row's (page, row) instead of dividing
+    // per stage, and reads the block table a stage ahead (else each stage's copies wait for that
+    // load).
     const SequenceRows sequence_rows(a.keys, sequence);
     RowSplit next = split_rows(k0 + threadIdx.x, a.keys.rows_per_page);
     int32_t next_entry = sequence_rows.entry(next);  // 32 bits until used: nothing waits for the load
@@ -214,37 +219,34 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       for (next.row += kStageRows; next.row >= a.keys.rows_per_page; ++next.block) next.row -= a.keys.rows_per_page;
       next_entry = sequence_rows.entry(next);
     };
-    // Tensor copies: a segment's first thread copies it when it starts before load_end from a page
-    // that exists, records which of its rows are addressable and arrives on the stage's barrier. Two
-    // warps share the issue, which the other warps wait for at the stage's first MMA (Nsight
-    // Compute's "Stall GMMA": with one thread dividing and reading the block table for both
-    // segments, a third of the scan's samples).
+    // Tensor copies: a box's first thread copies it when it starts before load_end in a page that
+    // exists, records which of its rows are addressable and arrives on the stage's barrier. The
+    // warpgroup's first MMA waits for the last warp to come (Nsight Compute's "Stall GMMA"): with
+    // thread 0 dividing and reading the block table for the whole stage, a third of the scan's
+    // samples. Two warps share the issue now, which takes coordinates only, from the row walk.
     auto issue_tensor_copies = [&](int n) {
       const int slot = n % kStages;
-      const int64_t row0 = k0 + int64_t{n} * kStageRows;
-      if (threadIdx.x % kSegmentRows != 0 || n >= stage_count || row0 >= load_end) return;
+      const int64_t row0 = k0 + int64_t{n} * kStageRows, first_row = row0 + threadIdx.x;
+      if (threadIdx.x % kCopyRows != 0 || n >= stage_count || row0 >= load_end) return;
       const uint32_t barrier = stage_landed + 8 * slot;
-      const int64_t first_row = row0 + threadIdx.x;
       const int64_t page = first_row < load_end ? sequence_rows.page(next, next_entry) : -1;
       const bool exists = page >= 0 && page < a.keys.num_pages;
-      uint32_t bytes = 0;
-      if (exists) {
-        tensor_copy_3d(stage_base + slot * Layout::kStageBytes + threadIdx.x * Keys::kBytes, &a.key_rows, 0,
-                       static_cast<int>(next.row), static_cast<int>(page), barrier);
-        bulk_copy(stage_base + static_cast<uint32_t>(Layout::kScaleWordsOffset) + slot * kStageRows * 4 + threadIdx.x * kBlocks,
-                  a.keys.pages + page * a.keys.page_stride + a.keys.scale_base + next.row * a.keys.scale_row_stride,
-                  kSegmentRows * kBlocks, barrier, l2_evict_first_policy());
-        bytes = kSegmentRows * (Keys::kBytes + kBlocks);
-      }
+      const int row = static_cast<int>(next.row);
       advance();
-      const int rows = exists ? static_cast<int>(load_end - first_row < kSegmentRows ? load_end - first_row : kSegmentRows) : 0;
-      uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords + threadIdx.x / 32;
+      if (exists) {
+        tensor_copy_3d(stage_base + slot * Layout::kStageBytes + threadIdx.x * Keys::kBytes, &a.key_rows, 0, row,
+                       static_cast<int>(page), barrier);
+        tensor_copy_2d(stage_base + static_cast<uint32_t>(Layout::kScaleWordsOffset) + slot * kStageRows * 4 + threadIdx.x * kBlocks,
+                       &a.scale_rows, row * kBlocks, static_cast<int>(page), barrier);
+      }
+      const int64_t rows = exists ? min(load_end - first_row, int64_t{kCopyRows}) : 0;
+      uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords + warp;
 #pragma unroll
-      for (int w = 0; w < kSegmentRows / 32; ++w) {
-        const int in_word = min(max(rows - 32 * w, 0), 32);
+      for (int w = 0; w < kCopyRows / 32; ++w) {
+        const int64_t in_word = min(max(rows - 32 * w, int64_t{0}), int64_t{32});
         masks[w] = in_word == 32 ? ~0u : (1u << in_word) - 1u;
       }
-      mbarrier_arrive_expect_tx(barrier, bytes);
+      mbarrier_arrive_expect_tx(barrier, exists ? kCopyRows * (Keys::kBytes + kBlocks) : 0);
     };
     auto issue = [&](int n) {
       if (tensor_copies) return issue_tensor_copies(n);
@@ -466,7 +468,12 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         // One token: its two halves fill the two buffer slots. Unrolled, so that the lane's
         // addresses are formed once per stage: in a loop ptxas rebuilt them from threadIdx.x in
         // each half, and the S2R's latency stalled the half's first instructions (3 % at 64 x 128K).
+        const int sum_row = (lane / kWarpRows) * kTileRows + lane_row;
+        // Which of the warp's 32 rows take the fast path (bit 16·half + row of the half's 16), each
+        // lane checking the row it sums: an MMA fragment holds a row in four lanes.
         const FastBounds bounds = token_bounds[first];
+        const uint32_t fast_rows =
+            __ballot_sync(kFullMask, !addressable(sum_row) || bounds.holds(key_exponents<kBlocks>(scale_word(sum_row))));
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int warp_row = half * kTileRows + warp * kWarpRows;  // the warp's first row in the stage
@@ -477,11 +484,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           // Meanwhile the head factors and the rows' scales.
           const HeadFactors head = load_head_factors(first);
           const RowScales<kBlocks> rs[2] = {row_scales(warp_row, 0), row_scales(warp_row, 1)};
-          const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
+          const bool fast[2] = {((fast_rows >> (kWarpRows * half + g)) & 1u) != 0, ((fast_rows >> (kWarpRows * half + g + 8)) & 1u) != 0};
           finish_mmas(acc, frag);
           store_terms(first, acc, rs, fast, head, warp_row, half);
         }
-        sum_terms((lane / kWarpRows) * kTileRows + lane_row, first, true);
+        sum_terms(sum_row, first, true);
       } else {
         // A run of tokens: half by half, the A operand and the rows' scales stay in registers
         // while the run's tokens are scored; consecutive units fill the buffer slots in turn, and
