@@ -106,21 +106,24 @@ __device__ __forceinline__ void bulk_copy(uint32_t shared, const void* global, u
       : "memory");
 }
 // The box at coordinates (x, y) of a 2-d tensor map, as tensor_copy_3d.
-__device__ __forceinline__ void tensor_copy_2d(uint32_t shared, const void* tensor_map, int x, int y, uint32_t barrier) {
+__device__ __forceinline__ void tensor_copy_2d(uint32_t shared, const void* tensor_map, int x, int y, uint32_t barrier,
+                                               uint64_t policy) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(shared),
-      "l"(tensor_map), "r"(x), "r"(y), "r"(barrier)
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], [%4], "
+      "%5;\n" ::"r"(shared),
+      "l"(tensor_map), "r"(x), "r"(y), "r"(barrier), "l"(policy)
       : "memory");
 }
 // The box at coordinates (x, y, z) of a 3-d tensor map (a __grid_constant__ kernel parameter or
 // global memory) from global to shared memory (aligned as the map's swizzle needs), landing on
-// `barrier` (complete_tx of the box's bytes) (sm_90).
+// `barrier` (complete_tx of the box's bytes), with an L2 policy (l2_evict_first_policy: data read
+// once) (sm_90).
 __device__ __forceinline__ void tensor_copy_3d(uint32_t shared, const void* tensor_map, int x, int y, int z,
-                                               uint32_t barrier) {
+                                               uint32_t barrier, uint64_t policy) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
-          "r"(shared),
-      "l"(tensor_map), "r"(x), "r"(y), "r"(z), "r"(barrier)
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3, "
+      "%4}], [%5], %6;\n" ::"r"(shared),
+      "l"(tensor_map), "r"(x), "r"(y), "r"(z), "r"(barrier), "l"(policy)
       : "memory");
 }
 // Waits (acquire) until the phase of parity `parity` has completed.

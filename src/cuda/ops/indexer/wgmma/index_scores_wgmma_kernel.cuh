@@ -234,10 +234,12 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       const int row = static_cast<int>(next.row);
       advance();
       if (exists) {
+        // The keys are read once: evict-first, so that what every step reads again stays in L2.
+        const uint64_t policy = l2_evict_first_policy();
         tensor_copy_3d(stage_base + slot * Layout::kStageBytes + threadIdx.x * Keys::kBytes, &a.key_rows, 0, row,
-                       static_cast<int>(page), barrier);
+                       static_cast<int>(page), barrier, policy);
         tensor_copy_2d(stage_base + static_cast<uint32_t>(Layout::kScaleWordsOffset) + slot * kStageRows * 4 + threadIdx.x * kBlocks,
-                       &a.scale_rows, row * kBlocks, static_cast<int>(page), barrier);
+                       &a.scale_rows, row * kBlocks, static_cast<int>(page), barrier, policy);
       }
       const int64_t rows = exists ? min(load_end - first_row, int64_t{kCopyRows}) : 0;
       uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords + warp;
