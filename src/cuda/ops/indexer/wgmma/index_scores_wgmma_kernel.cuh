@@ -61,9 +61,11 @@ inline constexpr int kWarpRows = 16;              // a warp's rows of a tile
 inline constexpr int kStageRows = 2 * kTileRows;  // one per thread for the copies
 inline constexpr int kStages = 3;  // with the term buffers, 4 CTAs fit an SM's shared memory
 inline constexpr int kHeads = 32;                 // the MMA's N: the index heads, zero-padded
-// A term buffer row's stride in words (fp32 terms: one a word; bf16_rounding: a pair a word), so that
-// neither the lanes' pair writes nor a lane's 16-byte reads of its row conflict.
-__host__ __device__ constexpr int terms_stride(bool bf16_rounding) { return bf16_rounding ? kHeads / 2 + 4 : kHeads + 4; }
+// A term buffer row's stride in words (fp32 terms: one a word; bf16_rounding: a pair a word): its
+// padding keeps neither the lanes' pair writes nor a lane's 16-byte reads of its row from
+// conflicting, and holds a key row's block scales in one-token CTAs.
+inline constexpr int kTermsPad = 4;
+__host__ __device__ constexpr int terms_stride(bool bf16_rounding) { return (bf16_rounding ? kHeads / 2 : kHeads) + kTermsPad; }
 inline constexpr int kMaxTokensPerCta = 8;
 // A CTA of one token (decode) fits 128 registers, four per SM; one that scores runs of several
 // tokens keeps a stage's A operand and row scales in registers across the run's tokens, which
@@ -107,7 +109,7 @@ struct SharedLayout {
   __host__ __device__ size_t base_alignment() const { return tokens == 1 ? 1024 : 256; }
   __host__ __device__ size_t stages_offset() const {
     const size_t end = bounds_offset() + TokenArrays::align16(size_t(tokens) * sizeof(FastBounds));
-    return tokens == 1 ? (end + 1023) / 1024 * 1024 : end;
+    return tokens == 1 ? (end + base_alignment() - 1) / base_alignment() * base_alignment() : end;
   }
   static constexpr size_t kScaleWordsOffset = size_t(kStages) * kStageBytes;
   static constexpr size_t kMasksOffset = kScaleWordsOffset + size_t(kStages) * kStageRows * 4;
@@ -141,13 +143,19 @@ inline __device__ __noinline__ void stage_query_block(const uint16_t* q, int h, 
   wgmma::fence_shared_for_async_proxy();  // the MMAs read the tile through the async proxy
 }
 
-// A key row's scales as a unit's epilogue reads them (the double path rereads its scale bytes).
+// A key row's block scales 2^ek_b as the fast path's combine reads them (right for normal scale
+// bytes, the fast path's; the double path rereads the scale bytes).
 template <int kBlocks>
-struct RowScales {
-  ExponentRange range;   // its scale bytes' smallest and largest
-  bool addressable;      // else the row's score is -inf and its scales are never read
-  float scale[kBlocks];  // 2^ek_b (for normal scale bytes: the fast path's rows)
+struct alignas(4 * kBlocks) BlockScales {
+  float scale[kBlocks];
 };
+template <int kBlocks>
+__device__ __forceinline__ BlockScales<kBlocks> block_scales(uint32_t scale_bytes) {
+  BlockScales<kBlocks> s;
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b) s.scale[b] = __uint_as_float(__byte_perm(scale_bytes, 0u, 0x4440u + b) << 23);
+  return s;
+}
 
 template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
@@ -337,18 +345,6 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
         wgmma::pin(frag);
       };
-      // Row g + 8r of the warp's rows from warp_row: its exponent range, scales 2^ek_b (normal
-      // scales: the fast path's rows) and whether it is addressable.
-      auto row_scales = [&](int warp_row, int r) {
-        const int row = warp_row + g + 8 * r;
-        const uint32_t word = scale_word(row);
-        RowScales<kBlocks> rs;
-        rs.range = key_exponents<kBlocks>(word);
-        rs.addressable = addressable(row);
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b) rs.scale[b] = __uint_as_float(((word >> (8 * b)) & 0xffu) << 23);
-        return rs;
-      };
       // This lane's heads' folded weights hs·w (heads 8j + 2c, + 1 of n tile j) for token i, read
       // while the MMAs run. (The plain path, rare, reads hs and w where it uses them.)
       struct HeadFactors {
@@ -363,21 +359,21 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       };
       // Token i's dots of this lane's 2 rows x 8 heads of the warp's rows from warp_row, from the
       // finished MMAs; their weighted terms into buffer slot `slot` of the warp's term buffer.
-      auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
+      auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const BlockScales<kBlocks> (&rs)[2],
                              const bool (&fast)[2], const HeadFactors& head, int warp_row, int slot) {
         float value[kHeads / 8][2][2];  // [n tile j][row r][head 8j + 2c + k]: P, then (unfolded) the dot
+        // Block by block (in block order for each value), so that each block's accumulators and
+        // scales are done with before the next block's are read.
 #pragma unroll
-        for (int j = 0; j < kHeads / 8; ++j) {
+        for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
-          for (int r = 0; r < 2; ++r)
+          for (int j = 0; j < kHeads / 8; ++j)
 #pragma unroll
-            for (int k = 0; k < 2; ++k) {
-              float partial = __fmul_rn(acc[0][j][2 * r + k], rs[r].scale[0]);
+            for (int r = 0; r < 2; ++r)
 #pragma unroll
-              for (int b = 1; b < kBlocks; ++b) partial = __fmaf_rn(acc[b][j][2 * r + k], rs[r].scale[b], partial);
-              value[j][r][k] = partial;
-            }
-        }
+              for (int k = 0; k < 2; ++k)
+                value[j][r][k] = b == 0 ? __fmul_rn(acc[0][j][2 * r + k], rs[r].scale[0])
+                                        : __fmaf_rn(acc[b][j][2 * r + k], rs[r].scale[b], value[j][r][k]);
         auto row_terms = [&](int r) { return terms + (slot * kWarpRows + g + 8 * r) * kTermsStride; };
         auto store = [&](int j, int r, float2 weight) {
           const float x = value[j][r][0], y = value[j][r][1];
@@ -448,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         float score = 0.0f;
         const uint32_t* row = terms + lane * kTermsStride;
 #pragma unroll
-        for (int k = 0; k < kTermsStride - 4; k += 4) {
+        for (int k = 0; k < kTermsStride - kTermsPad; k += 4) {
           const uint4 t = *reinterpret_cast<const uint4*>(row + k);
           if constexpr (kBf16Rounding) {  // four head pairs
             for (const uint32_t pair : {t.x, t.y, t.z, t.w}) score = __fadd_rn(__fadd_rn(score, low_bf16(pair)), high_bf16(pair));
@@ -471,11 +467,19 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         // addresses are formed once per stage: in a loop ptxas rebuilt them from threadIdx.x in
         // each half, and the S2R's latency stalled the half's first instructions (3 % at 64 x 128K).
         const int sum_row = (lane / kWarpRows) * kTileRows + lane_row;
-        // Which of the warp's 32 rows take the fast path (bit 16·half + row of the half's 16), each
-        // lane checking the row it sums: an MMA fragment holds a row in four lanes.
+        // Each lane reads the scale bytes of the row it sums (an MMA fragment holds a row in four
+        // lanes, and two rows a half): it checks the fast path, whose checks the warp shares by
+        // ballot (bit 16·half + row of the half's 16), and forms the row's block scales, which the
+        // fragments' lanes read (slot 16·half + row).
+        const uint32_t sum_word = scale_word(sum_row);
         const FastBounds bounds = token_bounds[first];
-        const uint32_t fast_rows =
-            __ballot_sync(kFullMask, !addressable(sum_row) || bounds.holds(key_exponents<kBlocks>(scale_word(sum_row))));
+        const uint32_t fast_rows = __ballot_sync(kFullMask, !addressable(sum_row) || bounds.holds(key_exponents<kBlocks>(sum_word)));
+        static_assert(kBlocks <= kTermsPad);
+        auto row_scale_slot = [&](int i) {  // the padding of buffer row i
+          return reinterpret_cast<BlockScales<kBlocks>*>(terms + i * kTermsStride + kTermsStride - kTermsPad);
+        };
+        *row_scale_slot(lane) = block_scales<kBlocks>(sum_word);
+        __syncwarp();
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int warp_row = half * kTileRows + warp * kWarpRows;  // the warp's first row in the stage
@@ -485,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           issue_mmas(first, frag, acc);
           // Meanwhile the head factors and the rows' scales.
           const HeadFactors head = load_head_factors(first);
-          const RowScales<kBlocks> rs[2] = {row_scales(warp_row, 0), row_scales(warp_row, 1)};
+          const BlockScales<kBlocks> rs[2] = {*row_scale_slot(kWarpRows * half + g), *row_scale_slot(kWarpRows * half + g + 8)};
           const bool fast[2] = {((fast_rows >> (kWarpRows * half + g)) & 1u) != 0, ((fast_rows >> (kWarpRows * half + g + 8)) & 1u) != 0};
           finish_mmas(acc, frag);
           store_terms(first, acc, rs, fast, head, warp_row, half);
@@ -504,13 +508,17 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           load_a(warp_row, frag);
           float acc[kBlocks][4][4];
           issue_mmas(first, frag, acc);  // the first token's MMAs run while the rows' scales are read
-          const RowScales<kBlocks> rs[2] = {row_scales(warp_row, 0), row_scales(warp_row, 1)};
+          // Rows g and g + 8 of the warp's: their scales, and what each token's fast-path check reads.
+          const uint32_t words[2] = {scale_word(warp_row + g), scale_word(warp_row + g + 8)};
+          const BlockScales<kBlocks> rs[2] = {block_scales<kBlocks>(words[0]), block_scales<kBlocks>(words[1])};
+          const ExponentRange ranges[2] = {key_exponents<kBlocks>(words[0]), key_exponents<kBlocks>(words[1])};
+          const bool addressable_rows[2] = {addressable(warp_row + g), addressable(warp_row + g + 8)};
 #pragma unroll 1
           for (int i = first; i < end; ++i, ++unit) {
             if (i > first) issue_mmas(i, frag, acc);
             const HeadFactors head = load_head_factors(i);
             const FastBounds bounds = token_bounds[i];
-            const bool fast[2] = {!rs[0].addressable || bounds.holds(rs[0].range), !rs[1].addressable || bounds.holds(rs[1].range)};
+            const bool fast[2] = {!addressable_rows[0] || bounds.holds(ranges[0]), !addressable_rows[1] || bounds.holds(ranges[1])};
             finish_mmas(acc, frag);
             const int buffer_slot = unit & 1;
             store_terms(i, acc, rs, fast, head, warp_row, buffer_slot);
