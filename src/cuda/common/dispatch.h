@@ -18,6 +18,7 @@ namespace dsv4::cuda {
 
 // What implementations check about the device a call runs on.
 struct DeviceInfo {
+  int ordinal = -1;            // the CUDA device it describes
   int compute_capability = 0;  // major * 10 + minor: 80 (A100), 90 (H100 / H200: sm_90a code runs only here)
   int max_shared_bytes_per_block = 0;  // with opt-in: 232448 on H100 / H200, 166912 on A100, 101376 on Ada
   int max_shared_bytes_per_sm = 0;     // 233472 on H100 / H200
