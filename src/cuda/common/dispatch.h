@@ -18,11 +18,11 @@ namespace dsv4::cuda {
 
 // What implementations check about the device a call runs on.
 struct DeviceInfo {
-  int ordinal = -1;            // the CUDA device it describes
   int compute_capability = 0;  // major * 10 + minor: 80 (A100), 90 (H100 / H200: sm_90a code runs only here)
   int max_shared_bytes_per_block = 0;  // with opt-in: 232448 on H100 / H200, 166912 on A100, 101376 on Ada
   int max_shared_bytes_per_sm = 0;     // 233472 on H100 / H200
   int multiprocessors = 0;             // 132 on H100 SXM / H200
+  int ordinal = -1;                    // the CUDA device it describes (last: tests spell the others)
 };
 
 // The current device's info, queried once per device and cached.
