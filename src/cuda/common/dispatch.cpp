@@ -20,6 +20,7 @@ const DeviceInfo& device_info() {
     DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     DeviceInfo& info = infos[static_cast<size_t>(device)];
+    info.ordinal = device;
     info.compute_capability = major * 10 + minor;
     DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&info.max_shared_bytes_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&info.max_shared_bytes_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));

@@ -22,6 +22,7 @@ struct DeviceInfo {
   int max_shared_bytes_per_block = 0;  // with opt-in: 232448 on H100 / H200, 166912 on A100, 101376 on Ada
   int max_shared_bytes_per_sm = 0;     // 233472 on H100 / H200
   int multiprocessors = 0;             // 132 on H100 SXM / H200
+  int ordinal = -1;                    // the CUDA device it describes (last: tests spell the others)
 };
 
 // The current device's info, queried once per device and cached.

@@ -47,6 +47,7 @@
 #include "cuda/common/async_copy.cuh"
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/device_math.cuh"
+#include "cuda/common/dispatch.h"
 #include "cuda/common/distributed_shared.cuh"
 #include "cuda/common/paged_rows.cuh"
 #include "cuda/common/phase_stamps.cuh"
@@ -952,8 +953,7 @@ void launch_sparse_attention_wgmma(SparseAttentionLaunch a, int64_t max_rows, bo
   // capacity[s]: clusters of s blocks the device runs at once, per device (asked once).
   static std::mutex mutex;
   static std::array<std::array<int, kMaxClusterSplits + 1>, 64> capacities{};
-  int device = 0;
-  DSV4_CUDA_CHECK(cudaGetDevice(&device));
+  const int device = device_info().ordinal;
   DSV4_CHECK(device < static_cast<int>(capacities.size()), "sparse_attention (wgmma): device ", device,
              " is beyond the ", capacities.size(), " this kernel plans for");
   std::array<int, kMaxClusterSplits + 1> capacity;

@@ -60,17 +60,17 @@ int64_t min_cluster(int64_t n, const DeviceInfo& device) {
   return cluster;
 }
 
-// Rows that run at once for a split (topk_radix_resident_rows) on device `ordinal`, cached: the
+// Rows that run at once for a split (topk_radix_resident_rows) on `device`, cached: the
 // occupancy queries take microseconds, and a step asks for the same few splits each layer. The
 // query takes the chunk rounded up to kOccupancyKeys (at most max_chunk): the estimate is never
 // above the split's own occupancy, and rows of every length share a bounded set of cache entries.
 constexpr int64_t kOccupancyKeys = 4096;  // 16 KB of shared memory
-int resident_rows(const RowSplit& split, const DeviceInfo& device, int ordinal) {
+int resident_rows(const RowSplit& split, const DeviceInfo& device) {
   static std::mutex mutex;
   static std::map<std::tuple<int, int, int, int64_t>, int> cache;
   const int64_t chunk =
       std::min((split.chunk + kOccupancyKeys - 1) / kOccupancyKeys * kOccupancyKeys, std::max(max_chunk(device), split.chunk));
-  const auto key = std::make_tuple(ordinal, split.threads, split.cluster, chunk);
+  const auto key = std::make_tuple(device.ordinal, split.threads, split.cluster, chunk);
   const std::lock_guard<std::mutex> lock(mutex);
   if (const auto found = cache.find(key); found != cache.end()) return found->second;
   const int rows = split.threads == 256   ? topk_radix_resident_rows<256>(chunk, split.cluster, device.multiprocessors)
@@ -89,8 +89,6 @@ int resident_rows(const RowSplit& split, const DeviceInfo& device, int ordinal) 
 // kMinChunk keys.
 RowSplit split_rows(int64_t rows, int64_t n, const DeviceInfo& device) {
   const int64_t first = min_cluster(n, device);
-  int ordinal = 0;
-  DSV4_CUDA_CHECK(cudaGetDevice(&ordinal));
   RowSplit best;
   int64_t best_cost = INT64_MAX, best_waves = INT64_MAX;
   for (int64_t cluster = first; cluster <= std::max<int64_t>(first, max_cluster(device)); ++cluster) {
@@ -99,7 +97,7 @@ RowSplit split_rows(int64_t rows, int64_t n, const DeviceInfo& device) {
     for (const int threads : {256, 512, 1024}) {
       if ((threads == 256) != (chunk <= kSmallChunk)) continue;
       const RowSplit split{static_cast<int>(cluster), chunk, threads};
-      const int64_t resident = std::max(resident_rows(split, device, ordinal), 1);
+      const int64_t resident = std::max(resident_rows(split, device), 1);
       const int64_t waves = (rows + resident - 1) / resident;
       const int64_t cost = waves * ((chunk + threads - 1) / threads);
       if (cost < best_cost || (cost == best_cost && waves < best_waves)) best = split, best_cost = cost, best_waves = waves;
