@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       const uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords;
       auto addressable = [&](int row) { return ((masks[row / 32] >> (row % 32)) & 1u) != 0; };
       // A row's kBlocks ue8m0 scale bytes.
-      // (Tensor copies land a segment's scales packed: kBlocks bytes a row.)
+      // (Tensor copies land a box's scales packed: kBlocks bytes a row.)
       auto scale_word = [&](int row) {
         if constexpr (kBlocks == 2) {
           if (tensor_copies) return uint32_t{reinterpret_cast<const uint16_t*>(scale_words + slot * kStageRows)[row]};
