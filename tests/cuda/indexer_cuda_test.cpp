@@ -46,6 +46,9 @@ struct ScoresCase {
   int block_exponent_step = 0;                      // channel block b of q and keys scaled by 2^(step·b)
   bool spoil_query = false;                         // token 0, head 0 gets a value that is not FP4
   int key_exponent_shift = 0;                       // keys scaled by 2^shift
+  int key_block_exponent_step = 0;                  // channel block b of the keys (only) scaled by 2^(step·b)
+  std::vector<std::pair<int64_t, float>> head_weights;  // (head, weight): every token's weight of that head
+  bool other_weights_zero = false;                  // with head_weights: the other heads' weights are 0
   bool extreme_weights = false;                     // token 0 head 1's weight subnormal, token 1 head 2's 2^120
   bool cancelling_heads = false;                    // odd heads: the even one's query, about minus its weight
   int64_t rows_per_page = 64;
@@ -80,7 +83,7 @@ void check_index_scores(const ScoresCase& c) {
   for (int64_t s = 0; s < sequences; ++s)
     for (int64_t j = 0; j < entries; ++j) {
       auto row = testing::random_floats(dim, c.seed * 7919 + static_cast<uint32_t>(s * entries + j), -2.0f, 2.0f);
-      scale_blocks(row, dim, c.block_exponent_step);
+      scale_blocks(row, dim, c.block_exponent_step + c.key_block_exponent_step);
       for (float& x : row) x = std::ldexp(x, c.key_exponent_shift);
       keys.write(s, j, row.data());
       const auto back = keys.read(s, j);
@@ -96,6 +99,9 @@ void check_index_scores(const ScoresCase& c) {
   // The engine's head weights are bf16 values of either sign in reference precision.
   auto weights = testing::random_floats(tokens * c.heads, c.seed + 2, c.bf16_rounding ? -0.1f : 0.0f, 0.1f);
   if (c.extreme_weights) weights[1] = 1e-40f, weights[c.heads + 2] = std::ldexp(1.0f, 120);
+  if (c.other_weights_zero) std::fill(weights.begin(), weights.end(), 0.0f);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (const auto& [h, w] : c.head_weights) weights[t * c.heads + h] = w;
   if (c.cancelling_heads)  // head pairs whose terms nearly cancel: sums far below their magnitudes
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t h = 1; h < c.heads; h += 2) {
@@ -344,6 +350,37 @@ TEST_F(CudaTest, IndexScoresTensorCoresWeightsThatDoNotFoldAndTinyKeys) {
     c.tokens = {{0, 500}, {1, 333}};
     check_index_scores(c);
   }
+}
+
+// The wgmma kernels form a fast row's terms from P' = P·2^-ek0 and scale the score by 2^ek0 only
+// where no product leaves the normal range and nothing overflows in either scaling (fp4_dots.cuh,
+// "Row factor"); each case breaks one condition, and the kernels must see it:
+//   - tiny keys four blocks 2^3 apart and a weight of 2^117 (hs·w about 2^126): P'·hs·w overflows
+//     where P·hs·w is about 2^27;
+//   - huge keys and one head of weight 2^-126 (the others 0): P'·hs·w is subnormal where P·hs·w is
+//     about 2^-25;
+//   - huge keys and two heads of weights ±2^28: the reference's terms overflow to +inf and -inf
+//     (NaN scores), P''s stay finite.
+// Decode tokens and a prefill run.
+TEST_F(CudaTest, IndexScoresTensorCoresRowFactorAtItsLimits) {
+  ScoresCase overflow{.heads = 32, .bf16_rounding = true, .ratio = 1, .seed = 1301, .fp4_queries = true,
+                      .key_exponent_shift = -100, .key_block_exponent_step = 3, .head_weights = {{2, std::ldexp(1.0f, 117)}},
+                      .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)};
+  ScoresCase subnormal{.heads = 32, .bf16_rounding = true, .ratio = 1, .seed = 1302, .fp4_queries = true,
+                       .key_exponent_shift = 100, .head_weights = {{0, std::ldexp(1.0f, -126)}}, .other_weights_zero = true,
+                       .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)};
+  ScoresCase cancelled{.heads = 32, .bf16_rounding = true, .ratio = 1, .seed = 1303, .fp4_queries = true,
+                       .key_exponent_shift = 100, .head_weights = {{0, std::ldexp(1.0f, 28)}, {1, -std::ldexp(1.0f, 28)}},
+                       .implementation = fp4_pick(KvRowFormat::index_mxfp4, 32)};
+  for (ScoresCase* c : {&overflow, &subnormal, &cancelled}) {
+    c->tokens = {{0, 700}, {1, 900}, {2, 300}};
+    check_index_scores(*c);
+    c->tokens.clear();
+    for (int32_t p = 400; p < 470; ++p) c->tokens.push_back({0, p});
+    check_index_scores(*c);
+  }
+  overflow.bf16_rounding = false;
+  check_index_scores(overflow);
 }
 
 // Head pairs whose terms cancel exactly or to within 2^-6: the scores are far below the terms'

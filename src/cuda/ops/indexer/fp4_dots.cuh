@@ -40,8 +40,25 @@
 // the fp32 product is exact). relu(bf16(P)) is a multiple of 2^(ek_lo − 14) and w' at least
 // 2^e_w (kWeightExponentMin), so a nonzero product of the two is at least 2^(ek_lo − 14 + e_w):
 // normal, and then exact in fp32 (two 8-bit significands), when ek_lo >= −112 − e_w. Such rows
-// (FastBounds' packed_terms) form their terms with one bf16 multiply a pair, which rounds the
+// (FastBounds' factored_terms) form their terms with one bf16 multiply a pair, which rounds the
 // same exact product once.
+//
+// Row factor. A fast row's P is 2^ek0 · P' with P' = acc_0 + Σ_{b>=1} acc_b·2^(ek_b − ek0) (ek0:
+// block 0's exponent), and a kernel may form the weighted terms and their head sum from P' and
+// multiply the score by 2^ek0 once a row: one multiply a (row, head) fewer. P' is exact as P is
+// (the same bits, moved), a multiple of 2^-23 (acc_b of 2^-14, ek_b − ek0 >= -9 on the fast path)
+// and below 2^10 (each acc_b·2^(ek_b − ek0) below 2^(d_b + ek_b − ek0 − 1) <= 2^8). A power of two
+// commutes with every rounding of the terms and the sum as long as no rounded result leaves the
+// normal range in either scaling: a sum whose exact value is subnormal is exact in both, and a
+// product is exact in neither, so the products (relu(P)·w', and bf16(P) in bf16_rounding) must be
+// normal both ways and no term or partial sum may overflow. With e_w and E_w the smallest and
+// largest exponents of the token's nonzero w' (kWeightExponentMin, kWeightExponentMax):
+//   - real products normal: ek_lo >= −112 − e_w (as "Packed terms"), bf16(P) normal: ek_lo >= −112;
+//   - primed products normal: 2^(−23 + e_w) >= 2^-126, e_w >= kMinFactoredWeightExponent;
+//   - no overflow: 32 heads' terms below 2^(10 + 1 + E_w + 5) primed and 2^(ek_hi + 16 + E_w) real,
+//     so E_w <= kMaxFactoredWeightExponent and ek_hi <= 111 − E_w.
+// The first and last hold per row (FastBounds' factored_terms), the others per token
+// (factors_rows). The score is then the reference's float times 2^-ek0, and the multiply exact.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -64,6 +81,9 @@ inline constexpr int kFastMinExponent = -147;
 inline constexpr int kNormalDotMinExponent = -124;  // bf16(P·hs) = hs·bf16(P): see "Folded weights"
 inline constexpr int kNormalPartialMinScale = 15;   // the scale byte of ek = -112
 inline constexpr int kPackedProductMinScale = 15;   // ek >= -112 - e_w: see "Packed terms"
+inline constexpr int kFactoredPartialMaxScale = 238;  // ek <= 111 - E_w: see "Row factor"
+inline constexpr int kMinFactoredWeightExponent = -103;
+inline constexpr int kMaxFactoredWeightExponent = 110;
 inline constexpr int kFastMaxExponent = 114;
 inline constexpr int kMaxPartialExponent = 126;
 inline constexpr int kMaxFoldShift = 12;     // 6 · 2^(12 − 6) = 384 <= 448, the e4m3 maximum
@@ -118,6 +138,7 @@ enum TokenStat {
   kWeightsFold,  // 1 when hs·w is exact for every head (see "Folded weights")
   kWeightsBf16,  // 1 when every hs·w is also a bf16 number (see "Packed terms")
   kWeightExponentMin,  // the smallest exponent of a nonzero finite hs·w (INT_MAX: none)
+  kWeightExponentMax,  // the largest (INT_MIN: none)
   kTokenStats = 8  // per token (32 bytes: the arrays after stats stay aligned)
 };
 
@@ -126,22 +147,32 @@ enum TokenStat {
 // for every head of the token. normal_scales also excludes the scale bytes 0 (2^-127, a subnormal)
 // and 255 (NaN), so that a kernel may form the fast rows' scales as byte << 23; normal_dots also
 // keeps P and P·hs normal, so that bf16 rounding commutes with hs ("Folded weights").
-// packed_terms also keeps the packed terms' products normal ("Packed terms").
+// factored_terms also keeps the products of the terms formed from P (packed or not) and from P'
+// normal and their sums finite ("Packed terms", "Row factor").
 struct FastBounds {
   int spread, lo, hi;  // on scale bytes
-  __device__ FastBounds(const int* stats, bool normal_scales, bool normal_dots, bool packed_terms = false)
+  __device__ FastBounds(const int* stats, bool normal_scales, bool normal_dots, bool factored_terms = false)
       : spread(kFastSpread - stats[kEqSpread]),
         lo((normal_dots ? kNormalDotMinExponent : kFastMinExponent) - stats[kEqLow] + 127),
         hi(min(kFastMaxExponent - stats[kEqHigh], kMaxPartialExponent - stats[kEqSpread]) + 127) {
     if (normal_scales) lo = max(lo, 1), hi = min(hi, 254);
     if (normal_dots) lo = max(lo, kNormalPartialMinScale);
-    if (packed_terms && stats[kWeightExponentMin] != INT_MAX)
-      lo = max(lo, kPackedProductMinScale - stats[kWeightExponentMin]);  // e_w in [-149, 127]
+    if (factored_terms && stats[kWeightExponentMin] != INT_MAX) {  // e_w, E_w in [-149, 127]
+      lo = max(lo, kPackedProductMinScale - stats[kWeightExponentMin]);
+      hi = min(hi, kFactoredPartialMaxScale - stats[kWeightExponentMax]);
+    }
   }
   __device__ bool holds(ExponentRange key) const {
     return (key.hi - key.lo <= spread) & (key.lo >= lo) & (key.hi <= hi);
   }
 };
+
+// Whether a token whose weights fold may form its fast rows' terms from P' ("Row factor").
+__device__ __forceinline__ bool factors_rows(const int* stats) {
+  return stats[kWeightsFold] != 0 &&
+         (stats[kWeightExponentMin] == INT_MAX ||
+          (stats[kWeightExponentMin] >= kMinFactoredWeightExponent && stats[kWeightExponentMax] <= kMaxFactoredWeightExponent));
+}
 
 __device__ __forceinline__ float bf16_rounded(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
@@ -269,7 +300,7 @@ __device__ void init_tokens(const IndexScoresLaunch& a, int64_t t0, int count, c
   for (int i = threadIdx.x; i < count; i += kThreads) {
     int* stats = s.stats + kTokenStats * i;
     stats[kEqLow] = INT_MAX, stats[kEqHigh] = INT_MIN, stats[kEqSpread] = 0, stats[kWeightsFold] = 1;
-    stats[kWeightsBf16] = 1, stats[kWeightExponentMin] = INT_MAX;
+    stats[kWeightsBf16] = 1, stats[kWeightExponentMin] = INT_MAX, stats[kWeightExponentMax] = INT_MIN;
     stats[kSequence] = a.token_sequence ? a.token_sequence[t0 + i] : 0;
     const int64_t n_vis = visible_entries(a.token_position[t0 + i], a.compress_ratio);
     s.visible[i] = n_vis < a.entries ? n_vis : a.entries;
@@ -315,7 +346,10 @@ __device__ void prepare_queries(const IndexScoresLaunch& a, int64_t t0, int coun
       s.folded_weights[i * padded_heads + h] = folded_weight;
       if (!scales_exactly(w, folded_weight)) atomicAnd(&stats[kWeightsFold], 0);
       if ((__float_as_uint(folded_weight) & 0xffffu) != 0) atomicAnd(&stats[kWeightsBf16], 0);
-      if (folded_weight != 0.0f && isfinite(folded_weight)) atomicMin(&stats[kWeightExponentMin], ilogbf(folded_weight));
+      if (folded_weight != 0.0f && isfinite(folded_weight)) {
+        atomicMin(&stats[kWeightExponentMin], ilogbf(folded_weight));
+        atomicMax(&stats[kWeightExponentMax], ilogbf(folded_weight));
+      }
       if (fp4 && nonzero && h < a.heads) {
         atomicMin(&stats[kEqLow], lo);
         atomicMax(&stats[kEqHigh], hi);

@@ -21,13 +21,14 @@
 // are scored.
 //
 // Epilogue. A unit is one token and one half of a stage. A lane holds 2 rows x 8 heads of each
-// block's accumulators: it combines the blocks with the rows' scales (in block order, as mma_f16
-// does), forms the weighted terms (with the folded weights hs·w where the token and the warp's
-// rows allow: fp4_dots.cuh, "Folded weights"; bf16_rounding, with bf16 folded weights: one bf16
-// multiply a pair, "Packed terms") and writes them to one of the two 16-row slots of its warp's
-// term buffer (fp32 pairs, or bf16 pairs in bf16_rounding); once both slots hold a unit (a token's
-// two halves, or two units of a run), each lane adds one row's terms in head order (the
-// reference's order) and stores the score.
+// block's accumulators: it combines the blocks with the rows' scales relative to block 0's (in
+// block order, as mma_f16 does), forms the weighted terms (where the token and the warp's rows
+// allow, of that P' with the folded weights hs·w: fp4_dots.cuh, "Folded weights" and "Row factor";
+// bf16_rounding, with bf16 folded weights: one bf16 multiply a pair, "Packed terms") and writes
+// them to one of the two 16-row slots of its warp's term buffer (fp32 pairs, or bf16 pairs in
+// bf16_rounding); once both slots hold a unit (a token's two halves, or two units of a run), each
+// lane adds one row's terms in head order (the reference's order), scales the sum by the row
+// factor 2^ek0 where the terms are P''s, and stores the score.
 //
 // K order. A lane's A register of a block holds the codes of the 4 bytes ldmatrix gives it (bytes
 // 4c … 4c + 3 of the block's 16 bytes): the low nibbles are logical k = 4c … 4c + 3, the high ones
@@ -143,17 +144,22 @@ inline __device__ __noinline__ void stage_query_block(const uint16_t* q, int h, 
   wgmma::fence_shared_for_async_proxy();  // the MMAs read the tile through the async proxy
 }
 
-// A key row's block scales 2^ek_b as the fast path's combine reads them (right for normal scale
-// bytes, the fast path's; the double path rereads the scale bytes).
+// A key row's scales as the fast path reads them ("Row factor" in fp4_dots.cuh): the row factor
+// 2^ek0 and the other blocks' 2^(ek_b − ek0) (right for the fast path's normal scale bytes, which
+// lie at most kFastSpread apart; the double path rereads the scale bytes).
 template <int kBlocks>
-struct alignas(4 * kBlocks) BlockScales {
-  float scale[kBlocks];
+struct alignas(4 * kBlocks) RowScales {
+  float factor;
+  float relative[kBlocks - 1];
 };
 template <int kBlocks>
-__device__ __forceinline__ BlockScales<kBlocks> block_scales(uint32_t scale_bytes) {
-  BlockScales<kBlocks> s;
+__device__ __forceinline__ RowScales<kBlocks> row_scales(uint32_t scale_bytes) {
+  RowScales<kBlocks> s;
+  const int e0 = static_cast<int>(scale_bytes & 0xffu);
+  s.factor = __uint_as_float(static_cast<uint32_t>(e0) << 23);
 #pragma unroll
-  for (int b = 0; b < kBlocks; ++b) s.scale[b] = __uint_as_float(__byte_perm(scale_bytes, 0u, 0x4440u + b) << 23);
+  for (int b = 1; b < kBlocks; ++b)
+    s.relative[b - 1] = __uint_as_float(static_cast<uint32_t>(static_cast<int>(__byte_perm(scale_bytes, 0u, 0x4440u + b)) - e0 + 127) << 23);
   return s;
 }
 
@@ -195,17 +201,19 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         stage_query_block(q, h, eq, shift, queries + (i * kBlocks + b) * Layout::kQueryBlockBytes);
       }))
     return;
-  // Bit i: token i's weights fold (kWeightsFold); and (bf16_rounding) are bf16 numbers, so that its
-  // fast rows' terms are packed ("Packed terms"). In registers for every unit.
+  // Bit i: token i's weights fold and its fast rows' terms are formed from P' (factors_rows); and
+  // (bf16_rounding) its weights are bf16 numbers, so that those terms are packed ("Packed terms").
+  // In registers for every unit.
   uint32_t folding_tokens = 0, packing_tokens = 0;
   for (int i = 0; i < count; ++i) {
     const int* stats = tq.stats + kTokenStats * i;
-    folding_tokens |= static_cast<uint32_t>(stats[kWeightsFold] != 0) << i;
-    packing_tokens |= static_cast<uint32_t>(kBf16Rounding && stats[kWeightsFold] != 0 && stats[kWeightsBf16] != 0) << i;
+    const bool folds = factors_rows(stats);
+    folding_tokens |= static_cast<uint32_t>(folds) << i;
+    packing_tokens |= static_cast<uint32_t>(kBf16Rounding && folds && stats[kWeightsBf16] != 0) << i;
   }
   // Read by every unit of a token (the first stage's barrier orders these stores before them).
   for (int i = threadIdx.x; i < count; i += kThreads)
-    token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding, ((packing_tokens >> i) & 1u) != 0);
+    token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding, ((folding_tokens >> i) & 1u) != 0);
 
   const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
   const uint64_t query_descriptor = wgmma::sw32_k_major(shared_address(queries));  // token 0, block 0
@@ -359,9 +367,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       };
       // Token i's dots of this lane's 2 rows x 8 heads of the warp's rows from warp_row, from the
       // finished MMAs; their weighted terms into buffer slot `slot` of the warp's term buffer.
-      auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const BlockScales<kBlocks> (&rs)[2],
+      // Returns whether the terms are the fast rows' P' terms, whose sums the row factor scales
+      // ("Row factor"; the same answer in every lane of the warp).
+      auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
                              const bool (&fast)[2], const HeadFactors& head, int warp_row, int slot) {
-        float value[kHeads / 8][2][2];  // [n tile j][row r][head 8j + 2c + k]: P, then (unfolded) the dot
+        float value[kHeads / 8][2][2];  // [n tile j][row r][head 8j + 2c + k]: P', then (unfolded) the dot
         // Block by block (in block order for each value), so that each block's accumulators and
         // scales are done with before the next block's are read.
 #pragma unroll
@@ -372,8 +382,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
             for (int r = 0; r < 2; ++r)
 #pragma unroll
               for (int k = 0; k < 2; ++k)
-                value[j][r][k] = b == 0 ? __fmul_rn(acc[0][j][2 * r + k], rs[r].scale[0])
-                                        : __fmaf_rn(acc[b][j][2 * r + k], rs[r].scale[b], value[j][r][k]);
+                value[j][r][k] = b == 0 ? acc[0][j][2 * r + k]
+                                        : __fmaf_rn(acc[b][j][2 * r + k], rs[r].relative[b - 1], value[j][r][k]);
         auto row_terms = [&](int r) { return terms + (slot * kWarpRows + g + 8 * r) * kTermsStride; };
         auto store = [&](int j, int r, float2 weight) {
           const float x = value[j][r][0], y = value[j][r][1];
@@ -391,31 +401,29 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
 #pragma unroll
             for (int r = 0; r < 2; ++r) row_terms(r)[4 * j + c] = packed_weighted_terms(value[j][r][0], value[j][r][1], weight);
           }
-          return;
+          return true;
         }
         if (((folding_tokens >> i) & 1u) != 0 && all_fast) {
 #pragma unroll
           for (int j = 0; j < kHeads / 8; ++j) store(j, 0, head.weight[j]), store(j, 1, head.weight[j]);
-          return;
+          return true;
         }
-        // Else the dots themselves: P·hs, or for rows outside the fast path the double sum.
-#pragma unroll
-        for (int j = 0; j < kHeads / 8; ++j) {
-          const float2 hs = *reinterpret_cast<const float2*>(tq.head_scales + i * kHeads + 8 * j + 2 * c);
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-            value[j][r][0] = __fmul_rn(value[j][r][0], hs.x), value[j][r][1] = __fmul_rn(value[j][r][1], hs.y);
-        }
+        // Else the dots themselves, row by row (the row's scale bytes reread: this path is rare):
+        // P'·2^ek0·hs on the fast path (both exact), else the double sum.
         const float* bs = tq.block_scales + size_t(i) * kHeads * kBlocks;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          if (fast[r]) continue;
           const uint32_t word = scale_word(warp_row + g + 8 * r);
+          const float factor = row_scales<kBlocks>(word).factor;
 #pragma unroll
           for (int j = 0; j < kHeads / 8; ++j)
 #pragma unroll
             for (int k = 0; k < 2; ++k) {
               const int h = 8 * j + 2 * c + k;
+              if (fast[r]) {
+                value[j][r][k] = __fmul_rn(__fmul_rn(value[j][r][k], factor), tq.head_scales[i * kHeads + h]);
+                continue;
+              }
               double sum = 0.0;
 #pragma unroll
               for (int b = 0; b < kBlocks; ++b)
@@ -430,12 +438,14 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           const float2 weight = *reinterpret_cast<const float2*>(tq.weights + i * kHeads + 8 * j + 2 * c);
           store(j, 0, weight), store(j, 1, weight);
         }
+        return false;
       };
       // Each lane adds the terms of one buffer row (slot lane / 16, row lane % 16: row sum_row of
       // the stage for token `token`) in the reference's order, head by head, and stores the score
-      // (when `stores`). Padding heads (zero queries and weights) add +0, which leaves the sum
-      // alone: it starts at +0 and a round-to-nearest sum is never -0 unless both terms are.
-      auto sum_terms = [&](int sum_row, int token, bool stores) {
+      // times `factor` (the row factor for P' terms, else 1; exact) when `stores`. Padding heads
+      // (zero queries and weights) add +0, which leaves the sum alone: it starts at +0 and a
+      // round-to-nearest sum is never -0 unless both terms are.
+      auto sum_terms = [&](int sum_row, int token, bool stores, float factor) {
         const int64_t fj = row0 + sum_row;
         const bool in_range = stores && fj < k1;
         // The row's mask first: its loads are in flight while the terms are added.
@@ -452,6 +462,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
             for (const uint32_t term : {t.x, t.y, t.z, t.w}) score = __fadd_rn(score, __uint_as_float(term));
           }
         }
+        score = __fmul_rn(score, factor);
         if (in_range) {
           const bool listed = !a.candidates || contains_block(a.candidates + (t0 + token) * a.num_candidates,
                                                               a.num_candidates, split_rows(fj, a.candidate_block_size).block);
@@ -469,17 +480,19 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         const int sum_row = (lane / kWarpRows) * kTileRows + lane_row;
         // Each lane reads the scale bytes of the row it sums (an MMA fragment holds a row in four
         // lanes, and two rows a half): it checks the fast path, whose checks the warp shares by
-        // ballot (bit 16·half + row of the half's 16), and forms the row's block scales, which the
+        // ballot (bit 16·half + row of the half's 16), and forms the row's scales, which the
         // fragments' lanes read (slot 16·half + row).
         const uint32_t sum_word = scale_word(sum_row);
         const FastBounds bounds = token_bounds[first];
         const uint32_t fast_rows = __ballot_sync(kFullMask, !addressable(sum_row) || bounds.holds(key_exponents<kBlocks>(sum_word)));
-        static_assert(kBlocks <= kTermsPad);
+        static_assert(sizeof(RowScales<kBlocks>) <= kTermsPad * 4);
         auto row_scale_slot = [&](int i) {  // the padding of buffer row i
-          return reinterpret_cast<BlockScales<kBlocks>*>(terms + i * kTermsStride + kTermsStride - kTermsPad);
+          return reinterpret_cast<RowScales<kBlocks>*>(terms + i * kTermsStride + kTermsStride - kTermsPad);
         };
-        *row_scale_slot(lane) = block_scales<kBlocks>(sum_word);
+        const RowScales<kBlocks> sum_scales = row_scales<kBlocks>(sum_word);
+        *row_scale_slot(lane) = sum_scales;
         __syncwarp();
+        bool factored[2];  // per half: P' terms
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int warp_row = half * kTileRows + warp * kWarpRows;  // the warp's first row in the stage
@@ -489,18 +502,18 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           issue_mmas(first, frag, acc);
           // Meanwhile the head factors and the rows' scales.
           const HeadFactors head = load_head_factors(first);
-          const BlockScales<kBlocks> rs[2] = {*row_scale_slot(kWarpRows * half + g), *row_scale_slot(kWarpRows * half + g + 8)};
+          const RowScales<kBlocks> rs[2] = {*row_scale_slot(kWarpRows * half + g), *row_scale_slot(kWarpRows * half + g + 8)};
           const bool fast[2] = {((fast_rows >> (kWarpRows * half + g)) & 1u) != 0, ((fast_rows >> (kWarpRows * half + g + 8)) & 1u) != 0};
           finish_mmas(acc, frag);
-          store_terms(first, acc, rs, fast, head, warp_row, half);
+          factored[half] = store_terms(first, acc, rs, fast, head, warp_row, half);
         }
-        sum_terms(sum_row, first, true);
+        sum_terms(sum_row, first, true, factored[lane / kWarpRows] ? sum_scales.factor : 1.0f);
       } else {
         // A run of tokens: half by half, the A operand and the rows' scales stay in registers
         // while the run's tokens are scored; consecutive units fill the buffer slots in turn, and
         // every full pair (or the last unit) is summed.
         int unit = 0;
-        int2 slot_units[2] = {};  // (half, token) of each buffer slot
+        int2 slot_units[2] = {};  // (half + 2 · P' terms, token) of each buffer slot
 #pragma unroll 1
         for (int half = 0; half < 2; ++half) {
           const int warp_row = half * kTileRows + warp * kWarpRows;
@@ -510,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           issue_mmas(first, frag, acc);  // the first token's MMAs run while the rows' scales are read
           // Rows g and g + 8 of the warp's: their scales, and what each token's fast-path check reads.
           const uint32_t words[2] = {scale_word(warp_row + g), scale_word(warp_row + g + 8)};
-          const BlockScales<kBlocks> rs[2] = {block_scales<kBlocks>(words[0]), block_scales<kBlocks>(words[1])};
+          const RowScales<kBlocks> rs[2] = {row_scales<kBlocks>(words[0]), row_scales<kBlocks>(words[1])};
           const ExponentRange ranges[2] = {key_exponents<kBlocks>(words[0]), key_exponents<kBlocks>(words[1])};
           const bool addressable_rows[2] = {addressable(warp_row + g), addressable(warp_row + g + 8)};
 #pragma unroll 1
@@ -521,13 +534,14 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
             const bool fast[2] = {!addressable_rows[0] || bounds.holds(ranges[0]), !addressable_rows[1] || bounds.holds(ranges[1])};
             finish_mmas(acc, frag);
             const int buffer_slot = unit & 1;
-            store_terms(i, acc, rs, fast, head, warp_row, buffer_slot);
-            (buffer_slot == 0 ? slot_units[0] : slot_units[1]) = make_int2(half, i);
+            const bool factored = store_terms(i, acc, rs, fast, head, warp_row, buffer_slot);
+            (buffer_slot == 0 ? slot_units[0] : slot_units[1]) = make_int2(half + 2 * factored, i);
             const bool last = half == 1 && i == end - 1;
             if (buffer_slot == 0 && !last) continue;  // the pair is not full yet
             const int mine = lane / kWarpRows;
             const int2 summed = mine == 0 ? slot_units[0] : slot_units[1];
-            sum_terms(summed.x * kTileRows + lane_row, summed.y, mine <= buffer_slot);
+            const int sum_row = (summed.x & 1) * kTileRows + lane_row;
+            sum_terms(sum_row, summed.y, mine <= buffer_slot, summed.x > 1 ? row_scales<kBlocks>(scale_word(sum_row)).factor : 1.0f);
           }
         }
       }
