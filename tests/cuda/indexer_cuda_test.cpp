@@ -357,8 +357,8 @@ TEST_F(CudaTest, IndexScoresTensorCoresWeightsThatDoNotFoldAndTinyKeys) {
 // "Row factor"); each case breaks one condition, and the kernels must see it:
 //   - tiny keys four blocks 2^3 apart and a weight of 2^117 (hs·w about 2^126): P'·hs·w overflows
 //     where P·hs·w is about 2^27;
-//   - huge keys and one head of weight 2^-126 (the others 0): P'·hs·w is subnormal where P·hs·w is
-//     about 2^-25;
+//   - huge keys and one head of weight 2^-126 (the others 0): on rows with small dots P'·hs·w is a
+//     bf16 subnormal (fewer significant bits) where P·hs·w is about 2^-25;
 //   - huge keys and two heads of weights ±2^28: the reference's terms overflow to +inf and -inf
 //     (NaN scores), P''s stay finite.
 // Decode tokens and a prefill run.
