@@ -734,6 +734,12 @@ TEST(IndexerCudaDispatch, ChoosesTensorCoresForFp4QueriesOnSm90) {
   const IndexScoresParams heads_33 = with_keys(KvRowFormat::index_mxfp4, 128, 33);
   EXPECT_EQ(kIndexScoresWgmma.supports(heads_33, h200), "33 index heads, supports at most 32");
   EXPECT_STREQ(choose_index_scores(heads_33, h200).name, "mma_f16");
+  // wgmma counts a CTA's rows in 32 bits.
+  IndexScoresParams wide = with_keys(KvRowFormat::index_mxfp4, 128);
+  wide.scores = fake_device_view(DType::f32, {3, (int64_t{1} << 30) + 1});
+  validate_index_scores(wide);
+  EXPECT_EQ(kIndexScoresWgmma.supports(wide, h200), "1073741825 entries, supports at most 1073741824");
+  EXPECT_STREQ(choose_index_scores(wide, h200).name, "mma_f16");
   IndexScoresParams fp8 = with_keys(KvRowFormat::index_fp8, 64);
   EXPECT_EQ(kIndexScoresWgmma.supports(fp8, h200), "keys have format index_fp8, supports index_mxfp4");
   EXPECT_EQ(kIndexScoresMmaF16.supports(fp8, h200),

@@ -69,6 +69,25 @@ struct SequenceRows {
   __device__ RowRef at(RowSplit s) const { return row_in_page(r, page(s, entry(s)), s.row); }
 };
 
+// A thread's walk over rows `step` apart (the index scans copy a stage's rows in order): split
+// once, then each step adds the step's whole pages and leftover rows, with no division or loop.
+// Needs rows_per_page <= INT32_MAX.
+struct RowWalk {
+  RowSplit at;
+  int step_pages, step_rows, rows_per_page;
+  __device__ RowWalk(int64_t first, int step, int64_t pages_rows)
+      : at(split_rows(first, pages_rows)),
+        step_pages(step / static_cast<int>(pages_rows)),
+        step_rows(step % static_cast<int>(pages_rows)),
+        rows_per_page(static_cast<int>(pages_rows)) {}
+  __device__ void advance() {
+    int row = static_cast<int>(at.row) + step_rows;
+    at.block += step_pages;
+    if (row >= rows_per_page) row -= rows_per_page, ++at.block;
+    at.row = row;
+  }
+};
+
 // Row `row` (a position or an entry index) of sequence `sequence`, through the block table (flat
 // caches: SequenceRows).
 __device__ __forceinline__ RowRef row_of_sequence(const DeviceRows& r, int64_t sequence, int64_t row) {

@@ -63,6 +63,10 @@ std::string supports(const IndexScoresParams& p, const DeviceInfo& device) {
     return std::string("keys have format ") + kv_row_format_name(f) + ", supports index_mxfp4";
   const int64_t dim = p.q.shape[2], heads = p.q.shape[1], tokens = p.q.shape[0];
   if (dim != 64 && dim != 128) return "index_dim " + std::to_string(dim) + ", supports 64 and 128";
+  if (p.scores.shape[1] > index_wgmma::kMaxEntries)
+    return std::to_string(p.scores.shape[1]) + " entries, supports at most " + std::to_string(index_wgmma::kMaxEntries);
+  if (p.keys.geometry.rows_per_page > INT32_MAX)
+    return std::to_string(p.keys.geometry.rows_per_page) + " rows per page, supports at most " + std::to_string(INT32_MAX);
   if (heads > index_wgmma::kHeads)
     return std::to_string(heads) + " index heads, supports at most " + std::to_string(index_wgmma::kHeads);
   // A row's scales: dim / 32 ue8m0 bytes.

@@ -68,6 +68,8 @@ inline constexpr int kHeads = 32;                 // the MMA's N: the index head
 inline constexpr int kTermsPad = 4;
 __host__ __device__ constexpr int terms_stride(bool bf16_rounding) { return (bf16_rounding ? kHeads / 2 : kHeads) + kTermsPad; }
 inline constexpr int kMaxTokensPerCta = 8;
+// The kernels count a CTA's rows (and the stages beyond them) in 32 bits.
+inline constexpr int64_t kMaxEntries = int64_t{1} << 30;
 // A CTA of one token (decode) fits 128 registers, four per SM; one that scores runs of several
 // tokens keeps a stage's A operand and row scales in registers across the run's tokens, which
 // takes more: three per SM.
@@ -197,6 +199,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
   const CtaRange cta(a);
   const int64_t t0 = cta.t0, k0 = cta.k0, k1 = cta.k1;
   const int count = cta.count;
+  // Rows of the range are counted from k0 in 32 bits (the host bounds the entries:
+  // kMaxEntries).
+  const int range_rows = static_cast<int>(k1 - k0);
   if (!start_tokens<kBlocks, kThreads>(a, cta, kHeads, tq, [&](const uint16_t* q, int i, int h, int b, int eq, int shift) {
         stage_query_block(q, h, eq, shift, queries + (i * kBlocks + b) * Layout::kQueryBlockBytes);
       }))
@@ -215,39 +220,50 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
   for (int i = threadIdx.x; i < count; i += kThreads)
     token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding, ((folding_tokens >> i) & 1u) != 0);
 
-  const int stage_count = static_cast<int>((k1 - k0 + kStageRows - 1) / kStageRows);
+  const int stage_count = (range_rows + kStageRows - 1) / kStageRows;
+  // Where token i's scores of the range go, and how many of its rows are visible to it.
+  struct TokenScores {
+    float* row;  // [range_rows] f32
+    int visible, token;
+  };
+  auto token_scores = [&](int i) {
+    const int64_t visible = min(max(tq.visible[i] - k0, int64_t{0}), int64_t{range_rows});
+    return TokenScores{a.scores + (t0 + i) * a.entries + k0, static_cast<int>(visible), i};
+  };
   const uint64_t query_descriptor = wgmma::sw32_k_major(shared_address(queries));  // token 0, block 0
 
   for (int first = 0; first < count;) {
     // A run of tokens reading the same sequence: its stages are loaded once.
     const TokenRun run(cta, first, tq);
     const int end = kTokenRuns ? run.end : first + 1;  // without runs, a CTA has one token
-    const int64_t sequence = run.sequence, load_end = run.load_end;
+    const TokenScores first_scores = token_scores(first);  // (one-token CTAs)
+    const int64_t sequence = run.sequence;
+    const int load_rows = static_cast<int>(max(run.load_end - k0, int64_t{0}));  // rows the run loads
 
     // Thread t copies row t of stage n (cp.async), or (tensor copies) the box of rows from there.
     // Stages are issued in order, so the thread follows its row's (page, row) instead of dividing
     // per stage, and reads the block table a stage ahead (else each stage's copies wait for that
     // load).
     const SequenceRows sequence_rows(a.keys, sequence);
-    RowSplit next = split_rows(k0 + threadIdx.x, a.keys.rows_per_page);
-    int32_t next_entry = sequence_rows.entry(next);  // 32 bits until used: nothing waits for the load
+    RowWalk next(k0 + threadIdx.x, kStageRows, a.keys.rows_per_page);
+    int32_t next_entry = sequence_rows.entry(next.at);  // 32 bits until used: nothing waits for the load
     auto advance = [&] {
-      for (next.row += kStageRows; next.row >= a.keys.rows_per_page; ++next.block) next.row -= a.keys.rows_per_page;
-      next_entry = sequence_rows.entry(next);
+      next.advance();
+      next_entry = sequence_rows.entry(next.at);
     };
-    // Tensor copies: a box's first thread copies it when it starts before load_end in a page that
+    // Tensor copies: a box's first thread copies it when it starts among the run's rows in a page that
     // exists, records which of its rows are addressable and arrives on the stage's barrier. The
     // warpgroup's first MMA waits for the last warp to come (Nsight Compute's "Stall GMMA"): with
     // thread 0 dividing and reading the block table for the whole stage, a third of the scan's
     // samples. Two warps share the issue now, which takes coordinates only, from the row walk.
     auto issue_tensor_copies = [&](int n) {
       const int slot = n % kStages;
-      const int64_t row0 = k0 + int64_t{n} * kStageRows, first_row = row0 + threadIdx.x;
-      if (threadIdx.x % kCopyRows != 0 || n >= stage_count || row0 >= load_end) return;
+      const int first_row = n * kStageRows + threadIdx.x;
+      if (threadIdx.x % kCopyRows != 0 || n * kStageRows >= load_rows) return;
       const uint32_t barrier = stage_landed + 8 * slot;
-      const int64_t page = first_row < load_end ? sequence_rows.page(next, next_entry) : -1;
+      const int64_t page = first_row < load_rows ? sequence_rows.page(next.at, next_entry) : -1;
       const bool exists = page >= 0 && page < a.keys.num_pages;
-      const int row = static_cast<int>(next.row);
+      const int row = static_cast<int>(next.at.row);
       advance();
       if (exists) {
         // The keys are read once: evict-first, so that what every step reads again stays in L2.
@@ -257,11 +273,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         tensor_copy_2d(stage_base + static_cast<uint32_t>(Layout::kScaleWordsOffset) + slot * kStageRows * 4 + threadIdx.x * kBlocks,
                        &a.scale_rows, row * kBlocks, static_cast<int>(page), barrier, policy);
       }
-      const int64_t rows = exists ? min(load_end - first_row, int64_t{kCopyRows}) : 0;
+      const int rows = exists ? min(load_rows - first_row, kCopyRows) : 0;
       uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords + warp;
 #pragma unroll
       for (int w = 0; w < kCopyRows / 32; ++w) {
-        const int64_t in_word = min(max(rows - 32 * w, int64_t{0}), int64_t{32});
+        const int in_word = min(max(rows - 32 * w, 0), 32);
         masks[w] = in_word == 32 ? ~0u : (1u << in_word) - 1u;
       }
       mbarrier_arrive_expect_tx(barrier, exists ? kCopyRows * (Keys::kBytes + kBlocks) : 0);
@@ -269,11 +285,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     auto issue = [&](int n) {
       if (tensor_copies) return issue_tensor_copies(n);
       const int slot = n % kStages;
-      const int64_t row0 = k0 + int64_t{n} * kStageRows;
-      if (n < stage_count && row0 < load_end) {
-        const int64_t j = row0 + threadIdx.x;
+      if (n * kStageRows < load_rows) {
+        const int j = n * kStageRows + threadIdx.x;
         const RowRef ref =
-            j < load_end ? row_in_page(a.keys, sequence_rows.page(next, next_entry), next.row) : RowRef{};
+            j < load_rows ? row_in_page(a.keys, sequence_rows.page(next.at, next_entry), next.at.row) : RowRef{};
         advance();
         const uint8_t* data = ref.valid() ? ref.data : a.keys.pages;
         const uint32_t rows = stage_base + slot * Layout::kStageBytes;
@@ -297,15 +312,15 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       __syncthreads();  // (cp.async) stage n has landed; every thread is done with the slot issue() refills
       issue(n + kStages - 1);
       const int slot = n % kStages;
-      const int64_t row0 = k0 + int64_t{n} * kStageRows;
-      if (tensor_copies && row0 < load_end) {  // issued: wait for its copies and row masks
+      const int stage_row = n * kStageRows;  // the stage's first row
+      if (tensor_copies && stage_row < load_rows) {  // issued: wait for its copies and row masks
         mbarrier_wait(stage_landed + 8 * slot, (landed_parity >> slot) & 1u);
         landed_parity ^= 1u << slot;
       }
-      if (row0 >= load_end) {  // beyond every token of the run
-        const int64_t j = row0 + threadIdx.x;
+      if (stage_row >= load_rows) {  // beyond every token of the run
+        const int j = stage_row + threadIdx.x;
         for (int i = first; i < end; ++i)
-          if (j < k1) a.scores[(t0 + i) * a.entries + j] = -INFINITY;
+          if (j < range_rows) token_scores(i).row[j] = -INFINITY;
         continue;
       }
       const uint32_t rows = stage_base + slot * Layout::kStageBytes;
@@ -445,11 +460,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       // times `factor` (the row factor for P' terms, else 1; exact) when `stores`. Padding heads
       // (zero queries and weights) add +0, which leaves the sum alone: it starts at +0 and a
       // round-to-nearest sum is never -0 unless both terms are.
-      auto sum_terms = [&](int sum_row, int token, bool stores, float factor) {
-        const int64_t fj = row0 + sum_row;
-        const bool in_range = stores && fj < k1;
+      auto sum_terms = [&](int sum_row, const TokenScores& out, bool stores, float factor) {
+        const int j = stage_row + sum_row;
+        const bool in_range = stores && j < range_rows;
         // The row's mask first: its loads are in flight while the terms are added.
-        const bool visible = addressable(sum_row) & (fj < tq.visible[token]);
+        const bool visible = addressable(sum_row) & (j < out.visible);
         __syncwarp();
         float score = 0.0f;
         const uint32_t* row = terms + lane * kTermsStride;
@@ -464,10 +479,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         }
         score = __fmul_rn(score, factor);
         if (in_range) {
-          const bool listed = !a.candidates || contains_block(a.candidates + (t0 + token) * a.num_candidates,
-                                                              a.num_candidates, split_rows(fj, a.candidate_block_size).block);
-          a.scores[(t0 + token) * a.entries + fj] =
-              !(visible && listed) ? -INFINITY : kBf16Rounding && !a.partial ? bf16_rounded(score) : score;
+          const bool listed = !a.candidates || contains_block(a.candidates + (t0 + out.token) * a.num_candidates,
+                                                              a.num_candidates, split_rows(k0 + j, a.candidate_block_size).block);
+          out.row[j] = !(visible && listed) ? -INFINITY : kBf16Rounding && !a.partial ? bf16_rounded(score) : score;
         }
         __syncwarp();
       };
@@ -492,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         const RowScales<kBlocks> sum_scales = row_scales<kBlocks>(sum_word);
         *row_scale_slot(lane) = sum_scales;
         __syncwarp();
-        bool factored[2];  // per half: P' terms
+        uint32_t factored_halves = 0;  // bit h: half h's terms are P' terms
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int warp_row = half * kTileRows + warp * kWarpRows;  // the warp's first row in the stage
@@ -505,9 +519,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           const RowScales<kBlocks> rs[2] = {*row_scale_slot(kWarpRows * half + g), *row_scale_slot(kWarpRows * half + g + 8)};
           const bool fast[2] = {((fast_rows >> (kWarpRows * half + g)) & 1u) != 0, ((fast_rows >> (kWarpRows * half + g + 8)) & 1u) != 0};
           finish_mmas(acc, frag);
-          factored[half] = store_terms(first, acc, rs, fast, head, warp_row, half);
+          factored_halves |= static_cast<uint32_t>(store_terms(first, acc, rs, fast, head, warp_row, half)) << half;
         }
-        sum_terms(sum_row, first, true, factored[lane / kWarpRows] ? sum_scales.factor : 1.0f);
+        sum_terms(sum_row, first_scores, true, (factored_halves >> (lane / kWarpRows)) & 1u ? sum_scales.factor : 1.0f);
       } else {
         // A run of tokens: half by half, the A operand and the rows' scales stay in registers
         // while the run's tokens are scored; consecutive units fill the buffer slots in turn, and
@@ -541,7 +555,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
             const int mine = lane / kWarpRows;
             const int2 summed = mine == 0 ? slot_units[0] : slot_units[1];
             const int sum_row = (summed.x & 1) * kTileRows + lane_row;
-            sum_terms(sum_row, summed.y, mine <= buffer_slot, summed.x > 1 ? row_scales<kBlocks>(scale_word(sum_row)).factor : 1.0f);
+            sum_terms(sum_row, token_scores(summed.y), mine <= buffer_slot, summed.x > 1 ? row_scales<kBlocks>(scale_word(sum_row)).factor : 1.0f);
           }
         }
       }
