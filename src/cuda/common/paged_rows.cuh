@@ -50,20 +50,22 @@ __device__ __forceinline__ RowRef row_at_slot(const DeviceRows& r, int64_t slot)
 // is flat (FlashMLA's addressing): the split row is the slot, whatever the sequence.
 struct SequenceRows {
   const DeviceRows& r;
-  const int32_t* table = nullptr;  // the sequence's block table row; null: no such sequence
+  const int32_t* table = nullptr;  // the sequence's block table row
+  uint64_t blocks = 0;             // its entries; 0: no such sequence
   int64_t first = 0;               // its first logical page
   __device__ SequenceRows(const DeviceRows& rows, int64_t sequence) : r(rows) {
     if (r.block_table == nullptr || sequence < 0 || sequence >= r.num_sequences) return;
     table = r.block_table + sequence * r.blocks_per_sequence;
+    blocks = static_cast<uint64_t>(r.blocks_per_sequence);
     first = r.first_logical_page ? r.first_logical_page[sequence] : 0;
   }
   // The block-table entry of split s's block (-1: none; 0 for a flat cache, which has no table),
   // which a kernel may read a step before it needs the row; the pool page it names; the row.
+  // (One unsigned compare checks both ends of the table.)
   __device__ int32_t entry(RowSplit s) const {
     if (r.block_table == nullptr) return 0;
-    const int64_t block = s.block - first;
-    if (table == nullptr || block < 0 || block >= r.blocks_per_sequence) return -1;
-    return table[block];
+    const uint64_t block = static_cast<uint64_t>(s.block - first);
+    return block < blocks ? table[block] : -1;
   }
   __device__ int64_t page(RowSplit s, int32_t entry) const { return r.block_table == nullptr ? s.block : entry; }
   __device__ RowRef at(RowSplit s) const { return row_in_page(r, page(s, entry(s)), s.row); }

@@ -276,10 +276,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       const int rows = exists ? min(load_rows - first_row, kCopyRows) : 0;
       uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords + warp;
 #pragma unroll
-      for (int w = 0; w < kCopyRows / 32; ++w) {
-        const int in_word = min(max(rows - 32 * w, 0), 32);
-        masks[w] = in_word == 32 ? ~0u : (1u << in_word) - 1u;
-      }
+      for (int w = 0; w < kCopyRows / 32; ++w)  // the low min(rows - 32w, 32) bits: ~0u shifted in, clamped at 32
+        masks[w] = __funnelshift_lc(~0u, 0u, static_cast<uint32_t>(max(rows - 32 * w, 0)));
       mbarrier_arrive_expect_tx(barrier, exists ? kCopyRows * (Keys::kBytes + kBlocks) : 0);
     };
     auto issue = [&](int n) {
