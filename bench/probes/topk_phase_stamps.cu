@@ -24,8 +24,8 @@
 #include "cuda/ops/indexer/radix/topk_radix_kernel.cuh"
 
 namespace dsv4::cuda {
-template void launch_topk_radix<1024>(const RadixTopkLaunch&, int64_t, cudaStream_t);
-template int topk_radix_resident_rows<1024>(int64_t, int, int);
+template void launch_topk_radix<1024, RadixRows::resident>(const RadixTopkLaunch&, int64_t, cudaStream_t);
+template int topk_radix_resident_rows<1024, RadixRows::resident>(int64_t, int, int);
 namespace {
 using namespace radix_topk;
 constexpr double kClocksPerUs = 1980.0;  // the assumed SM clock (1.98 GHz)

@@ -22,8 +22,8 @@ int main(int argc, char** argv) {
     chunk = (chunk + radix_topk::kTileKeys - 1) / radix_topk::kTileKeys * radix_topk::kTileKeys;
     if (chunk * 4 > 227 * 1024 - 16 * 1024) continue;
     for (const int threads : {512, 1024}) {
-      const int rows = threads == 512 ? topk_radix_resident_rows<512>(chunk, cluster, sms)
-                                      : topk_radix_resident_rows<1024>(chunk, cluster, sms);
+      const int rows = threads == 512 ? topk_radix_resident_rows<512, RadixRows::resident>(chunk, cluster, sms)
+                                      : topk_radix_resident_rows<1024, RadixRows::resident>(chunk, cluster, sms);
       std::printf("  %d x %4d  chunk %6ld  keys/thread %3ld  resident %3d\n", cluster, threads, chunk,
                   (chunk + threads - 1) / threads, rows);
     }

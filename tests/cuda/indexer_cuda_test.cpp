@@ -517,37 +517,53 @@ TEST_F(CudaTest, TopkMatchesReferenceWithTiesNanAndInfinities) {
   check_topk({.tokens = 5, .n = 40, .k = 6, .ratio = 2, .group_size = 8, .seed = 5});  // block rows
 }
 
-// The radix top-k against the reference on the row lengths it runs differently: one CTA of 256
-// threads (up to 4096 scores) or of 1024, and on sm_90 clusters of several CTAs (as split_rows
-// chooses them from the occupancy; chunks up to 150 KB); rows whose chunks are not 16-byte aligned
-// (odd lengths); grids of more CTAs than run at once (CTAs of 512 and of 1024 threads). The chooser
-// picks it for them.
-TEST_F(CudaTest, TopkRadixMatchesReference) {
-  uint32_t seed = 40;
+// The shapes both kinds of radix rows run: row lengths of one CTA of 256 threads (up to 4096
+// scores) or of more, and on sm_90 clusters of several CTAs (as the splits choose them from the
+// occupancy); rows whose chunks are not 16-byte aligned (odd lengths); causal lengths (some rows
+// see none, many fewer than k); candidate blocks of 8 entries; 150 single-CTA rows of odd length.
+void check_topk_shapes(const TopkImplementation& implementation, uint32_t seed) {
   for (const int64_t n : {1, 7, 513, 4096, 65536 + 3, 131072})
     for (const int64_t k : {1, 64, 512, 2048})
       for (const bool mixed : {false, true}) {
-        const TopkCase c{.tokens = n >= 65536 ? 5 : 11, .n = n, .k = k, .ratio = 0, .seed = ++seed, .mixed = mixed};
-        check_topk(c, &kTopkRadix);
-        if (HasFatalFailure()) return;
+        check_topk({.tokens = n >= 65536 ? 5 : 11, .n = n, .k = k, .ratio = 0, .seed = ++seed, .mixed = mixed},
+                   &implementation);
+        if (::testing::Test::HasFatalFailure()) return;
       }
-  // Causal lengths (some rows see none, many fewer than k) and candidate blocks of 8 entries.
-  check_topk({.tokens = 13, .n = 131072, .k = 2048, .ratio = 1, .seed = 60, .mixed = true}, &kTopkRadix);
-  check_topk({.tokens = 13, .n = 4099, .k = 512, .ratio = 4, .seed = 61, .mixed = true}, &kTopkRadix);
-  check_topk({.tokens = 13, .n = 16384, .k = 2048, .ratio = 1, .group_size = 8, .seed = 62, .mixed = true},
-             &kTopkRadix);
-  check_topk({.tokens = 9, .n = 301, .k = 37, .ratio = 2, .group_size = 8, .seed = 63}, &kTopkRadix);
-  check_topk({.tokens = 3, .n = 300001, .k = 512, .ratio = 0, .seed = 64, .mixed = true}, &kTopkRadix);
-  // 64 rows of 128K (clusters in more than one wave) and 150 single-CTA rows of odd length.
-  check_topk({.tokens = 64, .n = 131072, .k = 512, .ratio = 0, .seed = 65, .mixed = true}, &kTopkRadix);
-  check_topk({.tokens = 150, .n = 8197, .k = 2048, .ratio = 1, .seed = 66, .mixed = true}, &kTopkRadix);
+  check_topk({.tokens = 13, .n = 131072, .k = 2048, .ratio = 1, .seed = ++seed, .mixed = true}, &implementation);
+  check_topk({.tokens = 13, .n = 4099, .k = 512, .ratio = 4, .seed = ++seed, .mixed = true}, &implementation);
+  check_topk({.tokens = 13, .n = 16384, .k = 2048, .ratio = 1, .group_size = 8, .seed = ++seed, .mixed = true},
+             &implementation);
+  check_topk({.tokens = 9, .n = 301, .k = 37, .ratio = 2, .group_size = 8, .seed = ++seed}, &implementation);
+  check_topk({.tokens = 150, .n = 8197, .k = 2048, .ratio = 1, .seed = ++seed, .mixed = true}, &implementation);
+}
+
+// The radix top-k as the chooser runs it: the shapes above (resident rows), rows longer than a
+// cluster's shared memory and 64 rows of 128K (more keys than the GPU's shared memory holds at
+// once: streamed rows). The chooser picks it for them.
+TEST_F(CudaTest, TopkRadixMatchesReference) {
+  check_topk_shapes(kTopkRadix, 40);
+  check_topk({.tokens = 3, .n = 300001, .k = 512, .ratio = 0, .seed = 80, .mixed = true}, &kTopkRadix);
+  check_topk({.tokens = 2, .n = 600001, .k = 2048, .ratio = 0, .seed = 81, .mixed = true}, &kTopkRadix);
+  check_topk({.tokens = 64, .n = 131072, .k = 512, .ratio = 0, .seed = 82, .mixed = true}, &kTopkRadix);
 
   using testing::fake_device_view;
-  for (const int64_t n : {1, 4096, 131072})
+  for (const int64_t n : {1, 4096, 131072, 600001})
     EXPECT_STREQ(topk_implementation({.scores = fake_device_view(DType::f32, {4, n}),
                                       .picks = fake_device_view(DType::i32, {4, 512})}),
                  "radix")
         << n;
+}
+
+// Every row streamed, on the shapes above and on what only streamed rows meet: ties filling the
+// first pass's threshold bin beyond what a CTA gathers (each later pass then reads the scores
+// again), long rows, many rows of 128K.
+TEST_F(CudaTest, TopkRadixStreamedMatchesReference) {
+  check_topk_shapes(kTopkRadixStreamed, 140);
+  check_topk({.tokens = 3, .n = 500001, .k = 512, .ratio = 0, .seed = 180, .mixed = true}, &kTopkRadixStreamed);
+  check_topk({.tokens = 64, .n = 131072, .k = 512, .ratio = 0, .seed = 181, .mixed = true}, &kTopkRadixStreamed);
+  check_topk({.tokens = 64, .n = 131072, .k = 512, .ratio = 0, .seed = 182}, &kTopkRadixStreamed);  // tie-heavy
+  // 2 % of +inf: 6000 keys tie in the threshold bin, more than a CTA gathers.
+  check_topk({.tokens = 3, .n = 300001, .k = 512, .ratio = 0, .seed = 183}, &kTopkRadixStreamed);
 }
 
 // The fallback, called directly (the chooser takes radix for these rows).
@@ -660,27 +676,21 @@ TEST(IndexerCudaDispatch, ChoosesSimtOnEveryDevice) {
   }
 }
 
-// The radix top-k takes every row its CTAs' shared memory holds: up to 8 CTAs of a cluster on
-// sm_90 (about 8 x 53K scores), one CTA elsewhere (about 37K on an A100, 21K on Ada); longer rows
-// go to the SIMT kernel.
-TEST(IndexerCudaDispatch, ChoosesTopkByDeviceAndRowLength) {
+// The radix top-k takes every row up to 2^30 scores (rows its CTAs' shared memory does not hold at
+// once are streamed); longer rows take the SIMT kernel.
+TEST(IndexerCudaDispatch, ChoosesTopkByDevice) {
   using testing::fake_device_view;
   const auto rows_of = [](int64_t n) {
     return TopkParams{.scores = fake_device_view(DType::f32, {3, n}), .picks = fake_device_view(DType::i32, {3, 2048})};
   };
   const DeviceInfo h200{90, 232448}, a100{80, 166912}, ada{89, 101376}, blackwell{100, 232448};
-  for (const DeviceInfo& device : {h200, a100, ada, blackwell}) {
-    EXPECT_STREQ(choose_topk(fake_topk_params(), device).name, "radix") << device.compute_capability;
-    EXPECT_STREQ(choose_topk(rows_of(20000), device).name, "radix") << device.compute_capability;
-  }
-  EXPECT_STREQ(choose_topk(rows_of(131072), h200).name, "radix");
-  EXPECT_STREQ(choose_topk(rows_of(400000), h200).name, "radix");
-  EXPECT_STREQ(choose_topk(rows_of(500000), h200).name, "simt");
-  EXPECT_STREQ(choose_topk(rows_of(30000), a100).name, "radix");
-  EXPECT_STREQ(choose_topk(rows_of(50000), a100).name, "simt");
-  EXPECT_STREQ(choose_topk(rows_of(131072), blackwell).name, "simt");  // runs the compute_80 PTX: no clusters
-  const std::string why_not = kTopkRadix.supports(rows_of(131072), a100);
-  EXPECT_EQ(why_not.rfind("rows of 131072 scores exceed the shared memory of 1 CTA (", 0), 0u) << why_not;
+  for (const DeviceInfo& device : {h200, a100, ada, blackwell})
+    for (const int64_t n : {int64_t{8}, int64_t{20000}, int64_t{131072}, int64_t{500000}, int64_t{1} << 30}) {
+      EXPECT_STREQ(choose_topk(rows_of(n), device).name, "radix") << device.compute_capability << ", n " << n;
+      EXPECT_EQ(kTopkRadixStreamed.supports(rows_of(n), device), "") << device.compute_capability << ", n " << n;
+    }
+  EXPECT_STREQ(choose_topk(rows_of((int64_t{1} << 30) + 1), h200).name, "simt");
+  EXPECT_EQ(kTopkRadix.supports(rows_of(INT32_MAX), h200), "rows of 2147483647 scores, supports at most 1073741824");
 }
 
 // Any number of index heads and any index_dim that is a multiple of 32 run; other dims name the

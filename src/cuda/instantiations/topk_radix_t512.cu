@@ -1,7 +1,7 @@
-// Radix top-k, 512 threads per CTA.
+// Radix top-k, resident rows, 512 threads per CTA.
 #include "cuda/ops/indexer/radix/topk_radix_kernel.cuh"
 
 namespace dsv4::cuda {
-template void launch_topk_radix<512>(const RadixTopkLaunch&, int64_t, cudaStream_t);
-template int topk_radix_resident_rows<512>(int64_t, int, int);
+template void launch_topk_radix<512, RadixRows::resident>(const RadixTopkLaunch&, int64_t, cudaStream_t);
+template int topk_radix_resident_rows<512, RadixRows::resident>(int64_t, int, int);
 }  // namespace dsv4::cuda

@@ -32,9 +32,11 @@ extern const IndexScoresImplementation kIndexScoresMmaF16;
 extern const IndexScoresImplementation kIndexScoresSimt;
 extern const TopkImplementation kTopkSimt;
 
-// The top-k whose rows go through shared memory once (radix/): thread-block clusters on sm_90,
-// one CTA per row elsewhere; rows longer than those CTAs hold fall back to kTopkSimt.
+// The radix top-k (radix/): a row over a thread-block cluster on sm_90, one CTA elsewhere; its
+// keys held in shared memory where every row fits at once, else streamed (read twice); any row.
 extern const TopkImplementation kTopkRadix;
+// The same with every row streamed, not in the chooser's list: the tests run it on every shape.
+extern const TopkImplementation kTopkRadixStreamed;
 
 // For the tensor-core implementations, which copy q and the key rows 16 bytes at a time and a
 // row's scales as one aligned word of scale_bytes: "" when the call's buffers allow it, else why not.

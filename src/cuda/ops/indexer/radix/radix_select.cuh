@@ -1,19 +1,20 @@
-// The selection core of the radix top-k: the keys of one row (topk_rules.cuh) lie in the shared
-// memory of the CTAs of a thread-block cluster, each CTA holding a contiguous chunk in row order.
-// The k-th best key is found by up to three radix passes (11, 11 and 10 bits, most significant
-// first); each pass counts per CTA the keys that match the bins chosen so far, and the CTAs combine
-// the counts through distributed shared memory. The first pass, over every key, is counted while
-// the keys are stored (count_first_pass), so only the later passes read the keys again, and they
-// count only the few keys of the threshold bin. write_picks then writes every pick at its rank in
-// the row's ascending pick list. Nothing goes through global memory but the picks, and the result
-// is a pure function of the keys (histogram counts do not depend on the order of the atomics).
+// The selection core of the radix top-k: the keys of one row (topk_rules.cuh) are spread over the
+// CTAs of a thread-block cluster, each CTA holding a contiguous chunk in row order. The k-th best
+// key is found by up to three radix passes (11, 11 and 10 bits, most significant first); each pass
+// counts per CTA the keys that match the bins chosen so far, and the CTAs combine the counts
+// through distributed shared memory. The first pass, over every key, is counted while the keys are
+// read (count_first_pass); the later passes count only the few keys of the threshold bin.
+// write_picks then writes every pick at its rank in the row's ascending pick list. Nothing goes
+// through global memory but the picks, and the result is a pure function of the keys (histogram
+// counts do not depend on the order of the atomics).
 //
 // Keys are handled in tiles of kTileKeys: lane l of a warp holds keys 4l .. 4l + 3 of a tile (one
-// 16-byte shared memory access) and each warp walks a contiguous run of tiles (warp_tiles). A
-// kernel fills keys[0, count) of each CTA, and 0 (-inf, never picked) up to the end of the last
-// tile, and calls: clear_counts, then for each of its warp's tiles store_tile and
-// count_first_pass, then select_picks and write_picks. A kernel that computes its chunk's scores
-// into shared memory instead of loading them (a fused score scan) can do the same.
+// 16-byte access) and each warp walks a contiguous run of tiles (warp_tiles). After the first
+// pass the later passes and write_picks read a CTA's keys again from a key source, in the CTA's
+// row order: its chunk in shared memory (the resident kernel), the keys it gathered there at or
+// above the first pass's threshold bin (the streamed kernel), or its scores in global memory (the
+// streamed kernel when too many keys tie at that bin). A kernel calls: clear_counts, then for each
+// of its warp's tiles count_first_pass, then first_pass, refine and write_picks.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -173,6 +174,23 @@ __device__ __forceinline__ void load_tile(const uint32_t* keys, int tile, uint32
   key[3] = q.w;
 }
 
+// A key source (see the top): load(tile, key) gives this lane's keys of a tile, position(i) the
+// row position of the CTA's i-th key. This one: keys[i] is the key of row position first + i.
+struct ChunkKeys {
+  const uint32_t* keys;  // [tiles * kTileKeys] in shared memory
+  int64_t first;
+  __device__ void load(int tile, uint32_t (&key)[kKeysPerLane]) const { load_tile(keys, tile, key); }
+  __device__ int64_t position(int i) const { return first + i; }
+};
+
+// Keys a CTA gathered in row order, with their row positions.
+struct GatheredKeys {
+  const uint32_t* keys;      // [tiles * kTileKeys] in shared memory, 0 past the gathered ones
+  const int32_t* positions;  // [gathered]
+  __device__ void load(int tile, uint32_t (&key)[kKeysPerLane]) const { load_tile(keys, tile, key); }
+  __device__ int64_t position(int i) const { return positions[i]; }
+};
+
 __device__ __forceinline__ void store_tile(uint32_t* keys, int tile, const uint32_t (&key)[kKeysPerLane]) {
   reinterpret_cast<uint4*>(keys)[tile * kWarpSize + static_cast<int>(threadIdx.x) % kWarpSize] =
       make_uint4(key[0], key[1], key[2], key[3]);
@@ -292,52 +310,78 @@ __device__ Threshold find_threshold(int pass, int remaining, SelectShared<kThrea
   return {s.bucket, s.above, s.bucket_count, s.matching};
 }
 
-// The threshold of the k best keys of the row (key 0, -inf, is never counted): each pass keeps the
-// bin holding the remaining-th best key among the keys matching the prefix so far. Stops early
-// when every key of that bin is picked. The first pass has been counted (count_first_pass).
-template <int kThreads>
-__device__ Selection select_picks(const uint32_t* keys, int count, int64_t k, SelectShared<kThreads>& s) {
-  const TileRange tiles = warp_tiles<kThreads>(count);
-  uint32_t prefix = 0u, mask = 0u;
-  int remaining = static_cast<int>(k < INT32_MAX ? k : INT32_MAX);  // picks left among the keys matching prefix
-  int eligible = 0;
-  for (int pass = 0;; ++pass) {
-    const int shift = pass_shift(pass);
-    if (pass > 0)
-      for (int tile = tiles.begin; tile < tiles.end; ++tile) {
-        uint32_t key[kKeysPerLane];
-        load_tile(keys, tile, key);
-        count_keys(s.counts[pass & 1], key, mask, prefix, shift);
-      }
-    const Threshold threshold = find_threshold(pass, remaining, s);
-    if (pass == 0) {
-      eligible = threshold.matching;
-      // Fewer eligible keys than k: all of them are picked (as ties of the empty prefix).
-      if (eligible < remaining) return {0u, 0u, eligible, eligible};
-    }
-    prefix |= static_cast<uint32_t>(threshold.bucket) << shift;
-    mask |= static_cast<uint32_t>(kBins - 1) << shift;
-    remaining -= threshold.above;
-    if (threshold.bucket_count == remaining || shift == 0) break;
+// The selection after a pass: the picks are the keys with (key & mask) > prefix and `remaining`
+// of those with (key & mask) == prefix; done when that takes the whole bin (or no bits are left).
+struct SelectionState {
+  uint32_t prefix = 0, mask = 0;
+  int remaining = 0, eligible = 0;
+  int kept = 0;  // keys with (key & mask) >= prefix, key != 0, in the row: what refine reads
+  bool done = false;
+  __device__ Selection selection(int64_t k) const {
+    return {prefix, mask, remaining, static_cast<int>(k < eligible ? k : eligible)};
   }
-  return {prefix, mask, remaining, static_cast<int>(k < eligible ? k : eligible)};
+};
+
+// The first pass's threshold (its counts complete in each CTA: count_first_pass) for the k best
+// keys of the row (key 0, -inf, is never counted). With fewer eligible keys than k, every one is
+// picked, as a tie of the empty prefix.
+template <int kThreads>
+__device__ SelectionState first_pass(int64_t k, SelectShared<kThreads>& s) {
+  const int wanted = static_cast<int>(k < INT32_MAX ? k : INT32_MAX);
+  const Threshold threshold = find_threshold(0, wanted, s);
+  SelectionState state;
+  state.eligible = threshold.matching;
+  if (state.eligible < wanted) {
+    state.remaining = state.kept = state.eligible;
+    state.done = true;
+    return state;
+  }
+  const int shift = pass_shift(0);
+  state.prefix = static_cast<uint32_t>(threshold.bucket) << shift;
+  state.mask = static_cast<uint32_t>(kBins - 1) << shift;
+  state.remaining = wanted - threshold.above;
+  state.kept = threshold.above + threshold.bucket_count;
+  state.done = threshold.bucket_count == state.remaining;
+  return state;
 }
 
-// Writes the picks of this CTA's keys (row positions first + i) into picks[0, k) of the row. A
+// The later passes over `count` keys of this CTA from `keys` (a key source): each keeps the bin
+// holding the remaining-th best key among the keys matching the prefix so far, and stops early
+// when every key of that bin is picked.
+template <int kThreads, class Keys>
+__device__ Selection refine(const Keys& keys, int count, SelectionState state, int64_t k, SelectShared<kThreads>& s) {
+  const TileRange tiles = warp_tiles<kThreads>(count);
+  for (int pass = 1; !state.done; ++pass) {
+    const int shift = pass_shift(pass);
+    for (int tile = tiles.begin; tile < tiles.end; ++tile) {
+      uint32_t key[kKeysPerLane];
+      keys.load(tile, key);
+      count_keys(s.counts[pass & 1], key, state.mask, state.prefix, shift);
+    }
+    const Threshold threshold = find_threshold(pass, state.remaining, s);
+    state.prefix |= static_cast<uint32_t>(threshold.bucket) << shift;
+    state.mask |= static_cast<uint32_t>(kBins - 1) << shift;
+    state.remaining -= threshold.above;
+    state.done = threshold.bucket_count == state.remaining || shift == 0;
+  }
+  return state.selection(k);
+}
+
+// Writes the picks among this CTA's `count` keys from `keys` (a key source) into picks[0, k) of the row. A
 // pick's rank is the number of keys above the threshold before it in the row plus the number of
 // picked ties before it, min(ties before it, selection.ties); both counts come from counts per CTA
 // and per warp (the chunks lie in row order, each warp walks a contiguous run of tiles) and a scan
 // per tile. The CTAs share the -1 padding. Ends with a cluster barrier, after which the CTA may
 // exit.
-template <int kThreads>
-__device__ void write_picks(const uint32_t* keys, int count, int64_t first, const Selection& selection,
-                            int32_t* picks, int64_t k, SelectShared<kThreads>& s) {
+template <int kThreads, class Keys>
+__device__ void write_picks(const Keys& keys, int count, const Selection& selection, int32_t* picks, int64_t k,
+                            SelectShared<kThreads>& s) {
   constexpr int kWarps = SelectShared<kThreads>::kWarps;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const TileRange tiles = warp_tiles<kThreads>(count);
   const auto classify = [&](int tile, bool (&above)[kKeysPerLane], bool (&tie)[kKeysPerLane]) {
     uint32_t key[kKeysPerLane];
-    load_tile(keys, tile, key);
+    keys.load(tile, key);
 #pragma unroll
     for (int j = 0; j < kKeysPerLane; ++j) {
       above[j] = (key[j] & selection.mask) > selection.prefix;
@@ -408,7 +452,7 @@ __device__ void write_picks(const uint32_t* keys, int count, int64_t first, cons
     for (int j = 0; j < kKeysPerLane; ++j) {
       if (above[j] || (tie[j] && ties_here < selection.ties))
         picks[above_here + min(ties_here, selection.ties)] =
-            static_cast<int32_t>(first + int64_t{tile} * kTileKeys + lane * kKeysPerLane + j);
+            static_cast<int32_t>(keys.position(tile * kTileKeys + lane * kKeysPerLane + j));
       above_here += above[j] ? 1 : 0;
       ties_here += tie[j] ? 1 : 0;
     }

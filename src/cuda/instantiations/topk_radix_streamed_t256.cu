@@ -1,0 +1,7 @@
+// Radix top-k, streamed rows, 256 threads per CTA.
+#include "cuda/ops/indexer/radix/topk_radix_kernel.cuh"
+
+namespace dsv4::cuda {
+template void launch_topk_radix<256, RadixRows::streamed>(const RadixTopkLaunch&, int64_t, cudaStream_t);
+template int topk_radix_resident_rows<256, RadixRows::streamed>(int64_t, int, int);
+}  // namespace dsv4::cuda
