@@ -13,7 +13,7 @@
 // pass the later passes and write_picks read a CTA's keys again from a key source, in the CTA's
 // row order: its chunk in shared memory (the resident kernel), the keys it gathered there at or
 // above the first pass's threshold bin (the streamed kernel), or its scores in global memory (the
-// streamed kernel when too many keys tie at that bin). A kernel calls: clear_counts, then for each
+// streamed kernel when its row has more keys at or above that bin than a CTA gathers). A kernel calls: clear_counts, then for each
 // of its warp's tiles count_first_pass, then first_pass, refine and write_picks.
 #pragma once
 
@@ -367,12 +367,12 @@ __device__ Selection refine(const Keys& keys, int count, SelectionState state, i
   return state.selection(k);
 }
 
-// Writes the picks among this CTA's `count` keys from `keys` (a key source) into picks[0, k) of the row. A
-// pick's rank is the number of keys above the threshold before it in the row plus the number of
-// picked ties before it, min(ties before it, selection.ties); both counts come from counts per CTA
-// and per warp (the chunks lie in row order, each warp walks a contiguous run of tiles) and a scan
-// per tile. The CTAs share the -1 padding. Ends with a cluster barrier, after which the CTA may
-// exit.
+// Writes the picks among this CTA's `count` keys from `keys` (a key source) into picks[0, k) of
+// the row. A pick's rank is the number of keys above the threshold before it in the row plus the
+// number of picked ties before it, min(ties before it, selection.ties); both counts come from
+// counts per CTA and per warp (the chunks lie in row order, each warp walks a contiguous run of
+// tiles) and a scan per tile. The CTAs share the -1 padding. Ends with a cluster barrier, after
+// which the CTA may exit.
 template <int kThreads, class Keys>
 __device__ void write_picks(const Keys& keys, int count, const Selection& selection, int32_t* picks, int64_t k,
                             SelectShared<kThreads>& s) {
