@@ -31,6 +31,23 @@ struct SoftmaxState {
   }
 };
 
+// A warp's scores over the lower half of the channels plus its partner's over the upper half (or
+// the reverse): s goes to `mine`, and after pair_barrier() (both warps have stored) the partner's
+// partial is added from `theirs`. Addition commutes: both warps get the same bits.
+template <int kScoreTiles, class PairBarrier>
+__device__ __forceinline__ void add_partner_scores(float (&s)[kScoreTiles][4], float* mine, const float* theirs, int lane,
+                                                   PairBarrier&& pair_barrier) {
+#pragma unroll
+  for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * kWarpSize + lane] = s[j][e];
+  pair_barrier();
+#pragma unroll
+  for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] += theirs[(j * 4 + e) * kWarpSize + lane];
+}
+
 // 2^x as the MUFU computes it (exp2f's accuracy), results below 2^-126 flushed to zero: such an
 // exp-score or rescale factor changes no sum of a tile (its largest exp-score is 1), and exp2f's
 // rescaling of subnormal results costs about ten instructions per score.

@@ -90,4 +90,45 @@ __device__ __forceinline__ void for_each_a_fragment(const float (&s)[kTiles][4],
   }
 }
 
+// S = Q·Kᵀ of a warp (s overwritten): its 16 query rows from q_row0 of q_tile against the
+// 8·kScoreTiles key rows of `tile`, over the channels col0 … col0 + kChannels − 1.
+template <int kScoreTiles, int kChannels>
+__device__ __forceinline__ void warp_scores(float (&s)[kScoreTiles][4], uint32_t q_tile, int q_row0, uint32_t tile,
+                                            int col0, int lane) {
+#pragma unroll
+  for (int j = 0; j < kScoreTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll 4
+  for (int k = 0; k < kChannels / 16; ++k) {
+    const int col = col0 + k * 16;
+    uint32_t qa[4];
+    load_a(qa, q_tile, q_row0, col, lane);
+#pragma unroll
+    for (int n = 0; n < kScoreTiles / 2; ++n) {
+      uint32_t kb[4];
+      load_b_keys(kb, tile, n * 16, col, lane);
+      mma_bf16(s[2 * n], qa, kb[0], kb[1]);
+      mma_bf16(s[2 * n + 1], qa, kb[2], kb[3]);
+    }
+  }
+}
+
+// O += P·V of a warp: P its exp-scores s over the 8·kScoreTiles value rows of `tile` (rounded to
+// bf16 here), V their channels col0 … col0 + 8·kOutTiles − 1.
+template <int kScoreTiles, int kOutTiles>
+__device__ __forceinline__ void warp_accumulate_values(float (&acc)[kOutTiles][4], const float (&s)[kScoreTiles][4],
+                                                       uint32_t tile, int col0, int lane) {
+#pragma unroll
+  for (int k = 0; k < kScoreTiles / 2; ++k) {
+    uint32_t pa[4];
+    a_from_c(pa, s[2 * k], s[2 * k + 1]);
+#pragma unroll
+    for (int n = 0; n < kOutTiles / 2; ++n) {
+      uint32_t vb[4];
+      load_b_values(vb, tile, k * 16, col0 + n * 16, lane);
+      mma_bf16(acc[2 * n], pa, vb[0], vb[1]);
+      mma_bf16(acc[2 * n + 1], pa, vb[2], vb[3]);
+    }
+  }
+}
+
 }  // namespace dsv4::cuda::mma

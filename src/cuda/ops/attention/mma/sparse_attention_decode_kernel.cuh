@@ -199,35 +199,12 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
     barrier_sync(kFullBarrier + stage, kThreads);
     if (computes) {
       const uint32_t tile = shared_address(tiles + stage * kTileBytes);
-      // Scores of the warp's 16 heads x 32 rows over its 256 channels.
+      // Scores of the warp's 16 heads x 32 rows over its 256 channels, then both halves'.
       float s[kScoreTiles][4];
-#pragma unroll
-      for (int j = 0; j < kScoreTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll 4
-      for (int k = 0; k < kWarpChannels / 16; ++k) {
-        const int col = half * kWarpChannels + k * 16;
-        uint32_t qa[4];
-        mma::load_a(qa, q_address, head_group * kHeadsPerWarp, col, lane);
-#pragma unroll
-        for (int n = 0; n < kScoreTiles / 2; ++n) {
-          uint32_t kb[4];
-          mma::load_b_keys(kb, tile, n * 16, col, lane);
-          mma::mma_bf16(s[2 * n], qa, kb[0], kb[1]);
-          mma::mma_bf16(s[2 * n + 1], qa, kb[2], kb[3]);
-        }
-      }
-      // Lower + upper half of the channels (addition commutes: both warps get the same bits).
-      float* mine = exchange + ((i % 2) * kMmaWarps + warp) * kExchangeFloats;
-      const float* theirs = exchange + ((i % 2) * kMmaWarps + (warp ^ 4)) * kExchangeFloats;
-#pragma unroll
-      for (int j = 0; j < kScoreTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * kWarpSize + lane] = s[j][e];
-      barrier_sync(kPairBarrier + head_group, 2 * kWarpSize);
-#pragma unroll
-      for (int j = 0; j < kScoreTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] += theirs[(j * 4 + e) * kWarpSize + lane];
+      mma::warp_scores<kScoreTiles, kWarpChannels>(s, q_address, head_group * kHeadsPerWarp, tile, half * kWarpChannels, lane);
+      mma::add_partner_scores(s, exchange + ((i % 2) * kMmaWarps + warp) * kExchangeFloats,
+                              exchange + ((i % 2) * kMmaWarps + (warp ^ 4)) * kExchangeFloats, lane,
+                              [&] { barrier_sync(kPairBarrier + head_group, 2 * kWarpSize); });
 
       // Online softmax (the lane holds heads g and g + 8), then the accumulators rescaled.
       float correction[2];
@@ -235,18 +212,7 @@ __global__ void __launch_bounds__(decode_mma::kThreads, 1) sparse_attention_deco
       mma::online_softmax(s, valid_rows, scale_log2, lane, softmax, correction);
       mma::rescale(acc, correction);
       // P·V over the tile's rows, P rounded to bf16 (the sums above keep it unrounded).
-#pragma unroll
-      for (int k = 0; k < kTileRows / 16; ++k) {
-        uint32_t pa[4];
-        mma::a_from_c(pa, s[2 * k], s[2 * k + 1]);
-#pragma unroll
-        for (int n = 0; n < kOutTiles / 2; ++n) {
-          uint32_t vb[4];
-          mma::load_b_values(vb, tile, k * 16, half * kWarpChannels + n * 16, lane);
-          mma::mma_bf16(acc[2 * n], pa, vb[0], vb[1]);
-          mma::mma_bf16(acc[2 * n + 1], pa, vb[2], vb[3]);
-        }
-      }
+      mma::warp_accumulate_values(acc, s, tile, half * kWarpChannels, lane);
     }
     if (i + 2 < n_tiles) barrier_arrive(kEmptyBarrier + stage, kThreads);  // the loaders wait for it at tile i + 2
   }

@@ -163,35 +163,12 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
     if (base + kMmaTileRows < end_row) load_tile(base + kMmaTileRows, stage ^ 1);
     if (computes) {
       const uint32_t tile = shared_address(kv_tiles + stage * kMmaTileBytes);
-      // Scores of the warp's 16 heads x 64 rows over its 256 channels.
+      // Scores of the warp's 16 heads x 64 rows over its 256 channels, then both halves'.
       float s[kMmaScoreTiles][4];
-#pragma unroll
-      for (int j = 0; j < kMmaScoreTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll 4
-      for (int k = 0; k < kMmaWarpChannels / 16; ++k) {
-        const int col = half * kMmaWarpChannels + k * 16;
-        uint32_t qa[4];
-        mma::load_a(qa, q_address, head_group * kMmaHeadsPerWarp, col, lane);
-#pragma unroll
-        for (int n = 0; n < kMmaScoreTiles / 2; ++n) {
-          uint32_t kb[4];
-          mma::load_b_keys(kb, tile, n * 16, col, lane);
-          mma::mma_bf16(s[2 * n], qa, kb[0], kb[1]);
-          mma::mma_bf16(s[2 * n + 1], qa, kb[2], kb[3]);
-        }
-      }
-      // Lower + upper half of the channels (addition commutes: both warps get the same bits).
-      float* mine = exchange + warp * kMmaExchangeFloats;
-      const float* theirs = exchange + (warp ^ 4) * kMmaExchangeFloats;
-#pragma unroll
-      for (int j = 0; j < kMmaScoreTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * kWarpSize + lane] = s[j][e];
-      mma_attention::pair_barrier(head_group);
-#pragma unroll
-      for (int j = 0; j < kMmaScoreTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] += theirs[(j * 4 + e) * kWarpSize + lane];
+      mma::warp_scores<kMmaScoreTiles, kMmaWarpChannels>(s, q_address, head_group * kMmaHeadsPerWarp, tile,
+                                                         half * kMmaWarpChannels, lane);
+      mma::add_partner_scores(s, exchange + warp * kMmaExchangeFloats, exchange + (warp ^ 4) * kMmaExchangeFloats, lane,
+                              [&] { mma_attention::pair_barrier(head_group); });
 
       // Online softmax (the lane holds heads g and g + 8), then the accumulators rescaled.
       float correction[2];
@@ -199,18 +176,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) sparse_attention_mma_kernel(Sp
       mma::online_softmax(s, valid_rows, scale_log2, lane, softmax, correction);
       mma::rescale(acc, correction);
       // P·V over the tile's rows, P rounded to bf16 (the sums above keep it unrounded).
-#pragma unroll
-      for (int k = 0; k < kMmaTileRows / 16; ++k) {
-        uint32_t pa[4];
-        mma::a_from_c(pa, s[2 * k], s[2 * k + 1]);
-#pragma unroll
-        for (int n = 0; n < kMmaOutTiles / 2; ++n) {
-          uint32_t vb[4];
-          mma::load_b_values(vb, tile, k * 16, half * kMmaWarpChannels + n * 16, lane);
-          mma::mma_bf16(acc[2 * n], pa, vb[0], vb[1]);
-          mma::mma_bf16(acc[2 * n + 1], pa, vb[2], vb[3]);
-        }
-      }
+      mma::warp_accumulate_values(acc, s, tile, half * kMmaWarpChannels, lane);
     }
     cp_async_wait_all();
     __syncthreads();  // the next tile is in, this one consumed
