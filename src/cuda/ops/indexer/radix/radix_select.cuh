@@ -144,6 +144,7 @@ struct SelectShared {
   unsigned group_counts[2][kGroups];     // the sums of counts[pass & 1] per group of kGroupBins bins
   int bucket, above, bucket_count;       // the pass's threshold bin, keys in the bins above it, keys in it
   int matching;                          // keys the pass counted (all eligible keys in the first)
+  int cta_kept;                          // this CTA's keys the selection still reads (cta_kept_keys)
   // write_picks: per warp, its keys above the threshold and its ties (then: those of the warps
   // before it in the CTA); this CTA's totals (read by the later CTAs of the cluster); the totals of
   // the CTAs before this one.
@@ -239,6 +240,7 @@ __device__ __forceinline__ void count_keys(unsigned* counts, const uint32_t (&ke
 template <int kThreads>
 __device__ void clear_counts(SelectShared<kThreads>& s) {
   for (int i = static_cast<int>(threadIdx.x); i < 2 * (kBins + 1); i += kThreads) (&s.counts[0][0])[i] = 0u;
+  if (threadIdx.x == 0) s.cta_kept = 0;
   __syncthreads();
 }
 
@@ -315,7 +317,6 @@ __device__ Threshold find_threshold(int pass, int remaining, SelectShared<kThrea
 struct SelectionState {
   uint32_t prefix = 0, mask = 0;
   int remaining = 0, eligible = 0;
-  int kept = 0;  // keys with (key & mask) >= prefix, key != 0, in the row: what refine reads
   bool done = false;
   __device__ Selection selection(int64_t k) const {
     return {prefix, mask, remaining, static_cast<int>(k < eligible ? k : eligible)};
@@ -332,7 +333,7 @@ __device__ SelectionState first_pass(int64_t k, SelectShared<kThreads>& s) {
   SelectionState state;
   state.eligible = threshold.matching;
   if (state.eligible < wanted) {
-    state.remaining = state.kept = state.eligible;
+    state.remaining = state.eligible;
     state.done = true;
     return state;
   }
@@ -340,9 +341,21 @@ __device__ SelectionState first_pass(int64_t k, SelectShared<kThreads>& s) {
   state.prefix = static_cast<uint32_t>(threshold.bucket) << shift;
   state.mask = static_cast<uint32_t>(kBins - 1) << shift;
   state.remaining = wanted - threshold.above;
-  state.kept = threshold.above + threshold.bucket_count;
   state.done = threshold.bucket_count == state.remaining;
   return state;
+}
+
+// This CTA's keys the selection reads after the first pass (its own counts of that pass in the
+// threshold bin and above; every eligible key when all are picked). The same in every thread.
+template <int kThreads>
+__device__ int cta_kept_keys(const SelectionState& state, SelectShared<kThreads>& s) {
+  const int first_bin = static_cast<int>((state.prefix & state.mask) >> pass_shift(0));
+  int kept = 0;
+  for (int bin = first_bin + static_cast<int>(threadIdx.x); bin < kBins; bin += kThreads) kept += static_cast<int>(s.counts[0][bin]);
+  kept = __reduce_add_sync(kFullMask, kept);
+  if (threadIdx.x % kWarpSize == 0 && kept != 0) atomicAdd(&s.cta_kept, kept);
+  __syncthreads();
+  return s.cta_kept;
 }
 
 // The later passes over `count` keys of this CTA from `keys` (a key source): each keeps the bin

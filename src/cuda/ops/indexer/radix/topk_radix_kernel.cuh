@@ -7,7 +7,7 @@
 // - streamed: the CTA keeps only the first pass's counts, then reads its chunk a second time
 //   (from L2 mostly: the first read keeps it there) and gathers in row order the keys the later
 //   passes and the picks need: those at or above the first pass's threshold bin, which are few
-//   unless many scores fall in that bin. When the row has more of them than a CTA can hold
+//   unless many scores fall in that bin. When its chunk has more of them than a CTA can hold
 //   (kGatherCapacity), the CTA reads its scores from global memory again for each later pass
 //   instead. Little shared memory a CTA, so every row's clusters run at once.
 #pragma once
@@ -76,9 +76,10 @@ struct ScoreKeys {
 
 // Gathers in row order the CTA's keys the selection still reads (key != 0, (key & mask) >=
 // prefix: the first pass's threshold bin and above) with their positions, and pads the last tile
-// with 0; returns how many (at most state.kept <= kGatherCapacity). The tiles go round-robin over
-// the warps and each round's counts are combined through shared memory (`round_counts`, two
-// rounds' worth so that one barrier a round orders them), which keeps the row's order.
+// with 0; returns how many (the caller has checked that they fit kGatherCapacity). The tiles go
+// round-robin over the warps, kRadixLoadBatch rounds loaded at once, and each round's counts are
+// combined through shared memory (`round_counts`, two rounds' worth so that one barrier a round
+// orders them), which keeps the row's order.
 template <int kThreads>
 __device__ int gather_keys(const ScoreKeys& chunk, const radix_topk::SelectionState& state, uint32_t* keys,
                            int32_t* positions, int (&round_counts)[2][kThreads / kWarpSize]) {
@@ -87,39 +88,42 @@ __device__ int gather_keys(const ScoreKeys& chunk, const radix_topk::SelectionSt
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int tiles = (chunk.count + kTileKeys - 1) / kTileKeys;
   int gathered = 0;
-  for (int round = 0; round * kWarps < tiles; ++round) {
-    const int tile = round * kWarps + warp;
-    uint32_t key[kKeysPerLane] = {};
-    if (tile < tiles) chunk.load(tile, key);
-    bool kept[kKeysPerLane];
-    int lane_kept = 0;
+  for (int batch = 0; batch * kWarps < tiles; batch += kRadixLoadBatch) {
+    uint32_t key[kRadixLoadBatch][kKeysPerLane] = {};
 #pragma unroll
-    for (int j = 0; j < kKeysPerLane; ++j) {
-      kept[j] = key[j] != 0u && (key[j] & state.mask) >= state.prefix;
-      lane_kept += kept[j] ? 1 : 0;
-    }
-    const int through = radix_topk::warp_inclusive_sum(lane_kept);
-    if (lane == kWarpSize - 1) round_counts[round & 1][warp] = through;
-    __syncthreads();
-    int at = gathered + through - lane_kept, round_total = 0;
+    for (int b = 0; b < kRadixLoadBatch; ++b)
+      if ((batch + b) * kWarps + warp < tiles) chunk.load((batch + b) * kWarps + warp, key[b]);
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const int count = round_counts[round & 1][w];
-      at += w < warp ? count : 0;
-      round_total += count;
-    }
+    for (int b = 0; b < kRadixLoadBatch; ++b) {
+      const int round = batch + b, tile = round * kWarps + warp;
+      if (round * kWarps >= tiles) break;  // the same in every warp
+      bool kept[kKeysPerLane];
+      int lane_kept = 0;
 #pragma unroll
-    for (int j = 0; j < kKeysPerLane; ++j)
-      if (kept[j]) {
-        if (at < kGatherCapacity) {
-          keys[at] = key[j];
-          positions[at] = static_cast<int32_t>(chunk.position(tile * kTileKeys + lane * kKeysPerLane + j));
-        }
-        ++at;
+      for (int j = 0; j < kKeysPerLane; ++j) {
+        kept[j] = key[b][j] != 0u && (key[b][j] & state.mask) >= state.prefix;
+        lane_kept += kept[j] ? 1 : 0;
       }
-    gathered += round_total;
+      const int through = radix_topk::warp_inclusive_sum(lane_kept);
+      if (lane == kWarpSize - 1) round_counts[round & 1][warp] = through;
+      __syncthreads();
+      int at = gathered + through - lane_kept, round_total = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const int count = round_counts[round & 1][w];
+        at += w < warp ? count : 0;
+        round_total += count;
+      }
+#pragma unroll
+      for (int j = 0; j < kKeysPerLane; ++j)
+        if (kept[j]) {
+          keys[at] = key[b][j];
+          positions[at] = static_cast<int32_t>(chunk.position(tile * kTileKeys + lane * kKeysPerLane + j));
+          ++at;
+        }
+      gathered += round_total;
+    }
   }
-  gathered = min(gathered, kGatherCapacity);
   const int padded = (gathered + kTileKeys - 1) / kTileKeys * kTileKeys;
   for (int i = gathered + static_cast<int>(threadIdx.x); i < padded; i += kThreads) keys[i] = 0u;
   __syncthreads();
@@ -171,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) topk_radix_kernel(R
     select(radix_topk::ChunkKeys{keys, first}, count);
   } else {
     const ScoreKeys chunk{row, count, aligned, first};
-    if (state.kept <= kGatherCapacity) {
+    if (radix_topk::cta_kept_keys(state, shared) <= kGatherCapacity) {
       __shared__ int round_counts[2][kThreads / kWarpSize];
       int32_t* const positions = reinterpret_cast<int32_t*>(keys + kGatherCapacity);
       const int gathered = gather_keys<kThreads>(chunk, state, keys, positions, round_counts);
