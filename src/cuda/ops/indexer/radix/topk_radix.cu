@@ -162,24 +162,22 @@ void launch(RadixTopkLaunch a, const RowSplit& split, int64_t tokens, cudaStream
   check_launch("topk");
 }
 
+// Every row streamed (the tests run both kinds on every shape).
+RowSplit streamed_rows(int64_t rows, int64_t n, const DeviceInfo& device) {
+  return best_split(RadixRows::streamed, rows, n, device).first;
+}
+
+template <RowSplit (*kSplit)(int64_t, int64_t, const DeviceInfo&)>
 void run(const TopkParams& p, cudaStream_t stream) {
   const RadixTopkLaunch a{topk_launch(p)};
   const int64_t tokens = p.scores.shape[0];
   if (tokens == 0 || a.k == 0) return;
-  launch(a, split_rows(tokens, a.n, device_info()), tokens, stream);
-}
-
-// Every row streamed (the tests run both kinds on every shape).
-void run_streamed(const TopkParams& p, cudaStream_t stream) {
-  const RadixTopkLaunch a{topk_launch(p)};
-  const int64_t tokens = p.scores.shape[0];
-  if (tokens == 0 || a.k == 0) return;
-  launch(a, best_split(RadixRows::streamed, tokens, a.n, device_info()).first, tokens, stream);
+  launch(a, kSplit(tokens, a.n, device_info()), tokens, stream);
 }
 
 }  // namespace
 
-const TopkImplementation kTopkRadix = {"radix", &supports, &run};
-const TopkImplementation kTopkRadixStreamed = {"radix_streamed", &supports, &run_streamed};
+const TopkImplementation kTopkRadix = {"radix", &supports, &run<split_rows>};
+const TopkImplementation kTopkRadixStreamed = {"radix_streamed", &supports, &run<streamed_rows>};
 
 }  // namespace dsv4::cuda

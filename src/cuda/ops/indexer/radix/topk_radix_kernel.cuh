@@ -48,11 +48,8 @@ constexpr size_t radix_dynamic_shared_bytes(int64_t chunk) {
 // chunk is aligned to 16 bytes (rows of a multiple of 4 scores), else four. The last read of a
 // score streams past the caches; an earlier one leaves it in L2 for the next.
 __device__ __forceinline__ float4 load_scores(const float* chunk, int i, int count, bool aligned, bool last_read) {
-  const auto load = [&](const float* p) { return last_read ? __ldcs(p) : __ldcg(p); };
-  if (aligned && i + 4 <= count) {
-    const float4* p = reinterpret_cast<const float4*>(chunk + i);
-    return last_read ? __ldcs(p) : __ldcg(p);
-  }
+  const auto load = [&](const auto* p) { return last_read ? __ldcs(p) : __ldcg(p); };
+  if (aligned && i + 4 <= count) return load(reinterpret_cast<const float4*>(chunk + i));
   float score[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) score[j] = i + j < count ? load(chunk + i + j) : -INFINITY;
