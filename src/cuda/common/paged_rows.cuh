@@ -160,6 +160,17 @@ __device__ __forceinline__ void decode_chunk16(const DeviceRows& r, const RowRef
   }
 }
 
+// decode_chunk16 of an addressable row, zeros for one that is not (a tile's rows past the end).
+template <KvRowFormat F>
+__device__ __forceinline__ void decode_chunk16_or_zeros(const DeviceRows& r, const RowRef& row, int c0, float (&out)[16]) {
+  if (row.valid()) {
+    decode_chunk16<F>(r, row, c0, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out[i] = 0.0f;
+  }
+}
+
 // Encodes tile t (< encode_tile_count) of the row x [dims] (any memory the thread can read) into
 // `row`.
 __device__ inline void encode_tile(const DeviceRows& r, const RowRef& row, const float* x, int t) {

@@ -71,14 +71,8 @@ __device__ __forceinline__ void gather_rows(const DeviceRows& cache, const RowRe
 #pragma unroll 2
     for (int item = first * kItems + threadIdx.x; item < last * kItems; item += kMmaThreads) {
       const int r = item / kItems, c0 = (item % kItems) * 16;
-      const RowRef ref = refs[r];
       float v[16];
-      if (ref.valid()) {
-        decode_chunk16<F>(cache, ref, c0, v);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = 0.0f;
-      }
+      decode_chunk16_or_zeros<F>(cache, refs[r], c0, v);
       *reinterpret_cast<uint4*>(tile + mma::tile_offset(r, c0)) =
           make_uint4(mma::pack_bf16(v[0], v[1]), mma::pack_bf16(v[2], v[3]), mma::pack_bf16(v[4], v[5]),
                      mma::pack_bf16(v[6], v[7]));

@@ -94,14 +94,8 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarpSize, 1) sparse_attenti
 #pragma unroll 4
         for (int item = first * kChunksPerRow + threadIdx.x; item < last * kChunksPerRow; item += kThreads) {
           const int r = item / kChunksPerRow, c0 = (item % kChunksPerRow) * 16;
-          const RowRef ref = refs[r];
           float v[16];
-          if (ref.valid()) {
-            decode_chunk16<decltype(format)::value>(cache, ref, c0, v);
-          } else {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) v[i] = 0.0f;
-          }
+          decode_chunk16_or_zeros<decltype(format)::value>(cache, refs[r], c0, v);
           float4* dst = shared_rows4 + r * (kHeadDim / 4) + c0 / 4;
 #pragma unroll
           for (int i = 0; i < 4; ++i) dst[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
