@@ -13,8 +13,9 @@
 // pass the later passes and write_picks read a CTA's keys again from a key source, in the CTA's
 // row order: its chunk in shared memory (the resident kernel), the keys it gathered there at or
 // above the first pass's threshold bin (the streamed kernel), or its scores in global memory (the
-// streamed kernel when its row has more keys at or above that bin than a CTA gathers). A kernel calls: clear_counts, then for each
-// of its warp's tiles count_first_pass, then first_pass, refine and write_picks.
+// streamed kernel when its chunk has more keys at or above that bin than it gathers: CTAs of one
+// row may read different sources). A kernel calls: clear_counts, then for each of its warp's
+// tiles count_first_pass, then first_pass, refine and write_picks.
 #pragma once
 
 #include <cooperative_groups.h>
