@@ -11,6 +11,7 @@
 // accumulation bound.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -465,12 +466,15 @@ struct TopkCase {
   int64_t group_size = 1;
   uint32_t seed = 1;
   bool mixed = false;  // mixed_scores, else tie_heavy_scores
+  int64_t leading_infinities = 0;  // the first scores of each row set to +inf
 };
 
 // run_topk (implementation null: through the chooser) vs reference::select_topk, bit for bit; the
 // picks start out as 0x5a5a5a5a, so an element left unwritten shows.
 void check_topk(const TopkCase& c, const TopkImplementation* implementation = nullptr) {
-  const auto scores = c.mixed ? mixed_scores(c.tokens, c.n, c.seed) : tie_heavy_scores(c.tokens * c.n, c.seed);
+  auto scores = c.mixed ? mixed_scores(c.tokens, c.n, c.seed) : tie_heavy_scores(c.tokens * c.n, c.seed);
+  for (int64_t t = 0; t < c.tokens; ++t)
+    std::fill_n(scores.begin() + t * c.n, std::min(c.leading_infinities, c.n), kInf);
   std::vector<int32_t> position(c.tokens);
   std::mt19937 rng(c.seed + 1);
   for (auto& p : position) p = static_cast<int32_t>(rng() % (c.n * std::max(c.ratio, 1) * c.group_size + 5));
@@ -565,6 +569,10 @@ TEST_F(CudaTest, TopkRadixStreamedMatchesReference) {
   // 2 % of +inf: 6000 keys tie in the threshold bin, about 750 in each CTA's chunk, which gathers
   // them. (Rows that fall back in every CTA: the mixed rows of one value or all NaN.)
   check_topk({.tokens = 3, .n = 300001, .k = 512, .ratio = 0, .seed = 183}, &kTopkRadixStreamed);
+  // The same with 6000 more at the row's start: the first CTA holds more than it gathers and reads
+  // its scores again for each pass, while the row's other CTAs gather theirs.
+  check_topk({.tokens = 3, .n = 300001, .k = 512, .ratio = 0, .seed = 184, .leading_infinities = 6000},
+             &kTopkRadixStreamed);
 }
 
 // The fallback, called directly (the chooser takes radix for these rows).
