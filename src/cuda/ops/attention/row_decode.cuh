@@ -74,41 +74,82 @@ struct E2m1Table {
 // Eight e2m1 codes (packed, the even channel in the low nibble) times the table's scale as bf16.
 __device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t codes, const E2m1Table& table) { return table.lookup8(codes); }
 
+// A lane's channels c0 … c0 + 15 of a row in their raw form: what decode16 reads (the codes of
+// each half of 8 channels, `first` = c0 + 8·upper … + 7, `second` the other half, and their scale),
+// apart from the conversion, so that a warp decoding several rows can issue all their loads before
+// it stores any result (a row's stores would otherwise hold the next row's loads behind them: both
+// are shared memory, which the compiler cannot tell apart). Only the words a format uses are kept.
+struct Raw16 {
+  uint4 first, second;  // bf16: all 16 bytes; e4m3: .x, .y; e2m1: .x
+  uint32_t scale;       // e4m3: the f32 bits of the scale; e2m1: its e4m3 code
+};
+
 // Channels c0 … c0 + 15 (c0 a multiple of 16) of a row of format F (its data bytes at `row_data`,
-// its scale bytes at `scales`) as bf16, in two halves of 8 channels: `first` = c0 + 8·upper … + 7,
-// `second` the other half (upper 0 or 1: the order a lane stores them in). The values are the row
-// codec's (code x scale), which are exact in bf16 for every format taken here.
+// its scale bytes at `scales`), loaded for decode16 below (upper 0 or 1: the order a lane stores
+// the halves in).
 template <KvRowFormat F>
-__device__ __forceinline__ void decode16(const uint8_t* row_data, const uint8_t* scales, int c0, int upper,
-                                         uint4& first, uint4& second) {
+__device__ __forceinline__ Raw16 load16(const uint8_t* row_data, const uint8_t* scales, int c0, int upper) {
   const int c_first = c0 + 8 * upper, c_second = c0 + 8 * (upper ^ 1);
   auto data = [&](int c) { return row_data + row_codec::channel_offset<F>(c); };
+  Raw16 raw{};
   switch (row_codec::channel_code<F>(c0)) {
     case row_codec::ChannelCode::bf16:
-      first = *reinterpret_cast<const uint4*>(data(c_first)), second = *reinterpret_cast<const uint4*>(data(c_second));
-      return;
+      raw.first = *reinterpret_cast<const uint4*>(data(c_first)), raw.second = *reinterpret_cast<const uint4*>(data(c_second));
+      break;
     case row_codec::ChannelCode::e4m3: {
-      const float scale = row_codec::channel_scale<F>(scales, c0, 1.0f);
-      first = e4m3x8_to_bf16(*reinterpret_cast<const uint2*>(data(c_first)), scale);
-      second = e4m3x8_to_bf16(*reinterpret_cast<const uint2*>(data(c_second)), scale);
+      const uint2 first = *reinterpret_cast<const uint2*>(data(c_first)), second = *reinterpret_cast<const uint2*>(data(c_second));
+      raw.first.x = first.x, raw.first.y = first.y, raw.second.x = second.x, raw.second.y = second.y;
+      raw.scale = __float_as_uint(row_codec::channel_scale<F>(scales, c0, 1.0f));
+      break;
+    }
+    case row_codec::ChannelCode::e2m1:
+      // v41_fp4: one e4m3 scale per 16 channels (index_mxfp4 keys, ue8m0 per 32, are not decoded here).
+      static_assert(F != KvRowFormat::index_mxfp4 && row_codec::kV41Fp4Tile == 16);
+      raw.first.x = *reinterpret_cast<const uint32_t*>(data(c_first));
+      raw.second.x = *reinterpret_cast<const uint32_t*>(data(c_second));
+      raw.scale = scales[c0 / 16];
+      break;
+    default: break;  // f32 rows are not decoded here
+  }
+  return raw;
+}
+
+// Those channels as bf16, in the same two halves. The values are the row codec's (code x scale),
+// which are exact in bf16 for every format taken here.
+template <KvRowFormat F>
+__device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first, uint4& second) {
+  switch (row_codec::channel_code<F>(c0)) {
+    case row_codec::ChannelCode::bf16: first = raw.first, second = raw.second; return;
+    case row_codec::ChannelCode::e4m3: {
+      const float scale = __uint_as_float(raw.scale);
+      first = e4m3x8_to_bf16(make_uint2(raw.first.x, raw.first.y), scale);
+      second = e4m3x8_to_bf16(make_uint2(raw.second.x, raw.second.y), scale);
       return;
     }
     case row_codec::ChannelCode::e2m1: {
-      // v41_fp4: one e4m3 scale per 16 channels (index_mxfp4 keys, ue8m0 per 32, are not decoded here).
-      static_assert(F != KvRowFormat::index_mxfp4 && row_codec::kV41Fp4Tile == 16);
-      const E2m1Table table(scales[c0 / 16]);
-      first = e2m1x8_to_bf16(*reinterpret_cast<const uint32_t*>(data(c_first)), table);
-      second = e2m1x8_to_bf16(*reinterpret_cast<const uint32_t*>(data(c_second)), table);
+      const E2m1Table table(static_cast<uint8_t>(raw.scale));
+      first = e2m1x8_to_bf16(raw.first.x, table), second = e2m1x8_to_bf16(raw.second.x, table);
       return;
     }
-    default: return;  // f32 rows are not decoded here
+    default: return;
   }
+}
+
+// Both steps at once.
+template <KvRowFormat F>
+__device__ __forceinline__ void decode16(const uint8_t* row_data, const uint8_t* scales, int c0, int upper,
+                                         uint4& first, uint4& second) {
+  decode16<F>(load16<F>(row_data, scales, c0, upper), c0, first, second);
 }
 
 // The same of a raw row copied into shared memory: its data bytes, then its scale bytes.
 template <KvRowFormat F>
+__device__ __forceinline__ Raw16 load16(const uint8_t* raw, int c0, int upper) {
+  return load16<F>(raw, raw + row_codec::data_bytes(F, kRowChannels), c0, upper);
+}
+template <KvRowFormat F>
 __device__ __forceinline__ void decode16(const uint8_t* raw, int c0, int upper, uint4& first, uint4& second) {
-  decode16<F>(raw, raw + row_codec::data_bytes(F, kRowChannels), c0, upper, first, second);
+  decode16<F>(load16<F>(raw, c0, upper), c0, first, second);
 }
 
 // Calls f(std::integral_constant<KvRowFormat, F>{}) for the format decode16 takes: v41_fp8, v41_fp4,
