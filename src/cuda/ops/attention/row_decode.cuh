@@ -31,6 +31,21 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16(uint2 codes, float scale) {
                     e4m3x2_to_bf16x2(codes.y & 0xffffu, scale), e4m3x2_to_bf16x2(codes.y >> 16, scale));
 }
 
+// Paired order: a group of eight channels stored as the bf16 pairs (0, 4), (1, 5), (2, 6), (3, 7)
+// instead of (0, 1) … (6, 7). A kernel whose Q·Kᵀ reads Q in the same order and whose P·V output
+// is stored back in channel order may decode into it: the e2m1 rows then take fewer ALU
+// instructions (E2m1Table::lookup8_paired), the decode's bound.
+__device__ __forceinline__ uint4 e4m3x8_to_bf16_paired(uint2 codes, float scale) {
+  return make_uint4(e4m3x2_to_bf16x2(__byte_perm(codes.x, codes.y, 0x40u), scale),
+                    e4m3x2_to_bf16x2(__byte_perm(codes.x, codes.y, 0x51u), scale),
+                    e4m3x2_to_bf16x2(__byte_perm(codes.x, codes.y, 0x62u), scale),
+                    e4m3x2_to_bf16x2(__byte_perm(codes.x, codes.y, 0x73u), scale));
+}
+__device__ __forceinline__ uint4 bf16x8_paired(uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410u), __byte_perm(v.x, v.z, 0x7632u), __byte_perm(v.y, v.w, 0x5410u),
+                    __byte_perm(v.y, v.w, 0x7632u));
+}
+
 // The eight e2m1 magnitudes (codes 0 … 7) times one e4m3 scale as bf16 (exact: at most 2 + 4
 // significant bits, so the bf16 products round nothing), split into byte tables for __byte_perm:
 // low bytes of codes 0-3, of 4-7, high bytes of 0-3, of 4-7. Computed once per 16 channels (they
@@ -67,6 +82,22 @@ struct E2m1Table {
       const uint32_t selector = 0x4000u + 0x1111u * k;  // byte 1 <- byte k of even_signs, byte 3 <- byte k of codes
       pairs[k] ^= __byte_perm(even_signs, codes, selector) & 0x80008000u;
     }
+    return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+  }
+  // The same codes in paired order: the magnitudes of codes (0, 1, 4, 5) and (2, 3, 6, 7) looked up
+  // together, so that each pair (k, k + 4) interleaves from one lookup, and the two signs of pair k
+  // (bits 4k + 3 and 4k + 19 of `codes`) reach its bits 15 and 31 by one shift.
+  __device__ __forceinline__ uint4 lookup8_paired(uint32_t codes) const {
+    const uint32_t magnitudes = codes & 0x77777777u;
+    uint32_t pairs[4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t index = __byte_perm(magnitudes, 0u, half == 0 ? 0x20u : 0x31u);  // codes 2h, 2h + 1, 2h + 4, 2h + 5
+      const uint32_t lo = __byte_perm(low[0], low[1], index), hi = __byte_perm(high[0], high[1], index);
+      pairs[2 * half] = __byte_perm(lo, hi, 0x6240u), pairs[2 * half + 1] = __byte_perm(lo, hi, 0x7351u);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) pairs[k] ^= (codes << (12 - 4 * k)) & 0x80008000u;
     return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
   }
 };
@@ -116,19 +147,25 @@ __device__ __forceinline__ Raw16 load16(const uint8_t* row_data, const uint8_t* 
 
 // Those channels as bf16, in the same two halves. The values are the row codec's (code x scale),
 // which are exact in bf16 for every format taken here.
-template <KvRowFormat F>
+// kPaired: each half in paired order (above).
+template <KvRowFormat F, bool kPaired = false>
 __device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first, uint4& second) {
   switch (row_codec::channel_code<F>(c0)) {
-    case row_codec::ChannelCode::bf16: first = raw.first, second = raw.second; return;
+    case row_codec::ChannelCode::bf16:
+      if constexpr (kPaired) first = bf16x8_paired(raw.first), second = bf16x8_paired(raw.second);
+      else first = raw.first, second = raw.second;
+      return;
     case row_codec::ChannelCode::e4m3: {
       const float scale = __uint_as_float(raw.scale);
-      first = e4m3x8_to_bf16(make_uint2(raw.first.x, raw.first.y), scale);
-      second = e4m3x8_to_bf16(make_uint2(raw.second.x, raw.second.y), scale);
+      const uint2 a = make_uint2(raw.first.x, raw.first.y), b = make_uint2(raw.second.x, raw.second.y);
+      if constexpr (kPaired) first = e4m3x8_to_bf16_paired(a, scale), second = e4m3x8_to_bf16_paired(b, scale);
+      else first = e4m3x8_to_bf16(a, scale), second = e4m3x8_to_bf16(b, scale);
       return;
     }
     case row_codec::ChannelCode::e2m1: {
       const E2m1Table table(static_cast<uint8_t>(raw.scale));
-      first = e2m1x8_to_bf16(raw.first.x, table), second = e2m1x8_to_bf16(raw.second.x, table);
+      if constexpr (kPaired) first = table.lookup8_paired(raw.first.x), second = table.lookup8_paired(raw.second.x);
+      else first = e2m1x8_to_bf16(raw.first.x, table), second = e2m1x8_to_bf16(raw.second.x, table);
       return;
     }
     default: return;

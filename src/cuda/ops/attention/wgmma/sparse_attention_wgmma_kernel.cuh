@@ -216,8 +216,21 @@ static_assert(kProducerRegisters<true> * kProducerThreads + kConsumerRegisters<t
 // Rows a consumer warp decodes per tile, in groups of a producer warp's (kRowsPerProducerWarp).
 inline constexpr int kRowsPerConsumerWarp = kTileRows / (kConsumerThreads / kWarpSize);
 
+// The bf16 tiles of a decoded format hold each group of eight channels in paired order (row_decode.cuh:
+// the decode's bound, its ALU instructions, is a sixth lower than in channel order); Q is staged in
+// the same order, and the outputs go back to channel order as they are stored. Rows copied as
+// bf16 (kDirect) keep channel order.
+template <KvRowFormat kWindow, KvRowFormat kCompressed>
+inline constexpr bool kPairedTiles = !(kWindow == KvRowFormat::bf16 && kCompressed == KvRowFormat::bf16);
+// The channel of position p (of a group's eight) in the tiles' order.
+template <bool kPaired>
+__host__ __device__ constexpr int tile_channel(int p) {
+  return kPaired ? (p % 8) / 2 + 4 * (p % 2) + p / 8 * 8 : p;
+}
+
 // Lane `lane`'s 16 channels of raw rows r … r + kRows - 1 (format F; raw rows kRowBytes apart)
-// decoded to bf16 and stored into rows row0 + r … of the SW128 tile. Two rows' loads are in flight
+// decoded to bf16 in paired order (row_decode.cuh; see paired_tiles) and stored into rows row0 + r …
+// of the SW128 tile. Two rows' loads are in flight
 // (row_decode::Raw16): each row's are issued before the stores of the row two earlier, which would
 // otherwise hold them back (measured: b128 −0.9 us, the direct prefill −2.7 %; four ahead gained
 // no more and spills at the consumers' 208 registers). Lanes 4-7 of each quarter warp store their
@@ -233,7 +246,7 @@ __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, in
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     uint4 first, second;
-    row_decode::decode16<F>(loaded[k % kAhead], c0, first, second);
+    row_decode::decode16<F, /*kPaired=*/true>(loaded[k % kAhead], c0, first, second);
     if (k + kAhead < kRows) loaded[k % kAhead] = load(k + kAhead);
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * upper_first)) = first;
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * (upper_first ^ 1))) = second;
@@ -276,7 +289,7 @@ __device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, i
 // stores to 8 heads fall on different banks), then copied out in 16-byte pieces, whole sectors in
 // order, where a lane's own values are 4 bytes (bf16) of 8 heads. (A split's fp32 partials go out
 // directly: a quarter warp's 8-byte values fill whole sectors.)
-template <class Out>
+template <class Out, bool kPaired>
 __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch& a, int64_t t, int head0, int head_end,
                                                     int half, int lane, const float (&acc)[kOutTiles][4],
                                                     const mma::SoftmaxState& state, uint8_t* stage) {
@@ -285,7 +298,13 @@ __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch&
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, column0 = 2 * (lane & 3);
   mma::finish_output(a, t, head0 + warp_in_group * 16, head_end, half == 0, lane, acc, state,
                      [&](int head, int j, float x, float y) {
-                       mma::store_pair(rows + (head - head0) * kRowValues + column0 + 8 * j, x, y);
+                       Out* const row = rows + (head - head0) * kRowValues + 8 * j;
+                       if constexpr (kPaired) {
+                         mma::store_one(row + tile_channel<true>(column0), x);
+                         mma::store_one(row + tile_channel<true>(column0 + 1), y);
+                       } else {
+                         mma::store_pair(row + column0, x, y);
+                       }
                      });
   barrier_sync(kStagedBarrier + half, kConsumerThreads / 2);
   const int heads = head_end - head0;
@@ -366,7 +385,7 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 // rows and stats of a head group's padding are not written, and nothing read of them is used.
 // Called by the 256 consumer threads of every block of the cluster (the producers have exited,
 // which releases them from its barriers).
-template <class Out>
+template <class Out, bool kPaired>
 __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0,
                                                         int head_end, int half, int lane,
                                                         const float (&acc)[kOutTiles][4],
@@ -383,9 +402,11 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
     const int head = warp_in_group * 16 + g + 8 * r;
     if (head >= heads) continue;  // a head group's padding
 #pragma unroll
-    for (int j = 0; j < kOutTiles; ++j)
-      *reinterpret_cast<float2*>(partial + head * kPartialRowValues + half * kHalfChannels + 8 * j + 2 * c) =
-          make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+    for (int j = 0; j < kOutTiles; ++j) {
+      float* const row = partial + head * kPartialRowValues + half * kHalfChannels + 8 * j;
+      if constexpr (kPaired) row[c] = acc[j][2 * r], row[c + 4] = acc[j][2 * r + 1];
+      else *reinterpret_cast<float2*>(row + 2 * c) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+    }
     if (half == 0 && c == 0) stats[head] = make_float2(state.running_max[r], state.running_sum[r]);
   }
   // Every block's partial is whole: its shared-memory writes released to the cluster, acquired by
@@ -748,6 +769,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   // Consumers: warpgroup `half` scores rows [32·half, 32·half + 32) of each tile and computes output
   // channels [256·half, 256·half + 256).
   claim_registers<kConsumerRegisters<R::kConsumersDecode>>();
+  constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>;
   constexpr int kQRegisterSteps = R::kQRegisterSteps, kQSharedChannels = kHeadDim - R::kQSharedFirst;
   // Broadcast from lane 0, so that ptxas knows it is warp-uniform: the descriptors built from it
   // then stay in uniform registers (else each wgmma's costs a 64-bit add and two R2UR moves).
@@ -762,17 +784,28 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + channel), true, q_policy);
     else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
-  // The A fragments of Q's first k steps: the warp's heads 16·w + g (+ 8), channels 16k + 2c (+ 8).
+  // The A fragments of Q's first k steps: the warp's heads 16·w + g (+ 8), positions 16k + 2c (+ 8)
+  // and the next (channels c and c + 4 of their group in paired order).
   uint32_t q_first[kQRegisterSteps][4];
   const int head_base = head0 + warp_in_group * 16, g = lane / 4, c = lane % 4;
 #pragma unroll
   for (int k = 0; k < kQRegisterSteps; ++k)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int head = head_base + g + 8 * (e & 1), channel = 16 * k + 2 * c + 8 * (e >> 1);
-      q_first[k][e] = head < head_end ? *reinterpret_cast<const uint32_t*>(a.q + (t * a.heads + head) * kHeadDim + channel) : 0u;
+      const int head = head_base + g + 8 * (e & 1), position = 16 * k + 2 * c + 8 * (e >> 1);
+      const uint16_t* const q_row = a.q + (t * a.heads + head) * kHeadDim;
+      if (head >= head_end) q_first[k][e] = 0u;
+      else if constexpr (kPaired)
+        q_first[k][e] = uint32_t{q_row[tile_channel<true>(position)]} | uint32_t{q_row[tile_channel<true>(position + 1)]} << 16;
+      else q_first[k][e] = *reinterpret_cast<const uint32_t*>(q_row + position);
     }
   cp_async_wait_all();
+  if constexpr (kPaired)  // Q's shared channels, each thread's own pieces, into paired order
+    for (int item = threadIdx.x; item < kHeadsPerBlock * (kQSharedChannels / 8); item += kConsumerThreads) {
+      uint4* const piece = reinterpret_cast<uint4*>(
+          q_tile + wgmma::sw128_offset(kHeadsPerBlock, item / (kQSharedChannels / 8), (item % (kQSharedChannels / 8)) * 8));
+      *piece = row_decode::bf16x8_paired(*piece);
+    }
   wgmma::fence_shared_for_async_proxy();
   barrier_sync(kConsumerBarrier, kConsumerThreads);
   DSV4_PHASE_STAMP(kStampQLanded);
@@ -915,9 +948,9 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   for (int r = 0; r < 2; ++r)
     softmax.running_sum[r] = exchange[warp_in_group * 16 + g + 8 * r] + exchange[kHeadsPerBlock + warp_in_group * 16 + g + 8 * r];
   if (a.splits > 1) {
-    merge_splits_in_cluster<Out>(a, t, head0, head_end, half, lane, acc, softmax, shared);
+    merge_splits_in_cluster<Out, kPaired>(a, t, head0, head_end, half, lane, acc, softmax, shared);
   } else {
-    write_output_staged<Out>(a, t, head0, head_end, half, lane, acc, softmax,
+    write_output_staged<Out, kPaired>(a, t, head0, head_end, half, lane, acc, softmax,
                              shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
   }
   DSV4_PHASE_STAMP(kStampEnd);
