@@ -113,6 +113,9 @@ __device__ __forceinline__ __nv_bfloat162 e2m1_scale_times_2_119(uint8_t scale_c
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(scale_code), __NV_E4M3);
   return __float2bfloat162_rn(__half2float(__half(__half_raw{h.x})) * 0x1p119f);
 }
+// kScaled: leave the values times 2^-7 (kScaledFp4Factor below), for a kernel that compensates.
+inline constexpr float kScaledFp4Factor = 128.0f;
+template <bool kScaled>
 __device__ __forceinline__ uint4 e2m1x8_to_bf16_paired_bits(uint32_t codes, __nv_bfloat162 scale_2_119) {
   uint32_t pairs[4];
 #pragma unroll
@@ -120,9 +123,7 @@ __device__ __forceinline__ uint4 e2m1x8_to_bf16_paired_bits(uint32_t codes, __nv
     const uint32_t magnitudes = (k < 2 ? codes << (6 - 4 * k) : codes >> (4 * k - 6)) & 0x01c001c0u;
     const uint32_t bits = magnitudes | ((codes << (12 - 4 * k)) & 0x80008000u);
     __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), scale_2_119);
-#ifndef DSV4_PROBE_ONE_MULTIPLY  // timing probe only: leaves the values 2^-7 too small
-    v = __hmul2(v, __floats2bfloat162_rn(128.0f, 128.0f));
-#endif
+    if constexpr (!kScaled) v = __hmul2(v, __floats2bfloat162_rn(kScaledFp4Factor, kScaledFp4Factor));
     pairs[k] = *reinterpret_cast<const uint32_t*>(&v);
   }
   return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
@@ -174,7 +175,7 @@ __device__ __forceinline__ Raw16 load16(const uint8_t* row_data, const uint8_t* 
 // Those channels as bf16, in the same two halves. The values are the row codec's (code x scale),
 // which are exact in bf16 for every format taken here.
 // kPaired: each half in paired order (above).
-template <KvRowFormat F, bool kPaired = false>
+template <KvRowFormat F, bool kPaired = false, bool kScaledFp4 = false>
 __device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first, uint4& second) {
   switch (row_codec::channel_code<F>(c0)) {
     case row_codec::ChannelCode::bf16:
@@ -191,7 +192,8 @@ __device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first,
     case row_codec::ChannelCode::e2m1: {
       if constexpr (kPaired) {
         const __nv_bfloat162 scale = e2m1_scale_times_2_119(static_cast<uint8_t>(raw.scale));
-        first = e2m1x8_to_bf16_paired_bits(raw.first.x, scale), second = e2m1x8_to_bf16_paired_bits(raw.second.x, scale);
+        first = e2m1x8_to_bf16_paired_bits<kScaledFp4>(raw.first.x, scale);
+        second = e2m1x8_to_bf16_paired_bits<kScaledFp4>(raw.second.x, scale);
         return;
       }
       const E2m1Table table(static_cast<uint8_t>(raw.scale));

@@ -235,7 +235,7 @@ __host__ __device__ constexpr int tile_channel(int p) {
 // otherwise hold them back (measured: b128 −0.9 us, the direct prefill −2.7 %; four ahead gained
 // no more and spills at the consumers' 208 registers). Lanes 4-7 of each quarter warp store their
 // upper chunk first, so that a quarter warp's 8 stores fall on 8 different groups of banks.
-template <KvRowFormat F, int kRowBytes, int kRows = 1>
+template <KvRowFormat F, int kRowBytes, int kRows = 1, bool kScaledFp4 = false>
 __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, int row0, int r, int lane) {
   constexpr int kAhead = kRows < 2 ? kRows : 2;
   const int c0 = lane * 16, upper_first = (lane >> 2) & 1;
@@ -246,7 +246,7 @@ __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, in
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     uint4 first, second;
-    row_decode::decode16<F, /*kPaired=*/true>(loaded[k % kAhead], c0, first, second);
+    row_decode::decode16<F, /*kPaired=*/true, kScaledFp4>(loaded[k % kAhead], c0, first, second);
     if (k + kAhead < kRows) loaded[k % kAhead] = load(k + kAhead);
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * upper_first)) = first;
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * (upper_first ^ 1))) = second;
@@ -825,6 +825,9 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   auto step_offset = [](int k) { return static_cast<uint32_t>(((k / 4) * kTileRows * 128 + (k % 4) * 32) >> 4); };
   // Consumers that decode: the warp's rows of tile `tile_index` from the ring into its stage, once
   // the producer has handed them over; the ring then takes the next tile's.
+  // Narrow tiles of v41_fp4 rows decode to the values times 2^-7 (row_decode.cuh: one multiply
+  // less a pair); their scores and P are scaled back by 2^7, exactly.
+  constexpr bool kScaledNarrow = R::kConsumersDecode && kCompressed == KvRowFormat::v41_fp4;
   auto decode_tile = [&](int tile_index) {
     mbarrier_wait(tile_landed + 8 * (tile_index % 2), (tile_index / 2) & 1);
     uint8_t* const tile = tiles + (tile_index % 2) * kTileBytes;
@@ -839,7 +842,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
         decode_rows<kWindow, kCompressed, R::kRowBytes>(raw + row0 * R::kRowBytes, tile, row0, window_rows, lane);
       }
     } else {
-      decode_row<kCompressed, R::kNarrowRowBytes, kRowsPerConsumerWarp>(
+      decode_row<kCompressed, R::kNarrowRowBytes, kRowsPerConsumerWarp, kScaledNarrow>(
           raw + warp * kRowsPerConsumerWarp * R::kNarrowRowBytes, tile, warp * kRowsPerConsumerWarp, 0, lane);
     }
     if (tile_index + 1 < n_tiles) barrier_arrive(kRawFreeBarrier + tile_index % 2, kThreads);
@@ -890,12 +893,19 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     // the barrier, and the bf16 rows' would need a barrier at each tile's start; both measured
     // slower.)
     float tile_max[2];
-    mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
+    const bool scaled_tile = kScaledNarrow && !is_wide_tile(rows, first_row, i);
+    mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half),
+                         scaled_tile ? scale_log2 * row_decode::kScaledFp4Factor : scale_log2, lane, tile_max);
     if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
     // P of the warpgroup's rows, as bf16, into the P tile: element e of the A fragment of its k
     // step k, rows 16k + 2c (+ 8) of this half.
     const uint32_t p_address = shared_address(p_tile);
     auto store_p = [&](int k, int e, uint32_t pair) {
+      if (scaled_tile) {
+        const __nv_bfloat162 scaled = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair),
+                                              __floats2bfloat162_rn(row_decode::kScaledFp4Factor, row_decode::kScaledFp4Factor));
+        pair = *reinterpret_cast<const uint32_t*>(&scaled);
+      }
       const int head = warp_in_group * 16 + g + 8 * (e & 1), row = half * kWarpgroupRows + 16 * k + 8 * (e >> 1);
       store_shared_u32(p_address + wgmma::sw128_offset(kHeadsPerBlock, head, row) + 4 * c, pair);
     };
