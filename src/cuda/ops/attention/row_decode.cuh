@@ -33,8 +33,8 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16(uint2 codes, float scale) {
 
 // Paired order: a group of eight channels stored as the bf16 pairs (0, 4), (1, 5), (2, 6), (3, 7)
 // instead of (0, 1) … (6, 7). A kernel whose Q·Kᵀ reads Q in the same order and whose P·V output
-// is stored back in channel order may decode into it: the e2m1 rows then take fewer ALU
-// instructions (E2m1Table::lookup8_paired), the decode's bound.
+// is stored back in channel order may decode into it: the e2m1 codes then decode by moving bits
+// (e2m1x8_to_bf16_paired_bits), without the table's lookups.
 __device__ __forceinline__ uint4 e4m3x8_to_bf16_paired(uint2 codes, float scale) {
   return make_uint4(e4m3x2_to_bf16x2(__byte_perm(codes.x, codes.y, 0x40u), scale),
                     e4m3x2_to_bf16x2(__byte_perm(codes.x, codes.y, 0x51u), scale),
@@ -82,22 +82,6 @@ struct E2m1Table {
       const uint32_t selector = 0x4000u + 0x1111u * k;  // byte 1 <- byte k of even_signs, byte 3 <- byte k of codes
       pairs[k] ^= __byte_perm(even_signs, codes, selector) & 0x80008000u;
     }
-    return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
-  }
-  // The same codes in paired order: the magnitudes of codes (0, 1, 4, 5) and (2, 3, 6, 7) looked up
-  // together, so that each pair (k, k + 4) interleaves from one lookup, and the two signs of pair k
-  // (bits 4k + 3 and 4k + 19 of `codes`) reach its bits 15 and 31 by one shift.
-  __device__ __forceinline__ uint4 lookup8_paired(uint32_t codes) const {
-    const uint32_t magnitudes = codes & 0x77777777u;
-    uint32_t pairs[4];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint32_t index = __byte_perm(magnitudes, 0u, half == 0 ? 0x20u : 0x31u);  // codes 2h, 2h + 1, 2h + 4, 2h + 5
-      const uint32_t lo = __byte_perm(low[0], low[1], index), hi = __byte_perm(high[0], high[1], index);
-      pairs[2 * half] = __byte_perm(lo, hi, 0x6240u), pairs[2 * half + 1] = __byte_perm(lo, hi, 0x7351u);
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) pairs[k] ^= (codes << (12 - 4 * k)) & 0x80008000u;
     return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
   }
 };
@@ -197,8 +181,7 @@ __device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first,
         return;
       }
       const E2m1Table table(static_cast<uint8_t>(raw.scale));
-      if constexpr (kPaired) first = table.lookup8_paired(raw.first.x), second = table.lookup8_paired(raw.second.x);
-      else first = e2m1x8_to_bf16(raw.first.x, table), second = e2m1x8_to_bf16(raw.second.x, table);
+      first = e2m1x8_to_bf16(raw.first.x, table), second = e2m1x8_to_bf16(raw.second.x, table);
       return;
     }
     default: return;

@@ -216,12 +216,13 @@ static_assert(kProducerRegisters<true> * kProducerThreads + kConsumerRegisters<t
 // Rows a consumer warp decodes per tile, in groups of a producer warp's (kRowsPerProducerWarp).
 inline constexpr int kRowsPerConsumerWarp = kTileRows / (kConsumerThreads / kWarpSize);
 
-// The bf16 tiles of a decoded format hold each group of eight channels in paired order (row_decode.cuh:
-// the decode's bound, its ALU instructions, is a sixth lower than in channel order); Q is staged in
-// the same order, and the outputs go back to channel order as they are stored. Rows copied as
-// bf16 (kDirect) keep channel order.
+// The bf16 tiles of the V4.1 native rows hold each group of eight channels in paired order
+// (row_decode.cuh), where their v41_fp4 picks decode by moving bits instead of a table lookup (the
+// decode, the consumers' bound, then takes a fraction of the ALU instructions); their window rows
+// pay a byte permute a pair for it. Q is staged in the same order, and the outputs go back to
+// channel order as they are stored. Other formats keep channel order.
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
-inline constexpr bool kPairedTiles = !(kWindow == KvRowFormat::bf16 && kCompressed == KvRowFormat::bf16);
+inline constexpr bool kPairedTiles = kCompressed == KvRowFormat::v41_fp4;
 // The channel of position p (of a group's eight) in the tiles' order.
 template <bool kPaired>
 __host__ __device__ constexpr int tile_channel(int p) {
@@ -229,13 +230,13 @@ __host__ __device__ constexpr int tile_channel(int p) {
 }
 
 // Lane `lane`'s 16 channels of raw rows r … r + kRows - 1 (format F; raw rows kRowBytes apart)
-// decoded to bf16 in paired order (row_decode.cuh; see paired_tiles) and stored into rows row0 + r …
-// of the SW128 tile. Two rows' loads are in flight
+// decoded to bf16 (in paired order: kPairedTiles; v41_fp4 values times 2^-7: kScaledFp4) and stored
+// into rows row0 + r … of the SW128 tile. Two rows' loads are in flight
 // (row_decode::Raw16): each row's are issued before the stores of the row two earlier, which would
 // otherwise hold them back (measured: b128 −0.9 us, the direct prefill −2.7 %; four ahead gained
 // no more and spills at the consumers' 208 registers). Lanes 4-7 of each quarter warp store their
 // upper chunk first, so that a quarter warp's 8 stores fall on 8 different groups of banks.
-template <KvRowFormat F, int kRowBytes, int kRows = 1, bool kScaledFp4 = false>
+template <KvRowFormat F, int kRowBytes, bool kPaired, int kRows = 1, bool kScaledFp4 = false>
 __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, int row0, int r, int lane) {
   constexpr int kAhead = kRows < 2 ? kRows : 2;
   const int c0 = lane * 16, upper_first = (lane >> 2) & 1;
@@ -246,7 +247,7 @@ __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, in
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     uint4 first, second;
-    row_decode::decode16<F, /*kPaired=*/true, kScaledFp4>(loaded[k % kAhead], c0, first, second);
+    row_decode::decode16<F, kPaired, kScaledFp4>(loaded[k % kAhead], c0, first, second);
     if (k + kAhead < kRows) loaded[k % kAhead] = load(k + kAhead);
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * upper_first)) = first;
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * (upper_first ^ 1))) = second;
@@ -265,8 +266,9 @@ template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
 __device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
 #pragma unroll 1
   for (int r = 0; r < kRowsPerProducerWarp; ++r) {
-    if (r < window_rows) decode_row<kWindow, kRowBytes>(raw, tile, row0, r, lane);
-    else decode_row<kCompressed, kRowBytes>(raw, tile, row0, r, lane);
+    constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>;
+    if (r < window_rows) decode_row<kWindow, kRowBytes, kPaired>(raw, tile, row0, r, lane);
+    else decode_row<kCompressed, kRowBytes, kPaired>(raw, tile, row0, r, lane);
   }
 }
 
@@ -275,10 +277,11 @@ __device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile
 // chains).
 template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
 __device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
+  constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>;
   if (window_rows == 0) {
-    decode_row<kCompressed, kRowBytes, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
+    decode_row<kCompressed, kRowBytes, kPaired, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
   } else if (window_rows == kRowsPerProducerWarp) {
-    decode_row<kWindow, kRowBytes, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
+    decode_row<kWindow, kRowBytes, kPaired, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
   } else {
     decode_mixed_rows<kWindow, kCompressed, kRowBytes>(raw, tile, row0, window_rows, lane);
   }
@@ -842,7 +845,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
         decode_rows<kWindow, kCompressed, R::kRowBytes>(raw + row0 * R::kRowBytes, tile, row0, window_rows, lane);
       }
     } else {
-      decode_row<kCompressed, R::kNarrowRowBytes, kRowsPerConsumerWarp, kScaledNarrow>(
+      decode_row<kCompressed, R::kNarrowRowBytes, kPaired, kRowsPerConsumerWarp, kScaledNarrow>(
           raw + warp * kRowsPerConsumerWarp * R::kNarrowRowBytes, tile, warp * kRowsPerConsumerWarp, 0, lane);
     }
     if (tile_index + 1 < n_tiles) barrier_arrive(kRawFreeBarrier + tile_index % 2, kThreads);
