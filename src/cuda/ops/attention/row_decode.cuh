@@ -97,8 +97,8 @@ __device__ __forceinline__ __nv_bfloat162 e2m1_scale_times_2_119(uint8_t scale_c
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(scale_code), __NV_E4M3);
   return __float2bfloat162_rn(__half2float(__half(__half_raw{h.x})) * 0x1p119f);
 }
-// kScaled: leave the values times 2^-7 (kScaledFp4Factor below), for a kernel that compensates.
-inline constexpr float kScaledFp4Factor = 128.0f;
+// kScaled: leave the values times 2^-7 (kScaledFactor below), for a kernel that compensates.
+inline constexpr float kScaledFactor = 128.0f;
 template <bool kScaled>
 __device__ __forceinline__ uint4 e2m1x8_to_bf16_paired_bits(uint32_t codes, __nv_bfloat162 scale_2_119) {
   uint32_t pairs[4];
@@ -107,7 +107,7 @@ __device__ __forceinline__ uint4 e2m1x8_to_bf16_paired_bits(uint32_t codes, __nv
     const uint32_t magnitudes = (k < 2 ? codes << (6 - 4 * k) : codes >> (4 * k - 6)) & 0x01c001c0u;
     const uint32_t bits = magnitudes | ((codes << (12 - 4 * k)) & 0x80008000u);
     __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), scale_2_119);
-    if constexpr (!kScaled) v = __hmul2(v, __floats2bfloat162_rn(kScaledFp4Factor, kScaledFp4Factor));
+    if constexpr (!kScaled) v = __hmul2(v, __floats2bfloat162_rn(kScaledFactor, kScaledFactor));
     pairs[k] = *reinterpret_cast<const uint32_t*>(&v);
   }
   return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
@@ -158,16 +158,18 @@ __device__ __forceinline__ Raw16 load16(const uint8_t* row_data, const uint8_t* 
 
 // Those channels as bf16, in the same two halves. The values are the row codec's (code x scale),
 // which are exact in bf16 for every format taken here.
-// kPaired: each half in paired order (above).
-template <KvRowFormat F, bool kPaired = false, bool kScaledFp4 = false>
+// kPaired: each half in paired order (above). kScaled (V4.1 native rows): the values times 2^-7,
+// which saves the e2m1 codes a multiply a pair and costs the e4m3 codes one a 16 channels.
+template <KvRowFormat F, bool kPaired = false, bool kScaled = false>
 __device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first, uint4& second) {
+  static_assert(!kScaled || F == KvRowFormat::v41_fp8 || F == KvRowFormat::v41_fp4);
   switch (row_codec::channel_code<F>(c0)) {
     case row_codec::ChannelCode::bf16:
       if constexpr (kPaired) first = bf16x8_paired(raw.first), second = bf16x8_paired(raw.second);
       else first = raw.first, second = raw.second;
       return;
     case row_codec::ChannelCode::e4m3: {
-      const float scale = __uint_as_float(raw.scale);
+      const float scale = __uint_as_float(raw.scale) * (kScaled ? 1.0f / kScaledFactor : 1.0f);
       const uint2 a = make_uint2(raw.first.x, raw.first.y), b = make_uint2(raw.second.x, raw.second.y);
       if constexpr (kPaired) first = e4m3x8_to_bf16_paired(a, scale), second = e4m3x8_to_bf16_paired(b, scale);
       else first = e4m3x8_to_bf16(a, scale), second = e4m3x8_to_bf16(b, scale);
@@ -176,8 +178,8 @@ __device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first,
     case row_codec::ChannelCode::e2m1: {
       if constexpr (kPaired) {
         const __nv_bfloat162 scale = e2m1_scale_times_2_119(static_cast<uint8_t>(raw.scale));
-        first = e2m1x8_to_bf16_paired_bits<kScaledFp4>(raw.first.x, scale);
-        second = e2m1x8_to_bf16_paired_bits<kScaledFp4>(raw.second.x, scale);
+        first = e2m1x8_to_bf16_paired_bits<kScaled>(raw.first.x, scale);
+        second = e2m1x8_to_bf16_paired_bits<kScaled>(raw.second.x, scale);
         return;
       }
       const E2m1Table table(static_cast<uint8_t>(raw.scale));

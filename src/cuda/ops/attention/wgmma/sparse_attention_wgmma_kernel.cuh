@@ -223,6 +223,11 @@ inline constexpr int kRowsPerConsumerWarp = kTileRows / (kConsumerThreads / kWar
 // channel order as they are stored. Other formats keep channel order.
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
 inline constexpr bool kPairedTiles = kCompressed == KvRowFormat::v41_fp4;
+// Their values are also times 2^-7 (row_decode::decode16's kScaled: one multiply less a pair of
+// v41_fp4 codes). The scores are scaled back through the softmax's scale and the accumulators after
+// the last tile, by powers of two: the same reals, so the same bits.
+template <KvRowFormat kWindow, KvRowFormat kCompressed>
+inline constexpr bool kScaledTiles = kPairedTiles<kWindow, kCompressed>;
 // The channel of position p (of a group's eight) in the tiles' order.
 template <bool kPaired>
 __host__ __device__ constexpr int tile_channel(int p) {
@@ -230,13 +235,13 @@ __host__ __device__ constexpr int tile_channel(int p) {
 }
 
 // Lane `lane`'s 16 channels of raw rows r … r + kRows - 1 (format F; raw rows kRowBytes apart)
-// decoded to bf16 (in paired order: kPairedTiles; v41_fp4 values times 2^-7: kScaledFp4) and stored
+// decoded to bf16 (in paired order: kPairedTiles; times 2^-7: kScaledTiles) and stored
 // into rows row0 + r … of the SW128 tile. Two rows' loads are in flight
 // (row_decode::Raw16): each row's are issued before the stores of the row two earlier, which would
 // otherwise hold them back (measured: b128 −0.9 us, the direct prefill −2.7 %; four ahead gained
 // no more and spills at the consumers' 208 registers). Lanes 4-7 of each quarter warp store their
 // upper chunk first, so that a quarter warp's 8 stores fall on 8 different groups of banks.
-template <KvRowFormat F, int kRowBytes, bool kPaired, int kRows = 1, bool kScaledFp4 = false>
+template <KvRowFormat F, int kRowBytes, bool kPaired, bool kScaled, int kRows = 1>
 __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, int row0, int r, int lane) {
   constexpr int kAhead = kRows < 2 ? kRows : 2;
   const int c0 = lane * 16, upper_first = (lane >> 2) & 1;
@@ -247,7 +252,7 @@ __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, in
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     uint4 first, second;
-    row_decode::decode16<F, kPaired, kScaledFp4>(loaded[k % kAhead], c0, first, second);
+    row_decode::decode16<F, kPaired, kScaled>(loaded[k % kAhead], c0, first, second);
     if (k + kAhead < kRows) loaded[k % kAhead] = load(k + kAhead);
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * upper_first)) = first;
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * (upper_first ^ 1))) = second;
@@ -266,9 +271,9 @@ template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
 __device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
 #pragma unroll 1
   for (int r = 0; r < kRowsPerProducerWarp; ++r) {
-    constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>;
-    if (r < window_rows) decode_row<kWindow, kRowBytes, kPaired>(raw, tile, row0, r, lane);
-    else decode_row<kCompressed, kRowBytes, kPaired>(raw, tile, row0, r, lane);
+    constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>, kScaled = kScaledTiles<kWindow, kCompressed>;
+    if (r < window_rows) decode_row<kWindow, kRowBytes, kPaired, kScaled>(raw, tile, row0, r, lane);
+    else decode_row<kCompressed, kRowBytes, kPaired, kScaled>(raw, tile, row0, r, lane);
   }
 }
 
@@ -277,11 +282,11 @@ __device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile
 // chains).
 template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
 __device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
-  constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>;
+  constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>, kScaled = kScaledTiles<kWindow, kCompressed>;
   if (window_rows == 0) {
-    decode_row<kCompressed, kRowBytes, kPaired, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
+    decode_row<kCompressed, kRowBytes, kPaired, kScaled, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
   } else if (window_rows == kRowsPerProducerWarp) {
-    decode_row<kWindow, kRowBytes, kPaired, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
+    decode_row<kWindow, kRowBytes, kPaired, kScaled, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
   } else {
     decode_mixed_rows<kWindow, kCompressed, kRowBytes>(raw, tile, row0, window_rows, lane);
   }
@@ -817,7 +822,8 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   float acc[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  const float scale_log2 = a.scale * kLog2e;
+  constexpr float kTileValueScale = kScaledTiles<kWindow, kCompressed> ? row_decode::kScaledFactor : 1.0f;
+  const float scale_log2 = a.scale * kLog2e * kTileValueScale;
   // The lane's two heads in the exchange, the other warpgroup's entries kHeadsPerBlock away.
   float* const exchange_own = exchange + half * kHeadsPerBlock + warp_in_group * 16 + g;
   const float* const exchange_other = exchange + (half ^ 1) * kHeadsPerBlock + warp_in_group * 16 + g;
@@ -828,9 +834,6 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   auto step_offset = [](int k) { return static_cast<uint32_t>(((k / 4) * kTileRows * 128 + (k % 4) * 32) >> 4); };
   // Consumers that decode: the warp's rows of tile `tile_index` from the ring into its stage, once
   // the producer has handed them over; the ring then takes the next tile's.
-  // Narrow tiles of v41_fp4 rows decode to the values times 2^-7 (row_decode.cuh: one multiply
-  // less a pair); their scores and P are scaled back by 2^7, exactly.
-  constexpr bool kScaledNarrow = R::kConsumersDecode && kCompressed == KvRowFormat::v41_fp4;
   auto decode_tile = [&](int tile_index) {
     mbarrier_wait(tile_landed + 8 * (tile_index % 2), (tile_index / 2) & 1);
     uint8_t* const tile = tiles + (tile_index % 2) * kTileBytes;
@@ -845,7 +848,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
         decode_rows<kWindow, kCompressed, R::kRowBytes>(raw + row0 * R::kRowBytes, tile, row0, window_rows, lane);
       }
     } else {
-      decode_row<kCompressed, R::kNarrowRowBytes, kPaired, kRowsPerConsumerWarp, kScaledNarrow>(
+      decode_row<kCompressed, R::kNarrowRowBytes, kPaired, kScaledTiles<kWindow, kCompressed>, kRowsPerConsumerWarp>(
           raw + warp * kRowsPerConsumerWarp * R::kNarrowRowBytes, tile, warp * kRowsPerConsumerWarp, 0, lane);
     }
     if (tile_index + 1 < n_tiles) barrier_arrive(kRawFreeBarrier + tile_index % 2, kThreads);
@@ -896,19 +899,12 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     // the barrier, and the bf16 rows' would need a barrier at each tile's start; both measured
     // slower.)
     float tile_max[2];
-    const bool scaled_tile = kScaledNarrow && !is_wide_tile(rows, first_row, i);
-    mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half),
-                         scaled_tile ? scale_log2 * row_decode::kScaledFp4Factor : scale_log2, lane, tile_max);
+    mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
     if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
     // P of the warpgroup's rows, as bf16, into the P tile: element e of the A fragment of its k
     // step k, rows 16k + 2c (+ 8) of this half.
     const uint32_t p_address = shared_address(p_tile);
     auto store_p = [&](int k, int e, uint32_t pair) {
-      if (scaled_tile) {
-        const __nv_bfloat162 scaled = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair),
-                                              __floats2bfloat162_rn(row_decode::kScaledFp4Factor, row_decode::kScaledFp4Factor));
-        pair = *reinterpret_cast<const uint32_t*>(&scaled);
-      }
       const int head = warp_in_group * 16 + g + 8 * (e & 1), row = half * kWarpgroupRows + 16 * k + 8 * (e >> 1);
       store_shared_u32(p_address + wgmma::sw128_offset(kHeadsPerBlock, head, row) + 4 * c, pair);
     };
@@ -952,6 +948,11 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       if (i + 2 < n_tiles) barrier_arrive(kEmptyBarrier + stage, kThreads);  // the producer waits for it at tile i + 2
   }
 
+  if constexpr (kTileValueScale != 1.0f)
+#pragma unroll
+    for (int j = 0; j < kOutTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] *= kTileValueScale;
   // Each warpgroup's sums cover its rows: both take the same total. (Every consumer read the last
   // maxima before the last P barrier, and after this barrier every MMA is done: Q, P and the tiles
   // are free to stage the output.)
