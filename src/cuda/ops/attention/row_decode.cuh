@@ -162,7 +162,8 @@ __device__ __forceinline__ Raw16 load16(const uint8_t* row_data, const uint8_t* 
 // which saves the e2m1 codes a multiply a pair and costs the e4m3 codes one a 16 channels.
 template <KvRowFormat F, bool kPaired = false, bool kScaled = false>
 __device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first, uint4& second) {
-  static_assert(!kScaled || F == KvRowFormat::v41_fp8 || F == KvRowFormat::v41_fp4);
+  static_assert(!kScaled || (kPaired && (F == KvRowFormat::v41_fp8 || F == KvRowFormat::v41_fp4)),
+                "scaled values are decoded in paired order, for the V4.1 native rows only");
   switch (row_codec::channel_code<F>(c0)) {
     case row_codec::ChannelCode::bf16:
       if constexpr (kPaired) first = bf16x8_paired(raw.first), second = bf16x8_paired(raw.second);
