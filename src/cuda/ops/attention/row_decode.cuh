@@ -92,15 +92,15 @@ struct E2m1Table {
 // keeps). Pair k takes codes k and k + 4: one shift for both magnitudes, one for both signs. Times
 // `scale_2_119`, the scale times 2^119 (exact in bf16, below 2^128 for every e4m3 scale), the product
 // is value x scale x 2^-7, exact (at most 6 significant bits, at least 2^-17); times 2^7 it is the
-// codec's value.
-__device__ __forceinline__ __nv_bfloat162 e2m1_scale_times_2_119(uint8_t scale_code) {
+// codec's value. (Host-callable: row_decode_check.h runs it on the host for the tests.)
+__host__ __device__ __forceinline__ __nv_bfloat162 e2m1_scale_times_2_119(uint8_t scale_code) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(scale_code), __NV_E4M3);
   return __float2bfloat162_rn(__half2float(__half(__half_raw{h.x})) * 0x1p119f);
 }
 // kScaled: leave the values times 2^-7 (kScaledFactor below), for a kernel that compensates.
 inline constexpr float kScaledFactor = 128.0f;
 template <bool kScaled>
-__device__ __forceinline__ uint4 e2m1x8_to_bf16_paired_bits(uint32_t codes, __nv_bfloat162 scale_2_119) {
+__host__ __device__ __forceinline__ uint4 e2m1x8_to_bf16_paired_bits(uint32_t codes, __nv_bfloat162 scale_2_119) {
   uint32_t pairs[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
