@@ -224,10 +224,13 @@ inline constexpr int kRowsPerConsumerWarp = kTileRows / (kConsumerThreads / kWar
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
 inline constexpr bool kPairedTiles = kCompressed == KvRowFormat::v41_fp4;
 // Their values are also times 2^-7 (row_decode::decode16's kScaled: one multiply less a pair of
-// v41_fp4 codes). The scores are scaled back through the softmax's scale and the accumulators after
-// the last tile, by powers of two: the same reals, so the same bits.
+// v41_fp4 codes). The scores are scaled back through the softmax's scale, and the outputs through
+// their normalization (or the split merge's weights), by powers of two: the same reals, so the same
+// bits, and no multiply of the accumulators.
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
 inline constexpr bool kScaledTiles = kPairedTiles<kWindow, kCompressed>;
+template <KvRowFormat kWindow, KvRowFormat kCompressed>
+inline constexpr float kTileValueScale = kScaledTiles<kWindow, kCompressed> ? row_decode::kScaledFactor : 1.0f;
 // The channel of position p (of a group's eight) in the tiles' order.
 template <bool kPaired>
 __host__ __device__ constexpr int tile_channel(int p) {
@@ -296,11 +299,12 @@ __device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, i
 // `stage` as rows of its 64 heads x 256 channels (padded by 8 values, so that a quarter warp's
 // stores to 8 heads fall on different banks), then copied out in 16-byte pieces, whole sectors in
 // order, where a lane's own values are 4 bytes (bf16) of 8 heads. (A split's fp32 partials go out
-// directly: a quarter warp's 8-byte values fill whole sectors.)
+// directly: a quarter warp's 8-byte values fill whole sectors.) acc: the tiles' values' products
+// (kTileValueScale); kPaired: in paired channel order.
 template <class Out, bool kPaired>
 __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch& a, int64_t t, int head0, int head_end,
                                                     int half, int lane, const float (&acc)[kOutTiles][4],
-                                                    const mma::SoftmaxState& state, uint8_t* stage) {
+                                                    const mma::SoftmaxState& state, float value_scale, uint8_t* stage) {
   constexpr int kRowValues = kHalfChannels + 8, kPieceValues = 16 / sizeof(Out), kPieces = kHalfChannels / kPieceValues;
   Out* const rows = reinterpret_cast<Out*>(stage);
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, column0 = 2 * (lane & 3);
@@ -313,7 +317,8 @@ __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch&
                        } else {
                          mma::store_pair(row + column0, x, y);
                        }
-                     });
+                     },
+                     value_scale);
   barrier_sync(kStagedBarrier + half, kConsumerThreads / 2);
   const int heads = head_end - head0;
   for (int item = threadIdx.x % (kConsumerThreads / 2); item < heads * kPieces; item += kConsumerThreads / 2) {
@@ -392,12 +397,14 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 // (max, sum) in their blocks' shared memory, loaded while the block's first pieces load. The partial
 // rows and stats of a head group's padding are not written, and nothing read of them is used.
 // Called by the 256 consumer threads of every block of the cluster (the producers have exited,
-// which releases them from its barriers).
+// which releases them from its barriers). acc and kPaired: as write_output_staged's, value_scale
+// folded into the weights.
 template <class Out, bool kPaired>
 __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0,
                                                         int head_end, int half, int lane,
                                                         const float (&acc)[kOutTiles][4],
-                                                        const mma::SoftmaxState& state, uint8_t* shared) {
+                                                        const mma::SoftmaxState& state, float value_scale,
+                                                        uint8_t* shared) {
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
   float* const partial = reinterpret_cast<float*>(shared);
@@ -454,7 +461,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
         const SplitNormalization n =
             normalize_splits_across_lanes<kLanes>(splits, split[pass], sink_log2[pass], weight);
         if (head <= last_head) {
-          if (z < splits) weights[z * kHeadsPerBlock + head] = weight * n.inverse;
+          if (z < splits) weights[z * kHeadsPerBlock + head] = weight * n.inverse * value_scale;
           if (z == 0 && a.lse && head * kMergePieces >= first) a.lse[t * a.heads + head0 + head] = n.lse();
         }
       }
@@ -783,14 +790,22 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   // then stay in uniform registers (else each wgmma's costs a 64-bit add and two R2UR moves).
   const int half = __shfl_sync(kFullMask, static_cast<int>(threadIdx.x) / 128, 0), warp_in_group = warp % 4;
   const uint32_t q_address = shared_address(q_tile), tiles_address = shared_address(tiles);
+  // Q's shared channels in 16-byte pieces: piece i is head i / kPiecesPerHead's channels
+  // kQSharedFirst + 8·(i % kPiecesPerHead) …; its source is null for a head group's padding.
+  constexpr int kPiecesPerHead = kQSharedChannels / 8, kQPieces = kHeadsPerBlock * kPiecesPerHead;
+  const auto q_piece_source = [&](int i) -> const uint16_t* {
+    const int h = i / kPiecesPerHead;
+    return head0 + h < head_end ? a.q + (t * a.heads + head0 + h) * kHeadDim + R::kQSharedFirst + 8 * (i % kPiecesPerHead)
+                                : nullptr;
+  };
+  const auto q_piece_destination = [&](int i) {
+    return reinterpret_cast<uint4*>(q_tile + wgmma::sw128_offset(kHeadsPerBlock, i / kPiecesPerHead, 8 * (i % kPiecesPerHead)));
+  };
   const uint64_t q_policy = row_copy_policy(a, t);
-  for (int item = threadIdx.x; item < kHeadsPerBlock * (kQSharedChannels / 8); item += kConsumerThreads) {
-    const int h = item / (kQSharedChannels / 8), offset = (item % (kQSharedChannels / 8)) * 8;
-    const int channel = R::kQSharedFirst + offset;
-    uint8_t* dst = q_tile + wgmma::sw128_offset(kHeadsPerBlock, h, offset);
-    if (head0 + h < head_end)
-      cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + channel), true, q_policy);
-    else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < kQPieces; i += kConsumerThreads) {
+    const uint16_t* const source = q_piece_source(i);
+    if (source) cp_async<16>(shared_address(q_piece_destination(i)), source, true, q_policy);
+    else *q_piece_destination(i) = make_uint4(0, 0, 0, 0);
   }
   // The A fragments of Q's first k steps: the warp's heads 16·w + g (+ 8), positions 16k + 2c (+ 8)
   // and the next (channels c and c + 4 of their group in paired order).
@@ -808,12 +823,16 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       else q_first[k][e] = *reinterpret_cast<const uint32_t*>(q_row + position);
     }
   cp_async_wait_all();
-  if constexpr (kPaired)  // Q's shared channels, each thread's own pieces, into paired order
-    for (int item = threadIdx.x; item < kHeadsPerBlock * (kQSharedChannels / 8); item += kConsumerThreads) {
-      uint4* const piece = reinterpret_cast<uint4*>(
-          q_tile + wgmma::sw128_offset(kHeadsPerBlock, item / (kQSharedChannels / 8), (item % (kQSharedChannels / 8)) * 8));
-      *piece = row_decode::bf16x8_paired(*piece);
-    }
+  if constexpr (kPaired) {  // each thread's own pieces into paired order, all its loads in flight together
+    constexpr int kQPiecesPerThread = kQPieces / kConsumerThreads;
+    static_assert(kQPieces % kConsumerThreads == 0);
+    uint4 pieces[kQPiecesPerThread];
+#pragma unroll
+    for (int i = 0; i < kQPiecesPerThread; ++i) pieces[i] = *q_piece_destination(static_cast<int>(threadIdx.x) + i * kConsumerThreads);
+#pragma unroll
+    for (int i = 0; i < kQPiecesPerThread; ++i)
+      *q_piece_destination(static_cast<int>(threadIdx.x) + i * kConsumerThreads) = row_decode::bf16x8_paired(pieces[i]);
+  }
   wgmma::fence_shared_for_async_proxy();
   barrier_sync(kConsumerBarrier, kConsumerThreads);
   DSV4_PHASE_STAMP(kStampQLanded);
@@ -822,8 +841,8 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   float acc[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  constexpr float kTileValueScale = kScaledTiles<kWindow, kCompressed> ? row_decode::kScaledFactor : 1.0f;
-  const float scale_log2 = a.scale * kLog2e * kTileValueScale;
+  constexpr float kValueScale = kTileValueScale<kWindow, kCompressed>;
+  const float scale_log2 = a.scale * kLog2e * kValueScale;
   // The lane's two heads in the exchange, the other warpgroup's entries kHeadsPerBlock away.
   float* const exchange_own = exchange + half * kHeadsPerBlock + warp_in_group * 16 + g;
   const float* const exchange_other = exchange + (half ^ 1) * kHeadsPerBlock + warp_in_group * 16 + g;
@@ -948,11 +967,6 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       if (i + 2 < n_tiles) barrier_arrive(kEmptyBarrier + stage, kThreads);  // the producer waits for it at tile i + 2
   }
 
-  if constexpr (kTileValueScale != 1.0f)
-#pragma unroll
-    for (int j = 0; j < kOutTiles; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] *= kTileValueScale;
   // Each warpgroup's sums cover its rows: both take the same total. (Every consumer read the last
   // maxima before the last P barrier, and after this barrier every MMA is done: Q, P and the tiles
   // are free to stage the output.)
@@ -962,10 +976,10 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   for (int r = 0; r < 2; ++r)
     softmax.running_sum[r] = exchange[warp_in_group * 16 + g + 8 * r] + exchange[kHeadsPerBlock + warp_in_group * 16 + g + 8 * r];
   if (a.splits > 1) {
-    merge_splits_in_cluster<Out, kPaired>(a, t, head0, head_end, half, lane, acc, softmax, shared);
+    merge_splits_in_cluster<Out, kPaired>(a, t, head0, head_end, half, lane, acc, softmax, kValueScale, shared);
   } else {
-    write_output_staged<Out, kPaired>(a, t, head0, head_end, half, lane, acc, softmax,
-                             shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
+    write_output_staged<Out, kPaired>(a, t, head0, head_end, half, lane, acc, softmax, kValueScale,
+                                      shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
   }
   DSV4_PHASE_STAMP(kStampEnd);
 #endif
