@@ -903,11 +903,17 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     wgmma::pin(s);
     DSV4_PHASE_STAMP(tile_stamp(i, kScored));
 
-    uint64_t valid_rows = 0;  // bit slot·16 + warp·4 + r: row r of producer warp `warp` in the slot
-#pragma unroll
-    for (int b = 0; b < kSlotsPerTile * kProducerWarps; ++b)
-      valid_rows |= static_cast<uint64_t>(valid_bits[(i % kValidStages) * kSlotsPerTile * kProducerWarps + b])
-                    << (kRowsPerProducerWarp * b);
+    // This warpgroup's rows that hold a row (bit 16·s + 4·w + r: row r of producer warp w in the
+    // warpgroup's slot s), packed from the tile's valid bits: a byte of four bits per slot and
+    // producer warp, eight bytes for the warpgroup's two slots. (Sixteen byte loads shifted into a
+    // 64-bit mask took about 60 instructions a tile, on the softmax's critical path.)
+    static_assert(kRowsPerProducerWarp == 4 && kSlotsPerTile * kProducerWarps == 16 && kWarpgroupRows == 32);
+    const uint2 warpgroup_bits =
+        *reinterpret_cast<const uint2*>(valid_bits + ((i % kValidStages) * kSlotsPerTile + 2 * half) * kProducerWarps);
+    auto four_nibbles = [](uint32_t bytes) {  // the low nibbles of four bytes, in order
+      return __byte_perm(bytes | bytes >> 4, 0u, 0x4420u);
+    };
+    const uint32_t valid_rows = four_nibbles(warpgroup_bits.x) | four_nibbles(warpgroup_bits.y) << 16;
     // The heads' maxima over this warpgroup's rows. Where the consumers decode, after the first
     // tile (where every max rises: there is none yet), P is stored at once relative to the running
     // max, on the speculation that no head's max rises (it rises only by more than kMaxSlack), and
@@ -918,7 +924,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     // the barrier, and the bf16 rows' would need a barrier at each tile's start; both measured
     // slower.)
     float tile_max[2];
-    mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
+    mma::scaled_tile_max(s, valid_rows, scale_log2, lane, tile_max);
     if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
     // P of the warpgroup's rows, as bf16, into the P tile: element e of the A fragment of its k
     // step k, rows 16k + 2c (+ 8) of this half.
