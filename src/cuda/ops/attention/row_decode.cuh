@@ -45,6 +45,21 @@ __device__ __forceinline__ uint4 bf16x8_paired(uint4 v) {
   return make_uint4(__byte_perm(v.x, v.z, 0x5410u), __byte_perm(v.x, v.z, 0x7632u), __byte_perm(v.y, v.w, 0x5410u),
                     __byte_perm(v.y, v.w, 0x7632u));
 }
+// Its inverse: eight bf16 in paired order back to channel order.
+__device__ __forceinline__ uint4 bf16x8_unpaired(uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.y, 0x5410u), __byte_perm(v.z, v.w, 0x5410u), __byte_perm(v.x, v.y, 0x7632u),
+                    __byte_perm(v.z, v.w, 0x7632u));
+}
+// Four values, half a group in paired order (positions 4·odd …: channels 2·odd, 2·odd + 4,
+// 2·odd + 1, 2·odd + 5), with the lane `lane ^ 1` that holds the other half (both calling): back
+// to channel order, channels 4·odd … 4·odd + 3 of the group, odd = lane & 1.
+__device__ __forceinline__ void f32x4_half_unpaired(float (&v)[4], int lane) {
+  const bool odd = lane & 1;
+  const unsigned pair = 3u << (lane & 30);
+  const float given0 = __shfl_xor_sync(pair, odd ? v[0] : v[1], 1), given1 = __shfl_xor_sync(pair, odd ? v[2] : v[3], 1);
+  if (odd) v[0] = given0, v[2] = v[1], v[1] = given1;
+  else v[1] = v[2], v[2] = given0, v[3] = given1;
+}
 
 // The eight e2m1 magnitudes (codes 0 … 7) times one e4m3 scale as bf16 (exact: at most 2 + 4
 // significant bits, so the bf16 products round nothing), split into byte tables for __byte_perm:

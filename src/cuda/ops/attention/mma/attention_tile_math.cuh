@@ -211,13 +211,6 @@ __device__ __forceinline__ Out* output_row(const SparseAttentionLaunch& a, int64
   return static_cast<Out*>(a.out) + (t * a.heads + head) * kHeadDim;
 }
 
-// One output value as Out (bf16 bits or f32).
-template <class Out>
-__device__ __forceinline__ void store_one(Out* dst, float x) {
-  if constexpr (sizeof(Out) == 2) *dst = __bfloat16_as_ushort(__float2bfloat16_rn(x));
-  else *dst = x;
-}
-
 // Two adjacent output values as Out (bf16 bits or f32).
 template <class Out>
 __device__ __forceinline__ void store_pair(Out* dst, float x, float y) {

@@ -300,7 +300,8 @@ __device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, i
 // stores to 8 heads fall on different banks), then copied out in 16-byte pieces, whole sectors in
 // order, where a lane's own values are 4 bytes (bf16) of 8 heads. (A split's fp32 partials go out
 // directly: a quarter warp's 8-byte values fill whole sectors.) acc: the tiles' values' products
-// (kTileValueScale); kPaired: in paired channel order.
+// (kTileValueScale); kPaired: in paired channel order, staged so and put back in channel order as
+// the pieces go out.
 template <class Out, bool kPaired>
 __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch& a, int64_t t, int head0, int head_end,
                                                     int half, int lane, const float (&acc)[kOutTiles][4],
@@ -310,21 +311,22 @@ __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch&
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, column0 = 2 * (lane & 3);
   mma::finish_output(a, t, head0 + warp_in_group * 16, head_end, half == 0, lane, acc, state,
                      [&](int head, int j, float x, float y) {
-                       Out* const row = rows + (head - head0) * kRowValues + 8 * j;
-                       if constexpr (kPaired) {
-                         mma::store_one(row + tile_channel<true>(column0), x);
-                         mma::store_one(row + tile_channel<true>(column0 + 1), y);
-                       } else {
-                         mma::store_pair(row + column0, x, y);
-                       }
+                       mma::store_pair(rows + (head - head0) * kRowValues + 8 * j + column0, x, y);
                      },
                      value_scale);
   barrier_sync(kStagedBarrier + half, kConsumerThreads / 2);
   const int heads = head_end - head0;
   for (int item = threadIdx.x % (kConsumerThreads / 2); item < heads * kPieces; item += kConsumerThreads / 2) {
     const int h = item / kPieces, piece = item % kPieces;
-    *reinterpret_cast<uint4*>(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + half * kHalfChannels + piece * kPieceValues) =
-        *reinterpret_cast<const uint4*>(rows + h * kRowValues + piece * kPieceValues);
+    uint4 values = *reinterpret_cast<const uint4*>(rows + h * kRowValues + piece * kPieceValues);
+    if constexpr (kPaired && sizeof(Out) == 2) {
+      values = row_decode::bf16x8_unpaired(values);
+    } else if constexpr (kPaired) {  // the other half of the group is the neighbour lane's (kPieces is even)
+      float v[4] = {__uint_as_float(values.x), __uint_as_float(values.y), __uint_as_float(values.z), __uint_as_float(values.w)};
+      row_decode::f32x4_half_unpaired(v, lane);
+      values = make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+    }
+    *reinterpret_cast<uint4*>(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + half * kHalfChannels + piece * kPieceValues) = values;
   }
 }
 
@@ -353,8 +355,9 @@ inline constexpr int kMergeLoadsInFlight = 32;
 // kMergeLoadsInFlight / kMaxSplits pieces load together. load_weights<kMaxSplits> issues the
 // splits' (max, sum) loads first, so that they do not queue behind the values; every consumer
 // thread runs the first round, its loads in flight while it makes the weights (ending in a consumer
-// barrier: the weights are whole after it).
-template <class Out, int kMaxSplits, class LoadWeights>
+// barrier: the weights are whole after it). kPaired: the partials are in paired channel order; the
+// lanes of a pair, whose pieces are a group's halves (first is even), put them back in channel order.
+template <class Out, int kMaxSplits, bool kPaired, class LoadWeights>
 __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int64_t t, int head0, int first, int end,
                                              uint32_t partial, const float* weights, LoadWeights load_weights) {
   constexpr int kTogether = kMergeLoadsInFlight / kMaxSplits;
@@ -385,6 +388,7 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
           const float w = weights[z * kHeadsPerBlock + h];
           sum[0] += values[i][z].x * w, sum[1] += values[i][z].y * w, sum[2] += values[i][z].z * w, sum[3] += values[i][z].w * w;
         }
+      if constexpr (kPaired) row_decode::f32x4_half_unpaired(sum, static_cast<int>(threadIdx.x) % kWarpSize);
       store4(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + 4 * (piece % kMergePieces), sum);
     }
   }
@@ -392,7 +396,8 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 
 // Out[t, h] = Σ_z acc_z·weight_z·inverse (split_merge.cuh), the weights folded with the inverse and
 // the sums in split order z = 0, 1, … whichever block runs them; block z of the cluster writes
-// pieces [z·n / splits, (z + 1)·n / splits) of the token's n = heads x 128 four-channel pieces, and
+// pieces [2·(z·n / splits), 2·((z + 1)·n / splits)) of the token's 2n = heads x 128 four-channel
+// pieces, and
 // the lse of each head whose first piece is among them. The weights of a head come from the splits'
 // (max, sum) in their blocks' shared memory, loaded while the block's first pieces load. The partial
 // rows and stats of a head group's padding are not written, and nothing read of them is used.
@@ -418,9 +423,8 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
     if (head >= heads) continue;  // a head group's padding
 #pragma unroll
     for (int j = 0; j < kOutTiles; ++j) {
-      float* const row = partial + head * kPartialRowValues + half * kHalfChannels + 8 * j;
-      if constexpr (kPaired) row[c] = acc[j][2 * r], row[c + 4] = acc[j][2 * r + 1];
-      else *reinterpret_cast<float2*>(row + 2 * c) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+      *reinterpret_cast<float2*>(partial + head * kPartialRowValues + half * kHalfChannels + 8 * j + 2 * c) =
+          make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
     }
     if (half == 0 && c == 0) stats[head] = make_float2(state.running_max[r], state.running_sum[r]);
   }
@@ -431,8 +435,10 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   cluster_wait();
   DSV4_PHASE_STAMP(kStampMergeShared);
 
+  // Ranges of whole pairs of pieces, groups of eight channels (whose halves two lanes put back in
+  // channel order, kPaired).
   const int splits = a.splits, rank = static_cast<int>(cluster.block_rank());
-  const int pieces = heads * kMergePieces, first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
+  const int pairs = heads * kMergePieces / 2, first = 2 * (rank * pairs / splits), end = 2 * ((rank + 1) * pairs / splits);
   // The weights of the heads of pieces [first, end), each made by a group of kLanes lanes (kLanes >=
   // splits), split z's by lane z of the group, in as many passes as it takes the 256 / kLanes groups
   // to cover the at most kMaxMergedHeads heads a block merges: all passes' loads at once, then the
@@ -474,9 +480,9 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   // (steps of up to half a wave of blocks), up to 8 splits and up to 16; four spill. A pair pushing
   // its partner's rows in one bulk copy (cp.async.bulk.shared::cluster) instead measured no faster
   // where it merges and slower elsewhere (bench/RESULTS.md, twenty-fourth and twenty-fifth sessions).
-  if (splits == 2) merge_pieces<Out, 2>(a, t, head0, first, end, partial_rows, weights, load_weights);
-  else if (splits <= 8) merge_pieces<Out, 8>(a, t, head0, first, end, partial_rows, weights, load_weights);
-  else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  if (splits == 2) merge_pieces<Out, 2, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  else if (splits <= 8) merge_pieces<Out, 8, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  else merge_pieces<Out, kMaxClusterSplits, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
   DSV4_PHASE_STAMP(kStampMergePieces);
   // No block leaves while the others read its shared memory. This block's reads of theirs have all
   // returned (their values are summed above), and nothing else needs ordering: a relaxed arrival,
