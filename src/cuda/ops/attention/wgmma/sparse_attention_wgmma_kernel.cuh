@@ -417,14 +417,19 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   float* const weights = reinterpret_cast<float*>(stats + kHeadsPerBlock);  // [split][head]
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, g = lane / 4, c = lane % 4;
   const int heads = head_end - head0;
+  // Paired tiles: a pair of splits writes its partials in channel order, single values (its merge
+  // of 16 pieces a thread measured b64 +1.2 us with the lanes' exchange); more splits write theirs
+  // in tile order, two values a store, and their merge puts them back (b1 -0.2 us).
+  const bool channel_order = kPaired && a.splits == 2;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = warp_in_group * 16 + g + 8 * r;
     if (head >= heads) continue;  // a head group's padding
 #pragma unroll
     for (int j = 0; j < kOutTiles; ++j) {
-      *reinterpret_cast<float2*>(partial + head * kPartialRowValues + half * kHalfChannels + 8 * j + 2 * c) =
-          make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+      float* const row = partial + head * kPartialRowValues + half * kHalfChannels + 8 * j;
+      if (channel_order) row[c] = acc[j][2 * r], row[c + 4] = acc[j][2 * r + 1];
+      else *reinterpret_cast<float2*>(row + 2 * c) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
     }
     if (half == 0 && c == 0) stats[head] = make_float2(state.running_max[r], state.running_sum[r]);
   }
@@ -480,7 +485,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   // (steps of up to half a wave of blocks), up to 8 splits and up to 16; four spill. A pair pushing
   // its partner's rows in one bulk copy (cp.async.bulk.shared::cluster) instead measured no faster
   // where it merges and slower elsewhere (bench/RESULTS.md, twenty-fourth and twenty-fifth sessions).
-  if (splits == 2) merge_pieces<Out, 2, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  if (splits == 2) merge_pieces<Out, 2, false>(a, t, head0, first, end, partial_rows, weights, load_weights);
   else if (splits <= 8) merge_pieces<Out, 8, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
   else merge_pieces<Out, kMaxClusterSplits, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
   DSV4_PHASE_STAMP(kStampMergePieces);
