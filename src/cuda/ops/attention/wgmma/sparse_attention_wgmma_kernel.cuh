@@ -220,7 +220,7 @@ inline constexpr int kRowsPerConsumerWarp = kTileRows / (kConsumerThreads / kWar
 // (row_decode.cuh), where their v41_fp4 picks decode by moving bits instead of a table lookup (the
 // decode, the consumers' bound, then takes a fraction of the ALU instructions); their window rows
 // pay a byte permute a pair for it. Q is staged in the same order, and the outputs go back to
-// channel order as they are stored. Other formats keep channel order.
+// channel order on their way out. Other formats keep channel order.
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
 inline constexpr bool kPairedTiles = kCompressed == KvRowFormat::v41_fp4;
 // Their values are also times 2^-7 (row_decode::decode16's kScaled: one multiply less a pair of
@@ -231,11 +231,8 @@ template <KvRowFormat kWindow, KvRowFormat kCompressed>
 inline constexpr bool kScaledTiles = kPairedTiles<kWindow, kCompressed>;
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
 inline constexpr float kTileValueScale = kScaledTiles<kWindow, kCompressed> ? row_decode::kScaledFactor : 1.0f;
-// The channel of position p (of a group's eight) in the tiles' order.
-template <bool kPaired>
-__host__ __device__ constexpr int tile_channel(int p) {
-  return kPaired ? (p % 8) / 2 + 4 * (p % 2) + p / 8 * 8 : p;
-}
+// The channel at position p of paired order.
+__host__ __device__ constexpr int paired_channel(int p) { return (p % 8) / 2 + 4 * (p % 2) + p / 8 * 8; }
 
 // Lane `lane`'s 16 channels of raw rows r … r + kRows - 1 (format F; raw rows kRowBytes apart)
 // decoded to bf16 (in paired order: kPairedTiles; times 2^-7: kScaledTiles) and stored
@@ -321,7 +318,7 @@ __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch&
     uint4 values = *reinterpret_cast<const uint4*>(rows + h * kRowValues + piece * kPieceValues);
     if constexpr (kPaired && sizeof(Out) == 2) {
       values = row_decode::bf16x8_unpaired(values);
-    } else if constexpr (kPaired) {  // the other half of the group is the neighbour lane's (kPieces is even)
+    } else if constexpr (kPaired) {  // the group's other half is the neighbour lane's (kPieces is even)
       float v[4] = {__uint_as_float(values.x), __uint_as_float(values.y), __uint_as_float(values.z), __uint_as_float(values.w)};
       row_decode::f32x4_half_unpaired(v, lane);
       values = make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
@@ -397,13 +394,12 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 // Out[t, h] = Σ_z acc_z·weight_z·inverse (split_merge.cuh), the weights folded with the inverse and
 // the sums in split order z = 0, 1, … whichever block runs them; block z of the cluster writes
 // pieces [2·(z·n / splits), 2·((z + 1)·n / splits)) of the token's 2n = heads x 128 four-channel
-// pieces, and
-// the lse of each head whose first piece is among them. The weights of a head come from the splits'
+// pieces, and the lse of each head whose first piece is among them. The weights of a head come from the splits'
 // (max, sum) in their blocks' shared memory, loaded while the block's first pieces load. The partial
 // rows and stats of a head group's padding are not written, and nothing read of them is used.
 // Called by the 256 consumer threads of every block of the cluster (the producers have exited,
 // which releases them from its barriers). acc and kPaired: as write_output_staged's, value_scale
-// folded into the weights.
+// folded into the weights; the partials' order below.
 template <class Out, bool kPaired>
 __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0,
                                                         int head_end, int half, int lane,
@@ -485,6 +481,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   // (steps of up to half a wave of blocks), up to 8 splits and up to 16; four spill. A pair pushing
   // its partner's rows in one bulk copy (cp.async.bulk.shared::cluster) instead measured no faster
   // where it merges and slower elsewhere (bench/RESULTS.md, twenty-fourth and twenty-fifth sessions).
+  // A pair's partials are in channel order (channel_order above).
   if (splits == 2) merge_pieces<Out, 2, false>(a, t, head0, first, end, partial_rows, weights, load_weights);
   else if (splits <= 8) merge_pieces<Out, 8, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
   else merge_pieces<Out, kMaxClusterSplits, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
@@ -830,7 +827,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
       const uint16_t* const q_row = a.q + (t * a.heads + head) * kHeadDim;
       if (head >= head_end) q_first[k][e] = 0u;
       else if constexpr (kPaired)
-        q_first[k][e] = uint32_t{q_row[tile_channel<true>(position)]} | uint32_t{q_row[tile_channel<true>(position + 1)]} << 16;
+        q_first[k][e] = uint32_t{q_row[paired_channel(position)]} | uint32_t{q_row[paired_channel(position + 1)]} << 16;
       else q_first[k][e] = *reinterpret_cast<const uint32_t*>(q_row + position);
     }
   cp_async_wait_all();
