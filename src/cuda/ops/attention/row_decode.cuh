@@ -31,6 +31,36 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16(uint2 codes, float scale) {
                     e4m3x2_to_bf16x2(codes.y & 0xffffu, scale), e4m3x2_to_bf16x2(codes.y >> 16, scale));
 }
 
+// Paired order: a group of eight channels stored as the bf16 pairs (0, 4), (1, 5), (2, 6), (3, 7)
+// instead of (0, 1) … (6, 7). A kernel whose Q·Kᵀ reads Q in the same order and whose P·V output
+// is stored back in channel order may decode into it: the e2m1 codes then decode by moving bits
+// (e2m1x8_to_bf16_paired_bits), without the table's lookups.
+__device__ __forceinline__ uint4 e4m3x8_to_bf16_paired(uint2 codes, float scale) {
+  return make_uint4(e4m3x2_to_bf16x2(__byte_perm(codes.x, codes.y, 0x40u), scale),
+                    e4m3x2_to_bf16x2(__byte_perm(codes.x, codes.y, 0x51u), scale),
+                    e4m3x2_to_bf16x2(__byte_perm(codes.x, codes.y, 0x62u), scale),
+                    e4m3x2_to_bf16x2(__byte_perm(codes.x, codes.y, 0x73u), scale));
+}
+__device__ __forceinline__ uint4 bf16x8_paired(uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410u), __byte_perm(v.x, v.z, 0x7632u), __byte_perm(v.y, v.w, 0x5410u),
+                    __byte_perm(v.y, v.w, 0x7632u));
+}
+// Its inverse: eight bf16 in paired order back to channel order.
+__device__ __forceinline__ uint4 bf16x8_unpaired(uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.y, 0x5410u), __byte_perm(v.z, v.w, 0x5410u), __byte_perm(v.x, v.y, 0x7632u),
+                    __byte_perm(v.z, v.w, 0x7632u));
+}
+// Four values, half a group in paired order (positions 4·odd …: channels 2·odd, 2·odd + 4,
+// 2·odd + 1, 2·odd + 5), with the lane `lane ^ 1` that holds the other half (both calling): back
+// to channel order, channels 4·odd … 4·odd + 3 of the group, odd = lane & 1.
+__device__ __forceinline__ void f32x4_half_unpaired(float (&v)[4], int lane) {
+  const bool odd = lane & 1;
+  const unsigned pair = 3u << (lane & 30);
+  const float given0 = __shfl_xor_sync(pair, odd ? v[0] : v[1], 1), given1 = __shfl_xor_sync(pair, odd ? v[2] : v[3], 1);
+  if (odd) v[0] = given0, v[2] = v[1], v[1] = given1;
+  else v[1] = v[2], v[2] = given0, v[3] = given1;
+}
+
 // The eight e2m1 magnitudes (codes 0 … 7) times one e4m3 scale as bf16 (exact: at most 2 + 4
 // significant bits, so the bf16 products round nothing), split into byte tables for __byte_perm:
 // low bytes of codes 0-3, of 4-7, high bytes of 0-3, of 4-7. Computed once per 16 channels (they
@@ -70,6 +100,33 @@ struct E2m1Table {
     return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
   }
 };
+
+// Eight e2m1 codes in paired order by moving bits instead of looking them up: a code s|eem placed
+// as the bf16 bits s << 15 | eem << 6 is its value times 2^-126 exactly (the exponent's low two bits
+// and the first mantissa bit; code 1, 0.5, lands on the subnormal 2^-127, which bf16 arithmetic
+// keeps). Pair k takes codes k and k + 4: one shift for both magnitudes, one for both signs. Times
+// `scale_2_119`, the scale times 2^119 (exact in bf16, below 2^128 for every e4m3 scale), the product
+// is value x scale x 2^-7, exact (at most 6 significant bits, at least 2^-17); times 2^7 it is the
+// codec's value. (Host-callable: row_decode_check.h runs it on the host for the tests.)
+__host__ __device__ __forceinline__ __nv_bfloat162 e2m1_scale_times_2_119(uint8_t scale_code) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(scale_code), __NV_E4M3);
+  return __float2bfloat162_rn(__half2float(__half(__half_raw{h.x})) * 0x1p119f);
+}
+// kScaled: leave the values times 2^-7 (kScaledFactor below), for a kernel that compensates.
+inline constexpr float kScaledFactor = 128.0f;
+template <bool kScaled>
+__host__ __device__ __forceinline__ uint4 e2m1x8_to_bf16_paired_bits(uint32_t codes, __nv_bfloat162 scale_2_119) {
+  uint32_t pairs[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t magnitudes = (k < 2 ? codes << (6 - 4 * k) : codes >> (4 * k - 6)) & 0x01c001c0u;
+    const uint32_t bits = magnitudes | ((codes << (12 - 4 * k)) & 0x80008000u);
+    __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), scale_2_119);
+    if constexpr (!kScaled) v = __hmul2(v, __floats2bfloat162_rn(kScaledFactor, kScaledFactor));
+    pairs[k] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+}
 
 // Eight e2m1 codes (packed, the even channel in the low nibble) times the table's scale as bf16.
 __device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t codes, const E2m1Table& table) { return table.lookup8(codes); }
@@ -116,17 +173,31 @@ __device__ __forceinline__ Raw16 load16(const uint8_t* row_data, const uint8_t* 
 
 // Those channels as bf16, in the same two halves. The values are the row codec's (code x scale),
 // which are exact in bf16 for every format taken here.
-template <KvRowFormat F>
+// kPaired: each half in paired order (above). kScaled (V4.1 native rows): the values times 2^-7,
+// which saves the e2m1 codes a multiply a pair and costs the e4m3 codes one a 16 channels.
+template <KvRowFormat F, bool kPaired = false, bool kScaled = false>
 __device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first, uint4& second) {
+  static_assert(!kScaled || (kPaired && (F == KvRowFormat::v41_fp8 || F == KvRowFormat::v41_fp4)),
+                "scaled values are decoded in paired order, for the V4.1 native rows only");
   switch (row_codec::channel_code<F>(c0)) {
-    case row_codec::ChannelCode::bf16: first = raw.first, second = raw.second; return;
+    case row_codec::ChannelCode::bf16:
+      if constexpr (kPaired) first = bf16x8_paired(raw.first), second = bf16x8_paired(raw.second);
+      else first = raw.first, second = raw.second;
+      return;
     case row_codec::ChannelCode::e4m3: {
-      const float scale = __uint_as_float(raw.scale);
-      first = e4m3x8_to_bf16(make_uint2(raw.first.x, raw.first.y), scale);
-      second = e4m3x8_to_bf16(make_uint2(raw.second.x, raw.second.y), scale);
+      const float scale = __uint_as_float(raw.scale) * (kScaled ? 1.0f / kScaledFactor : 1.0f);
+      const uint2 a = make_uint2(raw.first.x, raw.first.y), b = make_uint2(raw.second.x, raw.second.y);
+      if constexpr (kPaired) first = e4m3x8_to_bf16_paired(a, scale), second = e4m3x8_to_bf16_paired(b, scale);
+      else first = e4m3x8_to_bf16(a, scale), second = e4m3x8_to_bf16(b, scale);
       return;
     }
     case row_codec::ChannelCode::e2m1: {
+      if constexpr (kPaired) {
+        const __nv_bfloat162 scale = e2m1_scale_times_2_119(static_cast<uint8_t>(raw.scale));
+        first = e2m1x8_to_bf16_paired_bits<kScaled>(raw.first.x, scale);
+        second = e2m1x8_to_bf16_paired_bits<kScaled>(raw.second.x, scale);
+        return;
+      }
       const E2m1Table table(static_cast<uint8_t>(raw.scale));
       first = e2m1x8_to_bf16(raw.first.x, table), second = e2m1x8_to_bf16(raw.second.x, table);
       return;

@@ -174,11 +174,12 @@ __device__ __forceinline__ void rescale(float (&acc)[kOutTiles][4], const float 
 // out = acc / (sum + exp(sink - max)), and lse (written by the lanes with stats_writer); or with
 // a.splits > 1 the unnormalized acc, and (max, sum) of split blockIdx.z for the combine. The lane's
 // values go to emit(head, j, x, y): channels 8j + 2c and 8j + 2c + 1 of the head's kOutTiles·8
-// (c = lane % 4), for its heads head_base + lane / 4 + 8r.
+// (c = lane % 4), for its heads head_base + lane / 4 + 8r. acc holds the values divided by
+// value_scale (a power of two: scaling it back in the inverse rounds to the same bits).
 template <int kOutTiles, class Emit>
 __device__ __forceinline__ void finish_output(const SparseAttentionLaunch& a, int64_t t, int head_base, int head_end,
                                               bool stats_writer, int lane, const float (&acc)[kOutTiles][4],
-                                              const SoftmaxState& state, Emit&& emit) {
+                                              const SoftmaxState& state, Emit&& emit, float value_scale = 1.0f) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = head_base + lane / 4 + 8 * r;
@@ -188,12 +189,12 @@ __device__ __forceinline__ void finish_output(const SparseAttentionLaunch& a, in
     const float running_max = state.running_max[r], running_sum = state.running_sum[r];
     if (a.splits > 1) {
 #pragma unroll
-      for (int j = 0; j < kOutTiles; ++j) emit(head, j, acc[j][2 * r], acc[j][2 * r + 1]);
+      for (int j = 0; j < kOutTiles; ++j) emit(head, j, acc[j][2 * r] * value_scale, acc[j][2 * r + 1] * value_scale);
       if (stats_lane) a.partials.stats[index] = make_float2(running_max, running_sum);  // log2 units
       continue;
     }
     const bool any = running_max != -INFINITY;
-    const float inverse = any ? 1.0f / (running_sum + exp2f(state.sink[r] * kLog2e - running_max)) : 0.0f;
+    const float inverse = any ? value_scale / (running_sum + exp2f(state.sink[r] * kLog2e - running_max)) : 0.0f;
 #pragma unroll
     for (int j = 0; j < kOutTiles; ++j) emit(head, j, acc[j][2 * r] * inverse, acc[j][2 * r + 1] * inverse);
     if (stats_lane && a.lse) a.lse[t * a.heads + head] = any ? (running_max + log2f(running_sum)) * kLn2 : -INFINITY;

@@ -216,13 +216,32 @@ static_assert(kProducerRegisters<true> * kProducerThreads + kConsumerRegisters<t
 // Rows a consumer warp decodes per tile, in groups of a producer warp's (kRowsPerProducerWarp).
 inline constexpr int kRowsPerConsumerWarp = kTileRows / (kConsumerThreads / kWarpSize);
 
+// The bf16 tiles of the V4.1 native rows hold each group of eight channels in paired order
+// (row_decode.cuh), where their v41_fp4 picks decode by moving bits instead of a table lookup (the
+// decode, the consumers' bound, then takes a fraction of the ALU instructions); their window rows
+// pay a byte permute a pair for it. Q is staged in the same order, and the outputs go back to
+// channel order on their way out. Other formats keep channel order.
+template <KvRowFormat kWindow, KvRowFormat kCompressed>
+inline constexpr bool kPairedTiles = kCompressed == KvRowFormat::v41_fp4;
+// Their values are also times 2^-7 (row_decode::decode16's kScaled: one multiply less a pair of
+// v41_fp4 codes). The scores are scaled back through the softmax's scale, and the outputs through
+// their normalization (or the split merge's weights), by powers of two: the same reals, so the same
+// bits, and no multiply of the accumulators.
+template <KvRowFormat kWindow, KvRowFormat kCompressed>
+inline constexpr bool kScaledTiles = kPairedTiles<kWindow, kCompressed>;
+template <KvRowFormat kWindow, KvRowFormat kCompressed>
+inline constexpr float kTileValueScale = kScaledTiles<kWindow, kCompressed> ? row_decode::kScaledFactor : 1.0f;
+// The channel at position p of paired order.
+__host__ __device__ constexpr int paired_channel(int p) { return (p % 8) / 2 + 4 * (p % 2) + p / 8 * 8; }
+
 // Lane `lane`'s 16 channels of raw rows r … r + kRows - 1 (format F; raw rows kRowBytes apart)
-// decoded to bf16 and stored into rows row0 + r … of the SW128 tile. Two rows' loads are in flight
+// decoded to bf16 (in paired order: kPairedTiles; times 2^-7: kScaledTiles) and stored
+// into rows row0 + r … of the SW128 tile. Two rows' loads are in flight
 // (row_decode::Raw16): each row's are issued before the stores of the row two earlier, which would
 // otherwise hold them back (measured: b128 −0.9 us, the direct prefill −2.7 %; four ahead gained
 // no more and spills at the consumers' 208 registers). Lanes 4-7 of each quarter warp store their
 // upper chunk first, so that a quarter warp's 8 stores fall on 8 different groups of banks.
-template <KvRowFormat F, int kRowBytes, int kRows = 1>
+template <KvRowFormat F, int kRowBytes, bool kPaired, bool kScaled, int kRows = 1>
 __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, int row0, int r, int lane) {
   constexpr int kAhead = kRows < 2 ? kRows : 2;
   const int c0 = lane * 16, upper_first = (lane >> 2) & 1;
@@ -233,7 +252,7 @@ __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, in
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     uint4 first, second;
-    row_decode::decode16<F>(loaded[k % kAhead], c0, first, second);
+    row_decode::decode16<F, kPaired, kScaled>(loaded[k % kAhead], c0, first, second);
     if (k + kAhead < kRows) loaded[k % kAhead] = load(k + kAhead);
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * upper_first)) = first;
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * (upper_first ^ 1))) = second;
@@ -252,8 +271,9 @@ template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
 __device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
 #pragma unroll 1
   for (int r = 0; r < kRowsPerProducerWarp; ++r) {
-    if (r < window_rows) decode_row<kWindow, kRowBytes>(raw, tile, row0, r, lane);
-    else decode_row<kCompressed, kRowBytes>(raw, tile, row0, r, lane);
+    constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>, kScaled = kScaledTiles<kWindow, kCompressed>;
+    if (r < window_rows) decode_row<kWindow, kRowBytes, kPaired, kScaled>(raw, tile, row0, r, lane);
+    else decode_row<kCompressed, kRowBytes, kPaired, kScaled>(raw, tile, row0, r, lane);
   }
 }
 
@@ -262,10 +282,11 @@ __device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile
 // chains).
 template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
 __device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
+  constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>, kScaled = kScaledTiles<kWindow, kCompressed>;
   if (window_rows == 0) {
-    decode_row<kCompressed, kRowBytes, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
+    decode_row<kCompressed, kRowBytes, kPaired, kScaled, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
   } else if (window_rows == kRowsPerProducerWarp) {
-    decode_row<kWindow, kRowBytes, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
+    decode_row<kWindow, kRowBytes, kPaired, kScaled, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
   } else {
     decode_mixed_rows<kWindow, kCompressed, kRowBytes>(raw, tile, row0, window_rows, lane);
   }
@@ -275,24 +296,34 @@ __device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, i
 // `stage` as rows of its 64 heads x 256 channels (padded by 8 values, so that a quarter warp's
 // stores to 8 heads fall on different banks), then copied out in 16-byte pieces, whole sectors in
 // order, where a lane's own values are 4 bytes (bf16) of 8 heads. (A split's fp32 partials go out
-// directly: a quarter warp's 8-byte values fill whole sectors.)
-template <class Out>
+// directly: a quarter warp's 8-byte values fill whole sectors.) acc: the tiles' values' products
+// (kTileValueScale); kPaired: in paired channel order, staged so and put back in channel order as
+// the pieces go out.
+template <class Out, bool kPaired>
 __device__ __forceinline__ void write_output_staged(const SparseAttentionLaunch& a, int64_t t, int head0, int head_end,
                                                     int half, int lane, const float (&acc)[kOutTiles][4],
-                                                    const mma::SoftmaxState& state, uint8_t* stage) {
+                                                    const mma::SoftmaxState& state, float value_scale, uint8_t* stage) {
   constexpr int kRowValues = kHalfChannels + 8, kPieceValues = 16 / sizeof(Out), kPieces = kHalfChannels / kPieceValues;
   Out* const rows = reinterpret_cast<Out*>(stage);
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, column0 = 2 * (lane & 3);
   mma::finish_output(a, t, head0 + warp_in_group * 16, head_end, half == 0, lane, acc, state,
                      [&](int head, int j, float x, float y) {
-                       mma::store_pair(rows + (head - head0) * kRowValues + column0 + 8 * j, x, y);
-                     });
+                       mma::store_pair(rows + (head - head0) * kRowValues + 8 * j + column0, x, y);
+                     },
+                     value_scale);
   barrier_sync(kStagedBarrier + half, kConsumerThreads / 2);
   const int heads = head_end - head0;
   for (int item = threadIdx.x % (kConsumerThreads / 2); item < heads * kPieces; item += kConsumerThreads / 2) {
     const int h = item / kPieces, piece = item % kPieces;
-    *reinterpret_cast<uint4*>(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + half * kHalfChannels + piece * kPieceValues) =
-        *reinterpret_cast<const uint4*>(rows + h * kRowValues + piece * kPieceValues);
+    uint4 values = *reinterpret_cast<const uint4*>(rows + h * kRowValues + piece * kPieceValues);
+    if constexpr (kPaired && sizeof(Out) == 2) {
+      values = row_decode::bf16x8_unpaired(values);
+    } else if constexpr (kPaired) {  // the group's other half is the neighbour lane's (kPieces is even)
+      float v[4] = {__uint_as_float(values.x), __uint_as_float(values.y), __uint_as_float(values.z), __uint_as_float(values.w)};
+      row_decode::f32x4_half_unpaired(v, lane);
+      values = make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+    }
+    *reinterpret_cast<uint4*>(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + half * kHalfChannels + piece * kPieceValues) = values;
   }
 }
 
@@ -321,8 +352,9 @@ inline constexpr int kMergeLoadsInFlight = 32;
 // kMergeLoadsInFlight / kMaxSplits pieces load together. load_weights<kMaxSplits> issues the
 // splits' (max, sum) loads first, so that they do not queue behind the values; every consumer
 // thread runs the first round, its loads in flight while it makes the weights (ending in a consumer
-// barrier: the weights are whole after it).
-template <class Out, int kMaxSplits, class LoadWeights>
+// barrier: the weights are whole after it). kPaired: the partials are in paired channel order; the
+// lanes of a pair, whose pieces are a group's halves (first is even), put them back in channel order.
+template <class Out, int kMaxSplits, bool kPaired, class LoadWeights>
 __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int64_t t, int head0, int first, int end,
                                              uint32_t partial, const float* weights, LoadWeights load_weights) {
   constexpr int kTogether = kMergeLoadsInFlight / kMaxSplits;
@@ -353,6 +385,7 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
           const float w = weights[z * kHeadsPerBlock + h];
           sum[0] += values[i][z].x * w, sum[1] += values[i][z].y * w, sum[2] += values[i][z].z * w, sum[3] += values[i][z].w * w;
         }
+      if constexpr (kPaired) row_decode::f32x4_half_unpaired(sum, static_cast<int>(threadIdx.x) % kWarpSize);
       store4(mma::output_row<Out, kHeadDim>(a, t, head0 + h) + 4 * (piece % kMergePieces), sum);
     }
   }
@@ -360,17 +393,19 @@ __device__ __forceinline__ void merge_pieces(const SparseAttentionLaunch& a, int
 
 // Out[t, h] = Σ_z acc_z·weight_z·inverse (split_merge.cuh), the weights folded with the inverse and
 // the sums in split order z = 0, 1, … whichever block runs them; block z of the cluster writes
-// pieces [z·n / splits, (z + 1)·n / splits) of the token's n = heads x 128 four-channel pieces, and
-// the lse of each head whose first piece is among them. The weights of a head come from the splits'
+// pieces [2·(z·n / splits), 2·((z + 1)·n / splits)) of the token's 2n = heads x 128 four-channel
+// pieces, and the lse of each head whose first piece is among them. The weights of a head come from the splits'
 // (max, sum) in their blocks' shared memory, loaded while the block's first pieces load. The partial
 // rows and stats of a head group's padding are not written, and nothing read of them is used.
 // Called by the 256 consumer threads of every block of the cluster (the producers have exited,
-// which releases them from its barriers).
-template <class Out>
+// which releases them from its barriers). acc and kPaired: as write_output_staged's, value_scale
+// folded into the weights; the partials' order below.
+template <class Out, bool kPaired>
 __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLaunch& a, int64_t t, int head0,
                                                         int head_end, int half, int lane,
                                                         const float (&acc)[kOutTiles][4],
-                                                        const mma::SoftmaxState& state, uint8_t* shared) {
+                                                        const mma::SoftmaxState& state, float value_scale,
+                                                        uint8_t* shared) {
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
   float* const partial = reinterpret_cast<float*>(shared);
@@ -378,14 +413,20 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   float* const weights = reinterpret_cast<float*>(stats + kHeadsPerBlock);  // [split][head]
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, g = lane / 4, c = lane % 4;
   const int heads = head_end - head0;
+  // Paired tiles: a pair of splits writes its partials in channel order, single values (its merge
+  // of 16 pieces a thread measured b64 +1.2 us with the lanes' exchange); more splits write theirs
+  // in tile order, two values a store, and their merge puts them back (b1 -0.2 us).
+  const bool channel_order = kPaired && a.splits == 2;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = warp_in_group * 16 + g + 8 * r;
     if (head >= heads) continue;  // a head group's padding
 #pragma unroll
-    for (int j = 0; j < kOutTiles; ++j)
-      *reinterpret_cast<float2*>(partial + head * kPartialRowValues + half * kHalfChannels + 8 * j + 2 * c) =
-          make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+    for (int j = 0; j < kOutTiles; ++j) {
+      float* const row = partial + head * kPartialRowValues + half * kHalfChannels + 8 * j;
+      if (channel_order) row[c] = acc[j][2 * r], row[c + 4] = acc[j][2 * r + 1];
+      else *reinterpret_cast<float2*>(row + 2 * c) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+    }
     if (half == 0 && c == 0) stats[head] = make_float2(state.running_max[r], state.running_sum[r]);
   }
   // Every block's partial is whole: its shared-memory writes released to the cluster, acquired by
@@ -395,8 +436,10 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   cluster_wait();
   DSV4_PHASE_STAMP(kStampMergeShared);
 
+  // Ranges of whole pairs of pieces, groups of eight channels (whose halves two lanes put back in
+  // channel order, kPaired).
   const int splits = a.splits, rank = static_cast<int>(cluster.block_rank());
-  const int pieces = heads * kMergePieces, first = rank * pieces / splits, end = (rank + 1) * pieces / splits;
+  const int pairs = heads * kMergePieces / 2, first = 2 * (rank * pairs / splits), end = 2 * ((rank + 1) * pairs / splits);
   // The weights of the heads of pieces [first, end), each made by a group of kLanes lanes (kLanes >=
   // splits), split z's by lane z of the group, in as many passes as it takes the 256 / kLanes groups
   // to cover the at most kMaxMergedHeads heads a block merges: all passes' loads at once, then the
@@ -425,7 +468,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
         const SplitNormalization n =
             normalize_splits_across_lanes<kLanes>(splits, split[pass], sink_log2[pass], weight);
         if (head <= last_head) {
-          if (z < splits) weights[z * kHeadsPerBlock + head] = weight * n.inverse;
+          if (z < splits) weights[z * kHeadsPerBlock + head] = weight * n.inverse * value_scale;
           if (z == 0 && a.lse && head * kMergePieces >= first) a.lse[t * a.heads + head0 + head] = n.lse();
         }
       }
@@ -438,9 +481,10 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   // (steps of up to half a wave of blocks), up to 8 splits and up to 16; four spill. A pair pushing
   // its partner's rows in one bulk copy (cp.async.bulk.shared::cluster) instead measured no faster
   // where it merges and slower elsewhere (bench/RESULTS.md, twenty-fourth and twenty-fifth sessions).
-  if (splits == 2) merge_pieces<Out, 2>(a, t, head0, first, end, partial_rows, weights, load_weights);
-  else if (splits <= 8) merge_pieces<Out, 8>(a, t, head0, first, end, partial_rows, weights, load_weights);
-  else merge_pieces<Out, kMaxClusterSplits>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  // A pair's partials are in channel order (channel_order above).
+  if (splits == 2) merge_pieces<Out, 2, false>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  else if (splits <= 8) merge_pieces<Out, 8, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  else merge_pieces<Out, kMaxClusterSplits, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
   DSV4_PHASE_STAMP(kStampMergePieces);
   // No block leaves while the others read its shared memory. This block's reads of theirs have all
   // returned (their values are summed above), and nothing else needs ordering: a relaxed arrival,
@@ -748,31 +792,55 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   // Consumers: warpgroup `half` scores rows [32·half, 32·half + 32) of each tile and computes output
   // channels [256·half, 256·half + 256).
   claim_registers<kConsumerRegisters<R::kConsumersDecode>>();
+  constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>;
   constexpr int kQRegisterSteps = R::kQRegisterSteps, kQSharedChannels = kHeadDim - R::kQSharedFirst;
   // Broadcast from lane 0, so that ptxas knows it is warp-uniform: the descriptors built from it
   // then stay in uniform registers (else each wgmma's costs a 64-bit add and two R2UR moves).
   const int half = __shfl_sync(kFullMask, static_cast<int>(threadIdx.x) / 128, 0), warp_in_group = warp % 4;
   const uint32_t q_address = shared_address(q_tile), tiles_address = shared_address(tiles);
+  // Q's shared channels in 16-byte pieces: piece i is head i / kPiecesPerHead's channels
+  // kQSharedFirst + 8·(i % kPiecesPerHead) …; its source is null for a head group's padding.
+  constexpr int kPiecesPerHead = kQSharedChannels / 8, kQPieces = kHeadsPerBlock * kPiecesPerHead;
+  const auto q_piece_source = [&](int i) -> const uint16_t* {
+    const int h = i / kPiecesPerHead;
+    return head0 + h < head_end ? a.q + (t * a.heads + head0 + h) * kHeadDim + R::kQSharedFirst + 8 * (i % kPiecesPerHead)
+                                : nullptr;
+  };
+  const auto q_piece_destination = [&](int i) {
+    return reinterpret_cast<uint4*>(q_tile + wgmma::sw128_offset(kHeadsPerBlock, i / kPiecesPerHead, 8 * (i % kPiecesPerHead)));
+  };
   const uint64_t q_policy = row_copy_policy(a, t);
-  for (int item = threadIdx.x; item < kHeadsPerBlock * (kQSharedChannels / 8); item += kConsumerThreads) {
-    const int h = item / (kQSharedChannels / 8), offset = (item % (kQSharedChannels / 8)) * 8;
-    const int channel = R::kQSharedFirst + offset;
-    uint8_t* dst = q_tile + wgmma::sw128_offset(kHeadsPerBlock, h, offset);
-    if (head0 + h < head_end)
-      cp_async<16>(shared_address(dst), a.q + ((t * a.heads + head0 + h) * kHeadDim + channel), true, q_policy);
-    else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < kQPieces; i += kConsumerThreads) {
+    const uint16_t* const source = q_piece_source(i);
+    if (source) cp_async<16>(shared_address(q_piece_destination(i)), source, true, q_policy);
+    else *q_piece_destination(i) = make_uint4(0, 0, 0, 0);
   }
-  // The A fragments of Q's first k steps: the warp's heads 16·w + g (+ 8), channels 16k + 2c (+ 8).
+  // The A fragments of Q's first k steps: the warp's heads 16·w + g (+ 8), positions 16k + 2c (+ 8)
+  // and the next (channels c and c + 4 of their group in paired order).
   uint32_t q_first[kQRegisterSteps][4];
   const int head_base = head0 + warp_in_group * 16, g = lane / 4, c = lane % 4;
 #pragma unroll
   for (int k = 0; k < kQRegisterSteps; ++k)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int head = head_base + g + 8 * (e & 1), channel = 16 * k + 2 * c + 8 * (e >> 1);
-      q_first[k][e] = head < head_end ? *reinterpret_cast<const uint32_t*>(a.q + (t * a.heads + head) * kHeadDim + channel) : 0u;
+      const int head = head_base + g + 8 * (e & 1), position = 16 * k + 2 * c + 8 * (e >> 1);
+      const uint16_t* const q_row = a.q + (t * a.heads + head) * kHeadDim;
+      if (head >= head_end) q_first[k][e] = 0u;
+      else if constexpr (kPaired)
+        q_first[k][e] = uint32_t{q_row[paired_channel(position)]} | uint32_t{q_row[paired_channel(position + 1)]} << 16;
+      else q_first[k][e] = *reinterpret_cast<const uint32_t*>(q_row + position);
     }
   cp_async_wait_all();
+  if constexpr (kPaired) {  // each thread's own pieces into paired order, all its loads in flight together
+    constexpr int kQPiecesPerThread = kQPieces / kConsumerThreads;
+    static_assert(kQPieces % kConsumerThreads == 0);
+    uint4 pieces[kQPiecesPerThread];
+#pragma unroll
+    for (int i = 0; i < kQPiecesPerThread; ++i) pieces[i] = *q_piece_destination(static_cast<int>(threadIdx.x) + i * kConsumerThreads);
+#pragma unroll
+    for (int i = 0; i < kQPiecesPerThread; ++i)
+      *q_piece_destination(static_cast<int>(threadIdx.x) + i * kConsumerThreads) = row_decode::bf16x8_paired(pieces[i]);
+  }
   wgmma::fence_shared_for_async_proxy();
   barrier_sync(kConsumerBarrier, kConsumerThreads);
   DSV4_PHASE_STAMP(kStampQLanded);
@@ -781,7 +849,8 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   float acc[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  const float scale_log2 = a.scale * kLog2e;
+  constexpr float kValueScale = kTileValueScale<kWindow, kCompressed>;
+  const float scale_log2 = a.scale * kLog2e * kValueScale;
   // The lane's two heads in the exchange, the other warpgroup's entries kHeadsPerBlock away.
   float* const exchange_own = exchange + half * kHeadsPerBlock + warp_in_group * 16 + g;
   const float* const exchange_other = exchange + (half ^ 1) * kHeadsPerBlock + warp_in_group * 16 + g;
@@ -806,7 +875,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
         decode_rows<kWindow, kCompressed, R::kRowBytes>(raw + row0 * R::kRowBytes, tile, row0, window_rows, lane);
       }
     } else {
-      decode_row<kCompressed, R::kNarrowRowBytes, kRowsPerConsumerWarp>(
+      decode_row<kCompressed, R::kNarrowRowBytes, kPaired, kScaledTiles<kWindow, kCompressed>, kRowsPerConsumerWarp>(
           raw + warp * kRowsPerConsumerWarp * R::kNarrowRowBytes, tile, warp * kRowsPerConsumerWarp, 0, lane);
     }
     if (tile_index + 1 < n_tiles) barrier_arrive(kRawFreeBarrier + tile_index % 2, kThreads);
@@ -842,11 +911,17 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     wgmma::pin(s);
     DSV4_PHASE_STAMP(tile_stamp(i, kScored));
 
-    uint64_t valid_rows = 0;  // bit slot·16 + warp·4 + r: row r of producer warp `warp` in the slot
-#pragma unroll
-    for (int b = 0; b < kSlotsPerTile * kProducerWarps; ++b)
-      valid_rows |= static_cast<uint64_t>(valid_bits[(i % kValidStages) * kSlotsPerTile * kProducerWarps + b])
-                    << (kRowsPerProducerWarp * b);
+    // This warpgroup's rows that hold a row (bit 16·s + 4·w + r: row r of producer warp w in the
+    // warpgroup's slot s), packed from the tile's valid bits: a byte of four bits per slot and
+    // producer warp, eight bytes for the warpgroup's two slots. (Sixteen byte loads shifted into a
+    // 64-bit mask took about 60 instructions a tile, on the softmax's critical path.)
+    static_assert(kRowsPerProducerWarp == 4 && kSlotsPerTile * kProducerWarps == 16 && kWarpgroupRows == 32);
+    const uint2 warpgroup_bits =
+        *reinterpret_cast<const uint2*>(valid_bits + ((i % kValidStages) * kSlotsPerTile + 2 * half) * kProducerWarps);
+    auto four_nibbles = [](uint32_t bytes) {  // the low nibbles of four bytes, in order
+      return __byte_perm(bytes | bytes >> 4, 0u, 0x4420u);
+    };
+    const uint32_t valid_rows = four_nibbles(warpgroup_bits.x) | four_nibbles(warpgroup_bits.y) << 16;
     // The heads' maxima over this warpgroup's rows. Where the consumers decode, after the first
     // tile (where every max rises: there is none yet), P is stored at once relative to the running
     // max, on the speculation that no head's max rises (it rises only by more than kMaxSlack), and
@@ -857,7 +932,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
     // the barrier, and the bf16 rows' would need a barrier at each tile's start; both measured
     // slower.)
     float tile_max[2];
-    mma::scaled_tile_max(s, valid_rows >> (kWarpgroupRows * half), scale_log2, lane, tile_max);
+    mma::scaled_tile_max(s, valid_rows, scale_log2, lane, tile_max);
     if (c == 0) exchange_own[0] = tile_max[0], exchange_own[8] = tile_max[1];
     // P of the warpgroup's rows, as bf16, into the P tile: element e of the A fragment of its k
     // step k, rows 16k + 2c (+ 8) of this half.
@@ -915,10 +990,10 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
   for (int r = 0; r < 2; ++r)
     softmax.running_sum[r] = exchange[warp_in_group * 16 + g + 8 * r] + exchange[kHeadsPerBlock + warp_in_group * 16 + g + 8 * r];
   if (a.splits > 1) {
-    merge_splits_in_cluster<Out>(a, t, head0, head_end, half, lane, acc, softmax, shared);
+    merge_splits_in_cluster<Out, kPaired>(a, t, head0, head_end, half, lane, acc, softmax, kValueScale, shared);
   } else {
-    write_output_staged<Out>(a, t, head0, head_end, half, lane, acc, softmax,
-                             shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
+    write_output_staged<Out, kPaired>(a, t, head0, head_end, half, lane, acc, softmax, kValueScale,
+                                      shared + half * kHeadsPerBlock * (kHalfChannels + 8) * sizeof(Out));
   }
   DSV4_PHASE_STAMP(kStampEnd);
 #endif
