@@ -106,23 +106,22 @@ struct E2m1Table {
 // and the first mantissa bit; code 1, 0.5, lands on the subnormal 2^-127, which bf16 arithmetic
 // keeps). Pair k takes codes k and k + 4: one shift for both magnitudes, one for both signs. Times
 // `scale_2_119`, the scale times 2^119 (exact in bf16, below 2^128 for every e4m3 scale), the product
-// is value x scale x 2^-7, exact (at most 6 significant bits, at least 2^-17); times 2^7 it is the
-// codec's value. (Host-callable: row_decode_check.h runs it on the host for the tests.)
+// is value x scale x 2^-7, exact (at most 6 significant bits, at least 2^-17): paired order's value
+// (kPairedValueScale below). (Host-callable: row_decode_check.h runs it on the host for the tests.)
 __host__ __device__ __forceinline__ __nv_bfloat162 e2m1_scale_times_2_119(uint8_t scale_code) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(scale_code), __NV_E4M3);
   return __float2bfloat162_rn(__half2float(__half(__half_raw{h.x})) * 0x1p119f);
 }
-// kScaled: leave the values times 2^-7 (kScaledFactor below), for a kernel that compensates.
-inline constexpr float kScaledFactor = 128.0f;
-template <bool kScaled>
+// Paired order's values are the codec's times 2^-7 (1 / kPairedValueScale), which saves the e2m1
+// codes a multiply a pair; a kernel that reads them compensates.
+inline constexpr float kPairedValueScale = 128.0f;
 __host__ __device__ __forceinline__ uint4 e2m1x8_to_bf16_paired_bits(uint32_t codes, __nv_bfloat162 scale_2_119) {
   uint32_t pairs[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const uint32_t magnitudes = (k < 2 ? codes << (6 - 4 * k) : codes >> (4 * k - 6)) & 0x01c001c0u;
     const uint32_t bits = magnitudes | ((codes << (12 - 4 * k)) & 0x80008000u);
-    __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), scale_2_119);
-    if constexpr (!kScaled) v = __hmul2(v, __floats2bfloat162_rn(kScaledFactor, kScaledFactor));
+    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), scale_2_119);
     pairs[k] = *reinterpret_cast<const uint32_t*>(&v);
   }
   return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
@@ -173,19 +172,20 @@ __device__ __forceinline__ Raw16 load16(const uint8_t* row_data, const uint8_t* 
 
 // Those channels as bf16, in the same two halves. The values are the row codec's (code x scale),
 // which are exact in bf16 for every format taken here.
-// kPaired: each half in paired order (above). kScaled (V4.1 native rows): the values times 2^-7,
-// which saves the e2m1 codes a multiply a pair and costs the e4m3 codes one a 16 channels.
-template <KvRowFormat F, bool kPaired = false, bool kScaled = false>
+// kPaired (the V4.1 native rows): each half in paired order (above), the scaled values times 2^-7
+// (kPairedValueScale), which saves the e2m1 codes a multiply a pair and costs the e4m3 codes one a
+// 16 channels.
+template <KvRowFormat F, bool kPaired = false>
 __device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first, uint4& second) {
-  static_assert(!kScaled || (kPaired && (F == KvRowFormat::v41_fp8 || F == KvRowFormat::v41_fp4)),
-                "scaled values are decoded in paired order, for the V4.1 native rows only");
+  static_assert(!kPaired || F == KvRowFormat::v41_fp8 || F == KvRowFormat::v41_fp4,
+                "paired order is decoded for the V4.1 native rows only");
   switch (row_codec::channel_code<F>(c0)) {
     case row_codec::ChannelCode::bf16:
       if constexpr (kPaired) first = bf16x8_paired(raw.first), second = bf16x8_paired(raw.second);
       else first = raw.first, second = raw.second;
       return;
     case row_codec::ChannelCode::e4m3: {
-      const float scale = __uint_as_float(raw.scale) * (kScaled ? 1.0f / kScaledFactor : 1.0f);
+      const float scale = __uint_as_float(raw.scale) * (kPaired ? 1.0f / kPairedValueScale : 1.0f);
       const uint2 a = make_uint2(raw.first.x, raw.first.y), b = make_uint2(raw.second.x, raw.second.y);
       if constexpr (kPaired) first = e4m3x8_to_bf16_paired(a, scale), second = e4m3x8_to_bf16_paired(b, scale);
       else first = e4m3x8_to_bf16(a, scale), second = e4m3x8_to_bf16(b, scale);
@@ -194,8 +194,8 @@ __device__ __forceinline__ void decode16(const Raw16& raw, int c0, uint4& first,
     case row_codec::ChannelCode::e2m1: {
       if constexpr (kPaired) {
         const __nv_bfloat162 scale = e2m1_scale_times_2_119(static_cast<uint8_t>(raw.scale));
-        first = e2m1x8_to_bf16_paired_bits<kScaled>(raw.first.x, scale);
-        second = e2m1x8_to_bf16_paired_bits<kScaled>(raw.second.x, scale);
+        first = e2m1x8_to_bf16_paired_bits(raw.first.x, scale);
+        second = e2m1x8_to_bf16_paired_bits(raw.second.x, scale);
         return;
       }
       const E2m1Table table(static_cast<uint8_t>(raw.scale));

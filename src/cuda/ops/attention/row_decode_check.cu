@@ -4,10 +4,8 @@
 
 namespace dsv4::cuda {
 
-std::array<uint32_t, 4> decode_e2m1x8_paired_on_host(uint32_t codes, uint8_t scale_code, bool scaled) {
-  const __nv_bfloat162 scale = row_decode::e2m1_scale_times_2_119(scale_code);
-  const uint4 pairs = scaled ? row_decode::e2m1x8_to_bf16_paired_bits<true>(codes, scale)
-                             : row_decode::e2m1x8_to_bf16_paired_bits<false>(codes, scale);
+std::array<uint32_t, 4> decode_e2m1x8_paired_on_host(uint32_t codes, uint8_t scale_code) {
+  const uint4 pairs = row_decode::e2m1x8_to_bf16_paired_bits(codes, row_decode::e2m1_scale_times_2_119(scale_code));
   return {pairs.x, pairs.y, pairs.z, pairs.w};
 }
 

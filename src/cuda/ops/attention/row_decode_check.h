@@ -10,7 +10,7 @@ namespace dsv4::cuda {
 
 // Eight e2m1 codes (the nibbles of `codes`, the first lowest) times the e4m3 scale `scale_code` as the
 // kernels decode them in paired order: bf16 pairs of codes (0, 4), (1, 5), (2, 6), (3, 7), the first
-// of each in the low half; with `scaled`, the values times 2^-7 (the wgmma kernel's native tiles).
-std::array<uint32_t, 4> decode_e2m1x8_paired_on_host(uint32_t codes, uint8_t scale_code, bool scaled);
+// of each in the low half, the values times 2^-7 (row_decode::kPairedValueScale).
+std::array<uint32_t, 4> decode_e2m1x8_paired_on_host(uint32_t codes, uint8_t scale_code);
 
 }  // namespace dsv4::cuda

@@ -220,28 +220,26 @@ inline constexpr int kRowsPerConsumerWarp = kTileRows / (kConsumerThreads / kWar
 // (row_decode.cuh), where their v41_fp4 picks decode by moving bits instead of a table lookup (the
 // decode, the consumers' bound, then takes a fraction of the ALU instructions); their window rows
 // pay a byte permute a pair for it. Q is staged in the same order, and the outputs go back to
-// channel order on their way out. Other formats keep channel order.
+// channel order on their way out. Other formats keep channel order. Paired tiles' values are also
+// times 2^-7 (kTileValueScale: one multiply less a pair of v41_fp4 codes). The scores are scaled
+// back through the softmax's scale, and the outputs through their normalization (or the split
+// merge's weights), by powers of two: the same reals, so the same bits, and no multiply of the
+// accumulators.
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
 inline constexpr bool kPairedTiles = kCompressed == KvRowFormat::v41_fp4;
-// Their values are also times 2^-7 (row_decode::decode16's kScaled: one multiply less a pair of
-// v41_fp4 codes). The scores are scaled back through the softmax's scale, and the outputs through
-// their normalization (or the split merge's weights), by powers of two: the same reals, so the same
-// bits, and no multiply of the accumulators.
 template <KvRowFormat kWindow, KvRowFormat kCompressed>
-inline constexpr bool kScaledTiles = kPairedTiles<kWindow, kCompressed>;
-template <KvRowFormat kWindow, KvRowFormat kCompressed>
-inline constexpr float kTileValueScale = kScaledTiles<kWindow, kCompressed> ? row_decode::kScaledFactor : 1.0f;
+inline constexpr float kTileValueScale = kPairedTiles<kWindow, kCompressed> ? row_decode::kPairedValueScale : 1.0f;
 // The channel at position p of paired order.
 __host__ __device__ constexpr int paired_channel(int p) { return (p % 8) / 2 + 4 * (p % 2) + p / 8 * 8; }
 
 // Lane `lane`'s 16 channels of raw rows r … r + kRows - 1 (format F; raw rows kRowBytes apart)
-// decoded to bf16 (in paired order: kPairedTiles; times 2^-7: kScaledTiles) and stored
+// decoded to bf16 (kPaired: in paired order, times 2^-7: kPairedTiles) and stored
 // into rows row0 + r … of the SW128 tile. Two rows' loads are in flight
 // (row_decode::Raw16): each row's are issued before the stores of the row two earlier, which would
 // otherwise hold them back (measured: b128 −0.9 us, the direct prefill −2.7 %; four ahead gained
 // no more and spills at the consumers' 208 registers). Lanes 4-7 of each quarter warp store their
 // upper chunk first, so that a quarter warp's 8 stores fall on 8 different groups of banks.
-template <KvRowFormat F, int kRowBytes, bool kPaired, bool kScaled, int kRows = 1>
+template <KvRowFormat F, int kRowBytes, bool kPaired, int kRows = 1>
 __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, int row0, int r, int lane) {
   constexpr int kAhead = kRows < 2 ? kRows : 2;
   const int c0 = lane * 16, upper_first = (lane >> 2) & 1;
@@ -252,7 +250,7 @@ __device__ __forceinline__ void decode_row(const uint8_t* raw, uint8_t* tile, in
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     uint4 first, second;
-    row_decode::decode16<F, kPaired, kScaled>(loaded[k % kAhead], c0, first, second);
+    row_decode::decode16<F, kPaired>(loaded[k % kAhead], c0, first, second);
     if (k + kAhead < kRows) loaded[k % kAhead] = load(k + kAhead);
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * upper_first)) = first;
     *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(kTileRows, row0 + r + k, c0 + 8 * (upper_first ^ 1))) = second;
@@ -271,9 +269,9 @@ template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
 __device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
 #pragma unroll 1
   for (int r = 0; r < kRowsPerProducerWarp; ++r) {
-    constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>, kScaled = kScaledTiles<kWindow, kCompressed>;
-    if (r < window_rows) decode_row<kWindow, kRowBytes, kPaired, kScaled>(raw, tile, row0, r, lane);
-    else decode_row<kCompressed, kRowBytes, kPaired, kScaled>(raw, tile, row0, r, lane);
+    constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>;
+    if (r < window_rows) decode_row<kWindow, kRowBytes, kPaired>(raw, tile, row0, r, lane);
+    else decode_row<kCompressed, kRowBytes, kPaired>(raw, tile, row0, r, lane);
   }
 }
 
@@ -282,11 +280,11 @@ __device__ __noinline__ void decode_mixed_rows(const uint8_t* raw, uint8_t* tile
 // chains).
 template <KvRowFormat kWindow, KvRowFormat kCompressed, int kRowBytes>
 __device__ __forceinline__ void decode_rows(const uint8_t* raw, uint8_t* tile, int row0, int window_rows, int lane) {
-  constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>, kScaled = kScaledTiles<kWindow, kCompressed>;
+  constexpr bool kPaired = kPairedTiles<kWindow, kCompressed>;
   if (window_rows == 0) {
-    decode_row<kCompressed, kRowBytes, kPaired, kScaled, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
+    decode_row<kCompressed, kRowBytes, kPaired, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
   } else if (window_rows == kRowsPerProducerWarp) {
-    decode_row<kWindow, kRowBytes, kPaired, kScaled, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
+    decode_row<kWindow, kRowBytes, kPaired, kRowsPerProducerWarp>(raw, tile, row0, 0, lane);
   } else {
     decode_mixed_rows<kWindow, kCompressed, kRowBytes>(raw, tile, row0, window_rows, lane);
   }
@@ -345,6 +343,12 @@ inline constexpr int kMaxMergedHeads = kHeadsPerBlock / 2 + 1;
 // Loads from the other blocks' shared memory a consumer thread has in flight at a time: each waits a
 // round trip, so they go out together (16-byte values: 128 registers).
 inline constexpr int kMergeLoadsInFlight = 32;
+
+// Whether a split's partials are in paired channel order (paired tiles' tile order, two values a
+// store; their merge puts them back: b1 -0.2 us) or in channel order. A pair of splits keeps channel
+// order (single values): its merge of 16 pieces a thread measured b64 +1.2 us with the lanes'
+// exchange.
+__host__ __device__ constexpr bool paired_partials(bool paired_tiles, int splits) { return paired_tiles && splits != 2; }
 
 // Pieces [first, end) of a token's merge (piece i: head i / 128, channels 4·(i % 128) …): the splits'
 // partials from their blocks' shared memory (at `partial` in each), weighted and summed in split
@@ -413,10 +417,8 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   float* const weights = reinterpret_cast<float*>(stats + kHeadsPerBlock);  // [split][head]
   const int warp_in_group = (threadIdx.x / kWarpSize) % 4, g = lane / 4, c = lane % 4;
   const int heads = head_end - head0;
-  // Paired tiles: a pair of splits writes its partials in channel order, single values (its merge
-  // of 16 pieces a thread measured b64 +1.2 us with the lanes' exchange); more splits write theirs
-  // in tile order, two values a store, and their merge puts them back (b1 -0.2 us).
-  const bool channel_order = kPaired && a.splits == 2;
+  // Paired tiles' values put back in channel order one by one (paired_partials), else two a store.
+  const bool unpaired_values = kPaired && !paired_partials(kPaired, a.splits);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = warp_in_group * 16 + g + 8 * r;
@@ -424,7 +426,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
 #pragma unroll
     for (int j = 0; j < kOutTiles; ++j) {
       float* const row = partial + head * kPartialRowValues + half * kHalfChannels + 8 * j;
-      if (channel_order) row[c] = acc[j][2 * r], row[c + 4] = acc[j][2 * r + 1];
+      if (unpaired_values) row[c] = acc[j][2 * r], row[c + 4] = acc[j][2 * r + 1];
       else *reinterpret_cast<float2*>(row + 2 * c) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
     }
     if (half == 0 && c == 0) stats[head] = make_float2(state.running_max[r], state.running_sum[r]);
@@ -481,10 +483,9 @@ __device__ __forceinline__ void merge_splits_in_cluster(const SparseAttentionLau
   // (steps of up to half a wave of blocks), up to 8 splits and up to 16; four spill. A pair pushing
   // its partner's rows in one bulk copy (cp.async.bulk.shared::cluster) instead measured no faster
   // where it merges and slower elsewhere (bench/RESULTS.md, twenty-fourth and twenty-fifth sessions).
-  // A pair's partials are in channel order (channel_order above).
-  if (splits == 2) merge_pieces<Out, 2, false>(a, t, head0, first, end, partial_rows, weights, load_weights);
-  else if (splits <= 8) merge_pieces<Out, 8, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
-  else merge_pieces<Out, kMaxClusterSplits, kPaired>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  if (splits == 2) merge_pieces<Out, 2, paired_partials(kPaired, 2)>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  else if (splits <= 8) merge_pieces<Out, 8, paired_partials(kPaired, 8)>(a, t, head0, first, end, partial_rows, weights, load_weights);
+  else merge_pieces<Out, kMaxClusterSplits, paired_partials(kPaired, kMaxClusterSplits)>(a, t, head0, first, end, partial_rows, weights, load_weights);
   DSV4_PHASE_STAMP(kStampMergePieces);
   // No block leaves while the others read its shared memory. This block's reads of theirs have all
   // returned (their values are summed above), and nothing else needs ordering: a relaxed arrival,
@@ -875,7 +876,7 @@ __global__ void __launch_bounds__(attention_wgmma::kThreads, 1)
         decode_rows<kWindow, kCompressed, R::kRowBytes>(raw + row0 * R::kRowBytes, tile, row0, window_rows, lane);
       }
     } else {
-      decode_row<kCompressed, R::kNarrowRowBytes, kPaired, kScaledTiles<kWindow, kCompressed>, kRowsPerConsumerWarp>(
+      decode_row<kCompressed, R::kNarrowRowBytes, kPaired, kRowsPerConsumerWarp>(
           raw + warp * kRowsPerConsumerWarp * R::kNarrowRowBytes, tile, warp * kRowsPerConsumerWarp, 0, lane);
     }
     if (tile_index + 1 < n_tiles) barrier_arrive(kRawFreeBarrier + tile_index % 2, kThreads);
