@@ -798,20 +798,28 @@ TEST(IndexerCudaDispatch, ChoosesTensorCoresForFp4QueriesOnSm90) {
   EXPECT_STREQ(choose_index_scores(p, h200).name, "simt");
 }
 
-// The tensor-core implementations' key ranges: as many CTAs as `waves` waves hold and no more
-// (one CTA beyond them would start a wave of its own), each at least min_keys long, a multiple of
-// the granule, covering every entry.
-TEST(IndexerCudaDispatch, KeyRangesFillWholeWaves) {
+// The tensor-core implementations' key ranges: the fewest splits whose CTAs fill the last of at most
+// `waves` waves to 95 % (else the fullest), each at least min_keys long, a multiple of the granule,
+// covering every entry.
+TEST(IndexerCudaDispatch, KeyRangesFillTheirLastWave) {
   const DeviceInfo h200{90, 232448, 233472, 132};
-  const size_t shared = 50 * 1024;  // four CTAs per SM
-  for (const int waves : {1, 2})
+  const size_t shared = 50 * 1024;  // four CTAs per SM: 528 places a wave
+  auto last_wave_fill = [](int64_t ctas, int64_t places) {
+    return static_cast<double>(ctas) / static_cast<double>((ctas + places - 1) / places * places);
+  };
+  for (const int waves : {1, 2, 8})
     for (const int64_t entries : {int64_t{32768}, int64_t{131072}, int64_t{100003}}) {
       const int64_t keys = index_keys_per_cta(entries, 64, shared, 4, 128, 1024, waves, h200);
       const int64_t ctas = 64 * ((entries + keys - 1) / keys);
       EXPECT_EQ(keys % 128, 0) << entries;
-      EXPECT_LE(ctas, waves * 132 * 4) << entries << " entries, " << waves << " waves";
-      EXPECT_GT(ctas, waves * 132 * 4 / 2) << entries << " entries, " << waves << " waves";
+      // A decode batch of 64 tokens: eight splits, 512 CTAs (97 %), whatever the waves allowed.
+      EXPECT_EQ(ctas, 512) << entries << " entries, " << waves << " waves";
+      EXPECT_GE(last_wave_fill(ctas, 528), 0.95);
     }
+  // A prefill chunk of 2048 tokens in 342 CTAs of six, three an SM (396 places): one wave leaves
+  // 54 places empty; eight splits fill 2736 of 2772.
+  EXPECT_EQ(index_keys_per_cta(65536, 342, 70 * 1024, 3, 128, 1024, 1, h200), 65536);
+  EXPECT_EQ(index_keys_per_cta(65536, 342, 70 * 1024, 3, 128, 1024, 8, h200), 8192);
   // Few entries: ranges of at least min_keys, whatever the waves (3000 entries: two of 1536).
   EXPECT_EQ(index_keys_per_cta(3000, 64, shared, 4, 128, 1024, 1, h200), 1536);
   // More token groups than a wave holds: one range per token group.

@@ -87,9 +87,20 @@ int64_t index_keys_per_cta(int64_t entries, int64_t token_groups, size_t shared_
                            int64_t min_keys, int waves, const DeviceInfo& device) {
   const int64_t resident = std::clamp<int64_t>(device.max_shared_bytes_per_sm / static_cast<int64_t>(shared_bytes + 1024),
                                                1, max_resident);
-  const int64_t target = waves * std::max(device.multiprocessors, 1) * resident;
-  // Rounded down: one CTA beyond the waves would start a wave of its own.
-  const int64_t splits = std::clamp<int64_t>(target / token_groups, 1, std::max<int64_t>(1, entries / min_keys));
+  const int64_t places = std::max(device.multiprocessors, 1) * resident;  // CTAs a wave
+  const int64_t most = std::clamp<int64_t>(waves * places / token_groups, 1, std::max<int64_t>(1, entries / min_keys));
+  // The fewest splits whose CTAs fill the last of their waves to kFullWave (CTAs of equal work
+  // finish together, and longer ranges amortize the query staging and the pipeline's start), else
+  // the fullest last wave.
+  constexpr double kFullWave = 0.95;
+  int64_t splits = 1;
+  double fullest = 0.0;
+  for (int64_t s = 1; s <= most; ++s) {
+    const int64_t ctas = s * token_groups;
+    const double fill = static_cast<double>(ctas) / static_cast<double>((ctas + places - 1) / places * places);
+    if (fill > fullest) fullest = fill, splits = s;
+    if (fill >= kFullWave) break;
+  }
   const int64_t keys = (entries + splits - 1) / splits;
   return (keys + granule - 1) / granule * granule;
 }

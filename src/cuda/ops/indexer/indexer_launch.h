@@ -49,9 +49,10 @@ int index_tokens_per_cta(int64_t tokens, int max_tokens, size_t shared_budget, S
   while (n > 1 && shared_bytes(static_cast<int>(n)) > shared_budget) --n;
   return static_cast<int>(n);
 }
-// Keys per CTA: at most `waves` waves of `resident` CTAs per SM (at most max_resident, as
-// the CTA's shared bytes allow), each at least min_keys keys so that the query staging and the
-// pipeline's start are amortized; a multiple of granule.
+// Keys per CTA: splits of the entries such that the token_groups x splits CTAs, `resident` an SM
+// (at most max_resident, as the CTA's shared bytes allow), fill the last of their at most `waves`
+// waves (the fewest splits that fill it to 95 %, else the fullest), each of at least min_keys keys;
+// a multiple of granule.
 int64_t index_keys_per_cta(int64_t entries, int64_t token_groups, size_t shared_bytes, int max_resident, int64_t granule,
                            int64_t min_keys, int waves, const DeviceInfo& device);
 
