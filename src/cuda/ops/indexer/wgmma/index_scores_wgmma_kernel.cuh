@@ -12,8 +12,9 @@
 // Shape. A CTA is one warpgroup. It takes a range of keys_per_cta entries (the host sizes it to
 // fill the GPU) for one token (decode: four CTAs per SM) or, with kTokenRuns, up to
 // kMaxTokensPerCta tokens (prefill chunks: three per SM, for the registers below), and streams
-// 128-row stages of the range through a kStages-deep cp.async pipeline (thread t copies row t; rows
-// that are not addressable are zero-filled). Per 64-row half of a stage each warp reads its 16 rows
+// 128-row stages of the range through a kStages-deep cp.async pipeline (thread t copies row t; in
+// fp32 token runs a warp copies its 32 rows as whole rows, a lane a chunk; rows that are not
+// addressable are zero-filled). Per 64-row half of a stage each warp reads its 16 rows
 // with ldmatrix and moves the codes to e4m3 in registers: the A operand (M = keys). The queries
 // are B (N = 32 heads, padded with zero queries; K-major, 32-byte swizzle), staged once per CTA.
 // Consecutive tokens of the CTA that read the same sequence (a run) share the stages' loads and,
@@ -66,10 +67,10 @@ inline constexpr int kHeads = 32;                 // the MMA's N: the index head
 // fragments' writes (a half warp: 4 rows x 8 words in 8-byte pairs; bf16: a warp, 8 rows x 4
 // words) and a lane's 16-byte reads of its row (a quarter warp: 8 rows) do not conflict in bf16
 // rows 20 words apart, nor in fp32 rows 32 words apart whose 4-word group q of row r lies at
-// q ^ (2 (r mod 4) + (r / 4) mod 2): the token runs' rows. One-token CTAs keep unswizzled rows
-// with 4 words of padding, which hold the row scales its lanes share (fp32: the writes conflict
-// two ways, as a swizzle with the scales elsewhere measured no faster there: RESULTS, forty-fifth
-// session).
+// q ^ (2 (r mod 4) + (r / 4) mod 2): the token runs' rows (fp32 prefill −2.4 %). One-token CTAs
+// keep unswizzled rows with 4 words of padding, which hold the row scales its lanes share: their
+// fp32 writes conflict two ways, yet conflict-free rows measured slower there (RESULTS,
+// forty-fifth session).
 template <bool kBf16Rounding, bool kTokenRuns>
 struct TermRows {
   static constexpr int kWords = kBf16Rounding ? kHeads / 2 : kHeads;
@@ -185,6 +186,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Layout = SharedLayout<kBlocks, kBf16Rounding, kTokenRuns>;
   using Terms = typename Layout::Terms;
+  // cp.async stages copied as whole rows a warp at a time: measured faster only in the fp32 token
+  // runs, the kernel whose shared memory is the busiest (fp32 prefill −3.7 %, bf16 +0.3 %, the
+  // one-token decode +4–6 %: RESULTS, forty-fifth session).
+  constexpr bool kWholeRowCopies = kTokenRuns && !kBf16Rounding;
   constexpr int kTermsStride = Terms::kStride;
   using Keys = typename Layout::Keys;
   const Layout layout{a.tokens_per_cta};
@@ -305,13 +310,28 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         advance();
         const uint8_t* data = ref.valid() ? ref.data : a.keys.pages;
         const uint32_t rows = stage_base + slot * Layout::kStageBytes;
+        // The rows' addressable bits: first where the copies read them.
+        uint32_t addressable = kWholeRowCopies ? __ballot_sync(kFullMask, ref.valid()) : 0u;
+        if constexpr (kWholeRowCopies) {
+          // The warp's 32 rows in Keys::kChunks copies of 32 / kChunks whole rows (a lane a chunk,
+          // its row's address from the lane that walks it): each copy fills whole lines of the
+          // stage, where a copy of one chunk of each lane's row costs a shared-memory wavefront a
+          // lane.
 #pragma unroll
-        for (int q = 0; q < Keys::kChunks; ++q) cp_async<16>(rows + Keys::offset(threadIdx.x, q), data + 16 * q, ref.valid());
+          for (int k = 0; k < Keys::kChunks; ++k) {
+            const int row = k * (32 / Keys::kChunks) + lane / Keys::kChunks, chunk = lane % Keys::kChunks;  // of the warp's
+            const uint8_t* row_data = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(data), row));
+            cp_async<16>(rows + Keys::offset(warp * 32 + row, chunk), row_data + 16 * chunk, ((addressable >> row) & 1u) != 0);
+          }
+        } else {
+#pragma unroll
+          for (int q = 0; q < Keys::kChunks; ++q) cp_async<16>(rows + Keys::offset(threadIdx.x, q), data + 16 * q, ref.valid());
+        }
         // A dim-64 row has a 2-byte scale: the aligned word holding it.
         const uintptr_t scale_address = reinterpret_cast<uintptr_t>(ref.valid() ? ref.scales : a.keys.pages);
         cp_async<4>(stage_base + static_cast<uint32_t>(Layout::kScaleWordsOffset) + (slot * kStageRows + threadIdx.x) * 4,
                     reinterpret_cast<const void*>(scale_address & ~uintptr_t{3}), ref.valid());
-        const uint32_t addressable = __ballot_sync(kFullMask, ref.valid());
+        if constexpr (!kWholeRowCopies) addressable = __ballot_sync(kFullMask, ref.valid());
         const uint32_t high_half = __ballot_sync(kFullMask, (scale_address & 2) != 0);
         uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords;
         if (lane == 0) masks[warp] = addressable, masks[Layout::kMaskWords + warp] = high_half;
