@@ -42,11 +42,15 @@ constexpr int64_t kMinKeysPerCta = 1024;     // 8 stages
 // tokens is 342 CTAs of six (fp32) on 396 places, which eight splits of the keys fill to 99 %.
 constexpr int kWaves = 8;
 
+// (More than one token a CTA: the token-run kernel's layout.)
 size_t shared_bytes(int blocks, bool bf16_rounding, int tokens_per_cta) {
-  using index_wgmma::SharedLayout;
-  if (blocks == 2)
-    return bf16_rounding ? SharedLayout<2, true>{tokens_per_cta}.bytes() : SharedLayout<2, false>{tokens_per_cta}.bytes();
-  return bf16_rounding ? SharedLayout<4, true>{tokens_per_cta}.bytes() : SharedLayout<4, false>{tokens_per_cta}.bytes();
+  auto bytes = [&]<int kBlocks, bool kBf16Rounding>() {
+    using index_wgmma::SharedLayout;
+    return tokens_per_cta > 1 ? SharedLayout<kBlocks, kBf16Rounding, true>{tokens_per_cta}.bytes()
+                              : SharedLayout<kBlocks, kBf16Rounding, false>{tokens_per_cta}.bytes();
+  };
+  if (blocks == 2) return bf16_rounding ? bytes.operator()<2, true>() : bytes.operator()<2, false>();
+  return bf16_rounding ? bytes.operator()<4, true>() : bytes.operator()<4, false>();
 }
 
 // Tokens per CTA: as many as the budget of CTAs with token runs allows (1: the one-token kernel).

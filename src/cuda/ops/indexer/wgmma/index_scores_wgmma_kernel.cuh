@@ -12,8 +12,9 @@
 // Shape. A CTA is one warpgroup. It takes a range of keys_per_cta entries (the host sizes it to
 // fill the GPU) for one token (decode: four CTAs per SM) or, with kTokenRuns, up to
 // kMaxTokensPerCta tokens (prefill chunks: three per SM, for the registers below), and streams
-// 128-row stages of the range through a kStages-deep cp.async pipeline (thread t copies row t; rows
-// that are not addressable are zero-filled). Per 64-row half of a stage each warp reads its 16 rows
+// 128-row stages of the range through a kStages-deep cp.async pipeline (thread t copies row t; in
+// fp32 token runs a warp copies its 32 rows as whole rows, a lane a chunk; rows that are not
+// addressable are zero-filled). Per 64-row half of a stage each warp reads its 16 rows
 // with ldmatrix and moves the codes to e4m3 in registers: the A operand (M = keys). The queries
 // are B (N = 32 heads, padded with zero queries; K-major, 32-byte swizzle), staged once per CTA.
 // Consecutive tokens of the CTA that read the same sequence (a run) share the stages' loads and,
@@ -62,11 +63,24 @@ inline constexpr int kWarpRows = 16;              // a warp's rows of a tile
 inline constexpr int kStageRows = 2 * kTileRows;  // one per thread for the copies
 inline constexpr int kStages = 3;  // with the term buffers, 4 CTAs fit an SM's shared memory
 inline constexpr int kHeads = 32;                 // the MMA's N: the index heads, zero-padded
-// A term buffer row's stride in words (fp32 terms: one a word; bf16_rounding: a pair a word): its
-// padding keeps neither the lanes' pair writes nor a lane's 16-byte reads of its row from
-// conflicting, and holds a key row's block scales in one-token CTAs.
-inline constexpr int kTermsPad = 4;
-__host__ __device__ constexpr int terms_stride(bool bf16_rounding) { return (bf16_rounding ? kHeads / 2 : kHeads) + kTermsPad; }
+// The rows of a warp's term buffer (fp32 terms: one a word; bf16_rounding: a pair a word). The
+// fragments' writes (a half warp: 4 rows x 8 words in 8-byte pairs; bf16: a warp, 8 rows x 4
+// words) and a lane's 16-byte reads of its row (a quarter warp: 8 rows) do not conflict in bf16
+// rows 20 words apart, nor in fp32 rows 32 words apart whose 4-word group q of row r lies at
+// q ^ (2 (r mod 4) + (r / 4) mod 2): the token runs' rows (fp32 prefill −2.4 %). One-token CTAs
+// keep unswizzled rows with 4 words of padding, which hold the row scales its lanes share: their
+// fp32 writes conflict two ways, yet conflict-free rows measured slower there (RESULTS,
+// forty-fifth session).
+template <bool kBf16Rounding, bool kTokenRuns>
+struct TermRows {
+  static constexpr int kWords = kBf16Rounding ? kHeads / 2 : kHeads;
+  static constexpr bool kSwizzled = !kBf16Rounding && kTokenRuns;
+  static constexpr int kStride = kSwizzled ? kWords : kWords + 4;
+  // Where word `word` of row `row` lies in the row.
+  __device__ __forceinline__ static int word_in_row(int row, int word) {
+    return kSwizzled ? word ^ ((row & 3) << 3 | (row & 4)) : word;
+  }
+};
 inline constexpr int kMaxTokensPerCta = 8;
 // The kernels count a CTA's rows (and the stages beyond them) in 32 bits.
 inline constexpr int64_t kMaxEntries = int64_t{1} << 30;
@@ -95,8 +109,9 @@ static_assert(kStageRows % kCopyRows == 0 && kCopyRows % 32 == 0 && kCopyRows * 
 // Shared memory of a CTA (256-byte aligned): the tokens' queries ([tokens][blocks] SW32 [32 heads
 // x 32] e4m3), their TokenQueries and fast-path bounds, then the stages (key rows, scale words, row
 // masks) and per warp its buffer of weighted terms.
-template <int kBlocks, bool kBf16Rounding>
+template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
 struct SharedLayout {
+  using Terms = TermRows<kBf16Rounding, kTokenRuns>;
   using Keys = SwizzledKeyRows<kBlocks * kBlockChannels / 2>;  // MXFP4: two codes a byte
   static constexpr int kStageBytes = kStageRows * Keys::kBytes;
   static constexpr int kQueryBlockBytes = kHeads * kBlockChannels;
@@ -117,7 +132,7 @@ struct SharedLayout {
   static constexpr size_t kScaleWordsOffset = size_t(kStages) * kStageBytes;
   static constexpr size_t kMasksOffset = kScaleWordsOffset + size_t(kStages) * kStageRows * 4;
   static constexpr size_t kTermsOffset = kMasksOffset + size_t(kStages) * 2 * kMaskWords * 4;
-  static constexpr size_t kTermsBytes = size_t(kThreads / 32) * 2 * kWarpRows * terms_stride(kBf16Rounding) * 4;
+  static constexpr size_t kTermsBytes = size_t(kThreads / 32) * 2 * kWarpRows * Terms::kStride * 4;
   static constexpr size_t kBarriersOffset = kTermsOffset + kTermsBytes;  // [stage] mbarrier (tensor copies)
   // + base_alignment(): the kernel aligns its base
   __host__ __device__ size_t bytes() const { return stages_offset() + kBarriersOffset + kStages * 8 + base_alignment(); }
@@ -169,8 +184,13 @@ template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     index_scores_wgmma_kernel(const __grid_constant__ IndexScoresWgmmaLaunch a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Layout = SharedLayout<kBlocks, kBf16Rounding>;
-  constexpr int kTermsStride = terms_stride(kBf16Rounding);
+  using Layout = SharedLayout<kBlocks, kBf16Rounding, kTokenRuns>;
+  using Terms = typename Layout::Terms;
+  // cp.async stages copied as whole rows a warp at a time: measured faster only in the fp32 token
+  // runs, the kernel whose shared memory is the busiest (fp32 prefill −3.7 %, bf16 +0.3 %, the
+  // one-token decode +4–6 %: RESULTS, forty-fifth session).
+  constexpr bool kWholeRowCopies = kTokenRuns && !kBf16Rounding;
+  constexpr int kTermsStride = Terms::kStride;
   using Keys = typename Layout::Keys;
   const Layout layout{a.tokens_per_cta};
   const uint32_t alignment = static_cast<uint32_t>(layout.base_alignment());
@@ -290,13 +310,28 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         advance();
         const uint8_t* data = ref.valid() ? ref.data : a.keys.pages;
         const uint32_t rows = stage_base + slot * Layout::kStageBytes;
+        // The rows' addressable bits: first where the copies read them.
+        uint32_t addressable = kWholeRowCopies ? __ballot_sync(kFullMask, ref.valid()) : 0u;
+        if constexpr (kWholeRowCopies) {
+          // The warp's 32 rows in Keys::kChunks copies of 32 / kChunks whole rows (a lane a chunk,
+          // its row's address from the lane that walks it): each copy fills whole lines of the
+          // stage, where a copy of one chunk of each lane's row costs a shared-memory wavefront a
+          // lane.
 #pragma unroll
-        for (int q = 0; q < Keys::kChunks; ++q) cp_async<16>(rows + Keys::offset(threadIdx.x, q), data + 16 * q, ref.valid());
+          for (int k = 0; k < Keys::kChunks; ++k) {
+            const int row = k * (32 / Keys::kChunks) + lane / Keys::kChunks, chunk = lane % Keys::kChunks;  // of the warp's
+            const uint8_t* row_data = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(data), row));
+            cp_async<16>(rows + Keys::offset(warp * 32 + row, chunk), row_data + 16 * chunk, ((addressable >> row) & 1u) != 0);
+          }
+        } else {
+#pragma unroll
+          for (int q = 0; q < Keys::kChunks; ++q) cp_async<16>(rows + Keys::offset(threadIdx.x, q), data + 16 * q, ref.valid());
+        }
         // A dim-64 row has a 2-byte scale: the aligned word holding it.
         const uintptr_t scale_address = reinterpret_cast<uintptr_t>(ref.valid() ? ref.scales : a.keys.pages);
         cp_async<4>(stage_base + static_cast<uint32_t>(Layout::kScaleWordsOffset) + (slot * kStageRows + threadIdx.x) * 4,
                     reinterpret_cast<const void*>(scale_address & ~uintptr_t{3}), ref.valid());
-        const uint32_t addressable = __ballot_sync(kFullMask, ref.valid());
+        if constexpr (!kWholeRowCopies) addressable = __ballot_sync(kFullMask, ref.valid());
         const uint32_t high_half = __ballot_sync(kFullMask, (scale_address & 2) != 0);
         uint32_t* masks = row_masks + slot * 2 * Layout::kMaskWords;
         if (lane == 0) masks[warp] = addressable, masks[Layout::kMaskWords + warp] = high_half;
@@ -397,13 +432,17 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
               for (int k = 0; k < 2; ++k)
                 value[j][r][k] = b == 0 ? acc[0][j][2 * r + k]
                                         : __fmaf_rn(acc[b][j][2 * r + k], rs[r].relative[b - 1], value[j][r][k]);
-        auto row_terms = [&](int r) { return terms + (slot * kWarpRows + g + 8 * r) * kTermsStride; };
+        // Word `word` of buffer row g + 8r of the slot.
+        auto row_term = [&](int r, int word) {
+          const int row = slot * kWarpRows + g + 8 * r;
+          return terms + row * kTermsStride + Terms::word_in_row(row, word);
+        };
         auto store = [&](int j, int r, float2 weight) {
           const float x = value[j][r][0], y = value[j][r][1];
           if constexpr (kBf16Rounding)
-            row_terms(r)[4 * j + c] = bf16_weighted_term_pair(x, y, weight);
+            *row_term(r, 4 * j + c) = bf16_weighted_term_pair(x, y, weight);
           else
-            *reinterpret_cast<float2*>(row_terms(r) + 8 * j + 2 * c) =
+            *reinterpret_cast<float2*>(row_term(r, 8 * j + 2 * c)) =
                 make_float2(__fmul_rn(relu(x), weight.x), __fmul_rn(relu(y), weight.y));
         };
         const bool all_fast = __all_sync(kFullMask, fast[0] && fast[1]);
@@ -412,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           for (int j = 0; j < kHeads / 8; ++j) {
             const uint32_t weight = bf16_pair(head.weight[j]);  // exact: kWeightsBf16
 #pragma unroll
-            for (int r = 0; r < 2; ++r) row_terms(r)[4 * j + c] = packed_weighted_terms(value[j][r][0], value[j][r][1], weight);
+            for (int r = 0; r < 2; ++r) *row_term(r, 4 * j + c) = packed_weighted_terms(value[j][r][0], value[j][r][1], weight);
           }
           return true;
         }
@@ -467,8 +506,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         float score = 0.0f;
         const uint32_t* row = terms + lane * kTermsStride;
 #pragma unroll
-        for (int k = 0; k < kTermsStride - kTermsPad; k += 4) {
-          const uint4 t = *reinterpret_cast<const uint4*>(row + k);
+        for (int k = 0; k < Terms::kWords; k += 4) {
+          const uint4 t = *reinterpret_cast<const uint4*>(row + Terms::word_in_row(lane, k));
           if constexpr (kBf16Rounding) {  // four head pairs
             for (const uint32_t pair : {t.x, t.y, t.z, t.w}) score = __fadd_rn(__fadd_rn(score, low_bf16(pair)), high_bf16(pair));
           } else {
@@ -497,9 +536,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         const uint32_t sum_word = scale_word(sum_row);
         const FastBounds bounds = token_bounds[first];
         const uint32_t fast_rows = __ballot_sync(kFullMask, !addressable(sum_row) || bounds.holds(key_exponents<kBlocks>(sum_word)));
-        static_assert(sizeof(RowScales<kBlocks>) <= kTermsPad * 4);
+        static_assert(sizeof(RowScales<kBlocks>) <= (Terms::kStride - Terms::kWords) * 4);
         auto row_scale_slot = [&](int i) {  // the padding of buffer row i
-          return reinterpret_cast<RowScales<kBlocks>*>(terms + i * kTermsStride + kTermsStride - kTermsPad);
+          return reinterpret_cast<RowScales<kBlocks>*>(terms + i * kTermsStride + Terms::kWords);
         };
         const RowScales<kBlocks> sum_scales = row_scales<kBlocks>(sum_word);
         *row_scale_slot(lane) = sum_scales;
@@ -567,7 +606,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
 
 template <int kBlocks, bool kBf16Rounding, bool kTokenRuns>
 void launch_index_scores_wgmma(const IndexScoresWgmmaLaunch& a, cudaStream_t stream) {
-  const size_t shared = SharedLayout<kBlocks, kBf16Rounding>{a.tokens_per_cta}.bytes();
+  const size_t shared = SharedLayout<kBlocks, kBf16Rounding, kTokenRuns>{a.tokens_per_cta}.bytes();
   auto kernel = index_scores_wgmma_kernel<kBlocks, kBf16Rounding, kTokenRuns>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   kernel<<<range_grid(a), kThreads, shared, stream>>>(a);
