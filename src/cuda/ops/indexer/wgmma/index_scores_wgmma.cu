@@ -42,7 +42,7 @@ constexpr int64_t kMinKeysPerCta = 1024;     // 8 stages
 // tokens is 342 CTAs of six (fp32) on 396 places, which eight splits of the keys fill to 99 %.
 constexpr int kWaves = 8;
 
-// (More than one token a CTA: the token-run kernel's layout.)
+// A CTA's shared memory for tokens_per_cta tokens (more than one: the token-run kernel's layout).
 size_t shared_bytes(int blocks, bool bf16_rounding, int tokens_per_cta) {
   auto bytes = [&]<int kBlocks, bool kBf16Rounding>() {
     using index_wgmma::SharedLayout;

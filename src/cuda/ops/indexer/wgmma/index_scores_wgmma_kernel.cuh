@@ -68,7 +68,7 @@ inline constexpr int kHeads = 32;                 // the MMA's N: the index head
 // words) and a lane's 16-byte reads of its row (a quarter warp: 8 rows) do not conflict in bf16
 // rows 20 words apart, nor in fp32 rows 32 words apart whose 4-word group q of row r lies at
 // q ^ (2 (r mod 4) + (r / 4) mod 2): the token runs' rows (fp32 prefill −2.4 %). One-token CTAs
-// keep unswizzled rows with 4 words of padding, which hold the row scales its lanes share: their
+// keep unswizzled rows with 4 words of padding, which hold the row scales their lanes share: their
 // fp32 writes conflict two ways, yet conflict-free rows measured slower there (RESULTS,
 // forty-fifth session).
 template <bool kBf16Rounding, bool kTokenRuns>
