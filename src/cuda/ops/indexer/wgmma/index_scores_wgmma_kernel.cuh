@@ -310,7 +310,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         advance();
         const uint8_t* data = ref.valid() ? ref.data : a.keys.pages;
         const uint32_t rows = stage_base + slot * Layout::kStageBytes;
-        // The rows' addressable bits: first where the copies read them.
+        // The rows' addressable bits: before the copies where they read them, else after (as the
+        // other kernels were measured).
         uint32_t addressable = kWholeRowCopies ? __ballot_sync(kFullMask, ref.valid()) : 0u;
         if constexpr (kWholeRowCopies) {
           // The warp's 32 rows in Keys::kChunks copies of 32 / kChunks whole rows (a lane a chunk,
