@@ -261,6 +261,18 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     return (query_descriptor >> 32) << 32 | low;
   };
 
+  // This lane's heads' folded weights hs·w (heads 8j + 2c, + 1 of n tile j) for token i. (The
+  // plain path, rare, reads hs and w where it uses them.)
+  struct HeadFactors {
+    float2 weight[kHeads / 8];
+  };
+  auto load_head_factors = [&](int i) {
+    HeadFactors f;
+#pragma unroll
+    for (int j = 0; j < kHeads / 8; ++j)
+      f.weight[j] = *reinterpret_cast<const float2*>(tq.folded_weights + i * kHeads + 8 * j + 2 * c);
+    return f;
+  };
   for (int first = 0; first < count;) {
     // A run of tokens reading the same sequence: its stages are loaded once.
     const TokenRun run(cta, first, tq);
@@ -271,6 +283,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     if constexpr (kTokenRuns)
       for (int i = first + 1; i < end; ++i) run_bounds = run_bounds.intersection(fast_bounds(i));
     const TokenScores first_scores = token_scores(first);  // (one-token CTAs)
+    const HeadFactors first_head = load_head_factors(first);  // (one-token CTAs: read once)
     const int64_t sequence = run.sequence;
     const int load_rows = static_cast<int>(max(run.load_end - k0, int64_t{0}));  // rows the run loads
 
@@ -415,18 +428,6 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
         wgmma::pin(frag);
       };
-      // This lane's heads' folded weights hs·w (heads 8j + 2c, + 1 of n tile j) for token i, read
-      // while the MMAs run. (The plain path, rare, reads hs and w where it uses them.)
-      struct HeadFactors {
-        float2 weight[kHeads / 8];
-      };
-      auto load_head_factors = [&](int i) {
-        HeadFactors f;
-#pragma unroll
-        for (int j = 0; j < kHeads / 8; ++j)
-          f.weight[j] = *reinterpret_cast<const float2*>(tq.folded_weights + i * kHeads + 8 * j + 2 * c);
-        return f;
-      };
       // Token i's dots of this lane's 2 rows x 8 heads of the warp's rows from warp_row, from the
       // finished MMAs; their weighted terms into buffer slot `slot` of the warp's term buffer.
       // Returns whether the terms are the fast rows' P' terms, whose sums the row factor scales
@@ -567,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           float acc[kBlocks][4][4];
           issue_mmas(first, frag, acc);
           // Meanwhile the head factors and the rows' scales.
-          const HeadFactors head = load_head_factors(first);
+          const HeadFactors& head = first_head;
           const RowScales<kBlocks> rs[2] = {*row_scale_slot(kWarpRows * half + g), *row_scale_slot(kWarpRows * half + g + 8)};
           const bool fast[2] = {((fast_rows >> (kWarpRows * half + g)) & 1u) != 0, ((fast_rows >> (kWarpRows * half + g + 8)) & 1u) != 0};
           finish_mmas(acc, frag);
