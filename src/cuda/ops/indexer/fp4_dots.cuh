@@ -165,6 +165,12 @@ struct FastBounds {
   __device__ bool holds(ExponentRange key) const {
     return (key.hi - key.lo <= spread) & (key.lo >= lo) & (key.hi <= hi);
   }
+  // The bounds a key holds if and only if it holds both.
+  __device__ FastBounds intersection(const FastBounds& o) const {
+    FastBounds b = *this;
+    b.spread = min(spread, o.spread), b.lo = max(lo, o.lo), b.hi = min(hi, o.hi);
+    return b;
+  }
 };
 
 // Whether a token whose weights fold may form its fast rows' terms from P' ("Row factor").

@@ -236,9 +236,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     folding_tokens |= static_cast<uint32_t>(folds) << i;
     packing_tokens |= static_cast<uint32_t>(kBf16Rounding && folds && stats[kWeightsBf16] != 0) << i;
   }
+  auto fast_bounds = [&](int i) {
+    return FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding, ((folding_tokens >> i) & 1u) != 0);
+  };
   // Read by every unit of a token (the first stage's barrier orders these stores before them).
-  for (int i = threadIdx.x; i < count; i += kThreads)
-    token_bounds[i] = FastBounds(tq.stats + kTokenStats * i, true, kBf16Rounding, ((folding_tokens >> i) & 1u) != 0);
+  for (int i = threadIdx.x; i < count; i += kThreads) token_bounds[i] = fast_bounds(i);
 
   const int stage_count = (range_rows + kStageRows - 1) / kStageRows;
   // Where token i's scores of the range go, and how many of its rows are visible to it.
@@ -250,13 +252,39 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     const int64_t visible = min(max(tq.visible[i] - k0, int64_t{0}), int64_t{range_rows});
     return TokenScores{a.scores + (t0 + i) * a.entries + k0, static_cast<int>(visible), i};
   };
+  // Token i's block b: its tile's start address in the descriptor's low word, which no tile's
+  // offset carries out of (shared memory is below 2^18 bytes), so the offset is added in 32 bits:
+  // as a 64-bit sum, ptxas spent three uniform instructions a block on it.
   const uint64_t query_descriptor = wgmma::sw32_k_major(shared_address(queries));  // token 0, block 0
+  auto query_block_descriptor = [&](int i, int b) {
+    const uint32_t low = static_cast<uint32_t>(query_descriptor) + static_cast<uint32_t>((i * kBlocks + b) * (Layout::kQueryBlockBytes / 16));
+    return (query_descriptor >> 32) << 32 | low;
+  };
 
+  // This lane's heads' folded weights hs·w (heads 8j + 2c, + 1 of n tile j) for token i. (The
+  // plain path, rare, reads hs and w where it uses them.)
+  struct HeadFactors {
+    float2 weight[kHeads / 8];
+  };
+  auto load_head_factors = [&](int i) {
+    HeadFactors f;
+#pragma unroll
+    for (int j = 0; j < kHeads / 8; ++j)
+      f.weight[j] = *reinterpret_cast<const float2*>(tq.folded_weights + i * kHeads + 8 * j + 2 * c);
+    return f;
+  };
   for (int first = 0; first < count;) {
     // A run of tokens reading the same sequence: its stages are loaded once.
     const TokenRun run(cta, first, tq);
     const int end = kTokenRuns ? run.end : first + 1;  // without runs, a CTA has one token
+    // (Token runs.) A row within the bounds of every token of the run is a fast row for each, so
+    // that a half whose rows all are skips the tokens' checks (bf16 prefill −2 %).
+    FastBounds run_bounds = fast_bounds(first);
+    if constexpr (kTokenRuns)
+      for (int i = first + 1; i < end; ++i) run_bounds = run_bounds.intersection(fast_bounds(i));
     const TokenScores first_scores = token_scores(first);  // (one-token CTAs)
+    // (One-token CTAs: read once, not in each half; decode −2.6 %.)
+    const HeadFactors first_head = load_head_factors(first);
     const int64_t sequence = run.sequence;
     const int load_rows = static_cast<int>(max(run.load_end - k0, int64_t{0}));  // rows the run loads
 
@@ -391,8 +419,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       auto issue_mmas = [&](int i, const uint32_t (&frag)[kBlocks][4], float (&acc)[kBlocks][4][4]) {
         wgmma::fence();
 #pragma unroll
-        for (int b = 0; b < kBlocks; ++b)  // the descriptor's address field counts 16-byte units
-          wgmma::m64n32k32_e4m3_rs(acc[b], frag[b], query_descriptor + (i * kBlocks + b) * (Layout::kQueryBlockBytes / 16));
+        for (int b = 0; b < kBlocks; ++b) wgmma::m64n32k32_e4m3_rs(acc[b], frag[b], query_block_descriptor(i, b));
         wgmma::commit();
       };
       // Waits for them; the accumulators and the A operand stay put until then.
@@ -402,24 +429,12 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         for (int b = 0; b < kBlocks; ++b) wgmma::pin(acc[b]);
         wgmma::pin(frag);
       };
-      // This lane's heads' folded weights hs·w (heads 8j + 2c, + 1 of n tile j) for token i, read
-      // while the MMAs run. (The plain path, rare, reads hs and w where it uses them.)
-      struct HeadFactors {
-        float2 weight[kHeads / 8];
-      };
-      auto load_head_factors = [&](int i) {
-        HeadFactors f;
-#pragma unroll
-        for (int j = 0; j < kHeads / 8; ++j)
-          f.weight[j] = *reinterpret_cast<const float2*>(tq.folded_weights + i * kHeads + 8 * j + 2 * c);
-        return f;
-      };
       // Token i's dots of this lane's 2 rows x 8 heads of the warp's rows from warp_row, from the
       // finished MMAs; their weighted terms into buffer slot `slot` of the warp's term buffer.
       // Returns whether the terms are the fast rows' P' terms, whose sums the row factor scales
       // ("Row factor"; the same answer in every lane of the warp).
       auto store_terms = [&](int i, const float (&acc)[kBlocks][4][4], const RowScales<kBlocks> (&rs)[2],
-                             const bool (&fast)[2], const HeadFactors& head, int warp_row, int slot) {
+                             const bool (&fast)[2], bool known_fast, const HeadFactors& head, int warp_row, int slot) {
         float value[kHeads / 8][2][2];  // [n tile j][row r][head 8j + 2c + k]: P', then (unfolded) the dot
         // Block by block (in block order for each value), so that each block's accumulators and
         // scales are done with before the next block's are read.
@@ -433,6 +448,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
               for (int k = 0; k < 2; ++k)
                 value[j][r][k] = b == 0 ? acc[0][j][2 * r + k]
                                         : __fmaf_rn(acc[b][j][2 * r + k], rs[r].relative[b - 1], value[j][r][k]);
+        // (known_fast: the caller knows every row of the warp's to be fast.)
+        const bool all_fast = known_fast || __all_sync(kFullMask, fast[0] && fast[1]);
         // Word `word` of buffer row g + 8r of the slot.
         auto row_term = [&](int r, int word) {
           const int row = slot * kWarpRows + g + 8 * r;
@@ -446,7 +463,6 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
             *reinterpret_cast<float2*>(row_term(r, 8 * j + 2 * c)) =
                 make_float2(__fmul_rn(relu(x), weight.x), __fmul_rn(relu(y), weight.y));
         };
-        const bool all_fast = __all_sync(kFullMask, fast[0] && fast[1]);
         if (((packing_tokens >> i) & 1u) != 0 && all_fast) {
 #pragma unroll
           for (int j = 0; j < kHeads / 8; ++j) {
@@ -552,12 +568,12 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           load_a(warp_row, frag);
           float acc[kBlocks][4][4];
           issue_mmas(first, frag, acc);
-          // Meanwhile the head factors and the rows' scales.
-          const HeadFactors head = load_head_factors(first);
+          // Meanwhile the rows' scales.
+          const HeadFactors& head = first_head;
           const RowScales<kBlocks> rs[2] = {*row_scale_slot(kWarpRows * half + g), *row_scale_slot(kWarpRows * half + g + 8)};
           const bool fast[2] = {((fast_rows >> (kWarpRows * half + g)) & 1u) != 0, ((fast_rows >> (kWarpRows * half + g + 8)) & 1u) != 0};
           finish_mmas(acc, frag);
-          factored_halves |= static_cast<uint32_t>(store_terms(first, acc, rs, fast, head, warp_row, half)) << half;
+          factored_halves |= static_cast<uint32_t>(store_terms(first, acc, rs, fast, false, head, warp_row, half)) << half;
         }
         sum_terms(sum_row, first_scores, true, (factored_halves >> (lane / kWarpRows)) & 1u ? sum_scales.factor : 1.0f);
       } else {
@@ -578,15 +594,20 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
           const RowScales<kBlocks> rs[2] = {row_scales<kBlocks>(words[0]), row_scales<kBlocks>(words[1])};
           const ExponentRange ranges[2] = {key_exponents<kBlocks>(words[0]), key_exponents<kBlocks>(words[1])};
           const bool addressable_rows[2] = {addressable(warp_row + g), addressable(warp_row + g + 8)};
+          const bool run_fast = __all_sync(kFullMask, (!addressable_rows[0] || run_bounds.holds(ranges[0])) &&
+                                                          (!addressable_rows[1] || run_bounds.holds(ranges[1])));
 #pragma unroll 1
           for (int i = first; i < end; ++i, ++unit) {
             if (i > first) issue_mmas(i, frag, acc);
             const HeadFactors head = load_head_factors(i);
-            const FastBounds bounds = token_bounds[i];
-            const bool fast[2] = {!addressable_rows[0] || bounds.holds(ranges[0]), !addressable_rows[1] || bounds.holds(ranges[1])};
+            bool fast[2] = {true, true};
+            if (!run_fast) {
+              const FastBounds bounds = token_bounds[i];
+              fast[0] = !addressable_rows[0] || bounds.holds(ranges[0]), fast[1] = !addressable_rows[1] || bounds.holds(ranges[1]);
+            }
             finish_mmas(acc, frag);
             const int buffer_slot = unit & 1;
-            const bool factored = store_terms(i, acc, rs, fast, head, warp_row, buffer_slot);
+            const bool factored = store_terms(i, acc, rs, fast, run_fast, head, warp_row, buffer_slot);
             (buffer_slot == 0 ? slot_units[0] : slot_units[1]) = make_int2(half + 2 * factored, i);
             const bool last = half == 1 && i == end - 1;
             if (buffer_slot == 0 && !last) continue;  // the pair is not full yet
