@@ -42,12 +42,15 @@ constexpr int64_t kMinKeysPerCta = 1024;     // 8 stages
 // tokens is 342 CTAs of six (fp32) on 396 places, which eight splits of the keys fill to 99 %.
 constexpr int kWaves = 8;
 
-// A CTA's shared memory for tokens_per_cta tokens (more than one: the token-run kernel's layout).
+// Whether CTAs of tokens_per_cta tokens run the token-run kernel (else the one-token one).
+constexpr bool runs_tokens(int tokens_per_cta) { return tokens_per_cta > 1; }
+
+// A CTA's shared memory for tokens_per_cta tokens, in the layout of the kernel that takes them.
 size_t shared_bytes(int blocks, bool bf16_rounding, int tokens_per_cta) {
   auto bytes = [&]<int kBlocks, bool kBf16Rounding>() {
     using index_wgmma::SharedLayout;
-    return tokens_per_cta > 1 ? SharedLayout<kBlocks, kBf16Rounding, true>{tokens_per_cta}.bytes()
-                              : SharedLayout<kBlocks, kBf16Rounding, false>{tokens_per_cta}.bytes();
+    return runs_tokens(tokens_per_cta) ? SharedLayout<kBlocks, kBf16Rounding, true>{tokens_per_cta}.bytes()
+                                       : SharedLayout<kBlocks, kBf16Rounding, false>{tokens_per_cta}.bytes();
   };
   if (blocks == 2) return bf16_rounding ? bytes.operator()<2, true>() : bytes.operator()<2, false>();
   return bf16_rounding ? bytes.operator()<4, true>() : bytes.operator()<4, false>();
@@ -130,7 +133,7 @@ void run(const IndexScoresParams& p, cudaStream_t stream) {
   if (a.tokens == 0 || a.entries == 0) return;
   const int blocks = static_cast<int>(p.q.shape[2] / 32);
   a.tokens_per_cta = tokens_per_cta(a.tokens, blocks, a.bf16_rounding);
-  const bool token_runs = a.tokens_per_cta > 1;
+  const bool token_runs = runs_tokens(a.tokens_per_cta);
   // Token runs share each stage among their tokens, so its per-row copies cost little there; with
   // tensor copies the prefill measured slower (RESULTS, thirty-second session).
   a.tensor_copies = !token_runs && encode_key_maps(a.keys, blocks, &a.key_rows, &a.scale_rows);
