@@ -98,7 +98,7 @@ template <int kRowBytes>
 struct SwizzledKeyRows {
   static constexpr int kBytes = kRowBytes;
   static constexpr int kChunks = kRowBytes / 16;
-  __host__ __device__ static int offset(int row, int chunk) {
+  __host__ __device__ static constexpr int offset(int row, int chunk) {
     return row * kRowBytes + ((chunk ^ ((row * kChunks / 8) % kChunks)) << 4);
   }
 };

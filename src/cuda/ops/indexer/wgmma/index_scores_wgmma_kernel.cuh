@@ -261,6 +261,13 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
     return (query_descriptor >> 32) << 32 | low;
   };
 
+  // Where this lane's ldmatrix reads of half 0 of a stage lie in it (half 1's are kTileRows rows
+  // further, under the same swizzle): formed once, where ptxas rebuilt them in every half.
+  uint32_t a_offsets[kBlocks / 2];
+#pragma unroll
+  for (int m = 0; m < kBlocks / 2; ++m)
+    a_offsets[m] = static_cast<uint32_t>(Keys::offset(warp * kWarpRows + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * m + (lane >> 4)));
+  static_assert(Keys::offset(kTileRows + 5, 1) == Keys::offset(5, 1) + kTileRows * Keys::kBytes);
   // This lane's heads' folded weights hs·w (heads 8j + 2c, + 1 of n tile j) for token i. (The
   // plain path, rare, reads hs and w where it uses them.)
   struct HeadFactors {
@@ -402,12 +409,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       // The work of one unit (one token, one 64-row half of the stage), in the pieces both loop
       // orders below share. The A operand of the warp's 16 rows from warp_row: rows g and g + 8 of
       // each block, codes moved to e4m3.
-      auto load_a = [&](int warp_row, uint32_t (&frag)[kBlocks][4]) {
-        const int row = warp_row + (lane & 7) + 8 * ((lane >> 3) & 1);
+      auto load_a = [&](int half, uint32_t (&frag)[kBlocks][4]) {
 #pragma unroll
         for (int m = 0; m < kBlocks / 2; ++m) {
           uint32_t r[4];  // rows g / g + 8 of blocks 2m and 2m + 1
-          ldmatrix_x4(r, rows + Keys::offset(row, 2 * m + (lane >> 4)));
+          ldmatrix_x4(r, rows + a_offsets[m] + half * (kTileRows * Keys::kBytes));
 #pragma unroll
           for (int s = 0; s < 2; ++s) {
             uint32_t(&f)[4] = frag[2 * m + s];
@@ -565,7 +571,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         for (int half = 0; half < 2; ++half) {
           const int warp_row = half * kTileRows + warp * kWarpRows;  // the warp's first row in the stage
           uint32_t frag[kBlocks][4];
-          load_a(warp_row, frag);
+          load_a(half, frag);
           float acc[kBlocks][4][4];
           issue_mmas(first, frag, acc);
           // Meanwhile the rows' scales.
@@ -586,7 +592,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
         for (int half = 0; half < 2; ++half) {
           const int warp_row = half * kTileRows + warp * kWarpRows;
           uint32_t frag[kBlocks][4];
-          load_a(warp_row, frag);
+          load_a(half, frag);
           float acc[kBlocks][4][4];
           issue_mmas(first, frag, acc);  // the first token's MMAs run while the rows' scales are read
           // Rows g and g + 8 of the warp's: their scales, and what each token's fast-path check reads.
