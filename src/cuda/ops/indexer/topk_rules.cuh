@@ -21,11 +21,15 @@ __device__ __forceinline__ int64_t topk_eligible_length(int64_t n, const int32_t
 // Key of a score for "larger is better": 0 for -inf (not eligible), 1 for NaN (eligible, below
 // every number), and for numbers an unsigned code >= 2 ordered like the floats (-0 and +0 equal;
 // the most negative finite number maps to 0x00800000).
+// Selects, not branches: the radix kernels key every score they read, and as early returns ptxas
+// gave each key its own branch region.
 __device__ __forceinline__ uint32_t topk_key(float score) {
-  if (score != score) return 1u;
-  if (score == -INFINITY) return 0u;
-  const uint32_t bits = float_bits(score == 0.0f ? 0.0f : score);
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  const uint32_t bits = float_bits(score);
+  // Negative numbers flip every bit, the others only the sign bit.
+  const uint32_t ordered = bits ^ (static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u);
+  const uint32_t number = score == 0.0f ? 0x80000000u : ordered;  // -0 as +0
+  const uint32_t eligible = score == -INFINITY ? 0u : number;
+  return score != score ? 1u : eligible;
 }
 
 }  // namespace dsv4::cuda

@@ -74,51 +74,61 @@ struct ScoreKeys {
 // Gathers in row order the CTA's keys the selection still reads (key != 0, (key & mask) >=
 // prefix: the first pass's threshold bin and above) with their positions, and pads the last tile
 // with 0; returns how many (the caller has checked that they fit kGatherCapacity). The tiles go
-// round-robin over the warps, kRadixLoadBatch rounds loaded at once, and each round's counts are
-// combined through shared memory (`round_counts`, two rounds' worth so that one barrier a round
-// orders them), which keeps the row's order.
+// round-robin over the warps, kRadixLoadBatch rounds loaded at once. The counts of up to
+// kWarpSize / kWarps rounds (per round and warp, in row order) are combined through shared memory
+// by one barrier and one warp scan (`scan_counts`, two scans' worth so that the next scan's counts
+// do not overwrite those a slower warp still reads): a barrier a round, and each warp adding the
+// warps before it one by one, took a third of the gather's instructions (RESULTS, forty-eighth
+// session).
 template <int kThreads>
 __device__ int gather_keys(const ScoreKeys& chunk, const radix_topk::SelectionState& state, uint32_t* keys,
-                           int32_t* positions, int (&round_counts)[2][kThreads / kWarpSize]) {
+                           int32_t* positions, int (&scan_counts)[2][kWarpSize]) {
   using radix_topk::kKeysPerLane, radix_topk::kTileKeys;
   constexpr int kWarps = kThreads / kWarpSize;
+  constexpr int kScanRounds = kRadixLoadBatch < kWarpSize / kWarps ? kRadixLoadBatch : kWarpSize / kWarps;
+  static_assert(kScanRounds >= 1 && kRadixLoadBatch % kScanRounds == 0);
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int tiles = (chunk.count + kTileKeys - 1) / kTileKeys;
-  int gathered = 0;
+  int gathered = 0, scans = 0;
   for (int batch = 0; batch * kWarps < tiles; batch += kRadixLoadBatch) {
     uint32_t key[kRadixLoadBatch][kKeysPerLane] = {};
 #pragma unroll
     for (int b = 0; b < kRadixLoadBatch; ++b)
       if ((batch + b) * kWarps + warp < tiles) chunk.load((batch + b) * kWarps + warp, key[b]);
 #pragma unroll
-    for (int b = 0; b < kRadixLoadBatch; ++b) {
-      const int round = batch + b, tile = round * kWarps + warp;
-      if (round * kWarps >= tiles) break;  // the same in every warp
-      bool kept[kKeysPerLane];
-      int lane_kept = 0;
+    for (int first = 0; first < kRadixLoadBatch; first += kScanRounds, ++scans) {
+      int(&counts)[kWarpSize] = scan_counts[scans & 1];  // entry r·kWarps + w: round first + r, warp w
+      bool kept[kScanRounds][kKeysPerLane];
+      int lane_before[kScanRounds];  // this lane's offset among its warp's keys of the round
 #pragma unroll
-      for (int j = 0; j < kKeysPerLane; ++j) {
-        kept[j] = key[b][j] != 0u && (key[b][j] & state.mask) >= state.prefix;
-        lane_kept += kept[j] ? 1 : 0;
-      }
-      const int through = radix_topk::warp_inclusive_sum(lane_kept);
-      if (lane == kWarpSize - 1) round_counts[round & 1][warp] = through;
-      __syncthreads();
-      int at = gathered + through - lane_kept, round_total = 0;
+      for (int r = 0; r < kScanRounds; ++r) {
+        int lane_kept = 0;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const int count = round_counts[round & 1][w];
-        at += w < warp ? count : 0;
-        round_total += count;
-      }
-#pragma unroll
-      for (int j = 0; j < kKeysPerLane; ++j)
-        if (kept[j]) {
-          keys[at] = key[b][j];
-          positions[at] = static_cast<int32_t>(chunk.position(tile * kTileKeys + lane * kKeysPerLane + j));
-          ++at;
+        for (int j = 0; j < kKeysPerLane; ++j) {
+          const uint32_t k = key[first + r][j];
+          kept[r][j] = k != 0u && (k & state.mask) >= state.prefix;
+          lane_kept += kept[r][j] ? 1 : 0;
         }
-      gathered += round_total;
+        const int through = radix_topk::warp_inclusive_sum(lane_kept);
+        lane_before[r] = through - lane_kept;
+        if (lane == kWarpSize - 1) counts[r * kWarps + warp] = through;
+      }
+      __syncthreads();
+      const int count = lane < kScanRounds * kWarps ? counts[lane] : 0;
+      const int counts_through = radix_topk::warp_inclusive_sum(count);
+#pragma unroll
+      for (int r = 0; r < kScanRounds; ++r) {
+        const int tile = (batch + first + r) * kWarps + warp;
+        int at = gathered + __shfl_sync(kFullMask, counts_through - count, r * kWarps + warp) + lane_before[r];
+#pragma unroll
+        for (int j = 0; j < kKeysPerLane; ++j)
+          if (kept[r][j]) {
+            keys[at] = key[first + r][j];
+            positions[at] = static_cast<int32_t>(chunk.position(tile * kTileKeys + lane * kKeysPerLane + j));
+            ++at;
+          }
+      }
+      gathered += __shfl_sync(kFullMask, counts_through, kWarpSize - 1);
     }
   }
   const int padded = (gathered + kTileKeys - 1) / kTileKeys * kTileKeys;
@@ -173,9 +183,9 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) topk_radix_kernel(R
   } else {
     const ScoreKeys chunk{row, count, aligned, first};
     if (radix_topk::cta_kept_keys(state, shared) <= kGatherCapacity) {
-      __shared__ int round_counts[2][kThreads / kWarpSize];
+      __shared__ int scan_counts[2][kWarpSize];
       int32_t* const positions = reinterpret_cast<int32_t*>(keys + kGatherCapacity);
-      const int gathered = gather_keys<kThreads>(chunk, state, keys, positions, round_counts);
+      const int gathered = gather_keys<kThreads>(chunk, state, keys, positions, scan_counts);
       select(radix_topk::GatheredKeys{keys, positions}, gathered);
     } else {
       select(chunk, count);
