@@ -17,6 +17,13 @@ __device__ __forceinline__ void store_shared_u32(uint32_t shared, uint32_t value
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(shared), "r"(value) : "memory");
 }
 
+// An atomic add (no result) at a shared-memory address: formed once, the address serves many adds,
+// where atomicAdd on a generic pointer re-derives the CTA's shared window (in cluster kernels S2R
+// SR_CgaCtaId and three integer instructions) before each.
+__device__ __forceinline__ void add_shared_u32(uint32_t shared, uint32_t value) {
+  asm volatile("red.shared.add.u32 [%0], %1;\n" ::"r"(shared), "r"(value) : "memory");
+}
+
 // kBytes (4, 8 or 16) global -> shared, asynchronous; zero-filled without reading `global` when
 // !valid (`global` must still be a valid address then). 16-byte copies bypass L1 (.cg), smaller
 // ones cannot (.ca).

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/async_copy.cuh"
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/phase_stamps.cuh"
 
@@ -207,13 +208,6 @@ __device__ __forceinline__ int warp_inclusive_sum(int v) {
   return v;
 }
 
-// counts[bin] += v at a shared-memory address formed once: atomicAdd on the generic pointer
-// re-derived the CTA's shared window (S2R SR_CgaCtaId and three integer instructions) before each
-// add in the cluster kernels.
-__device__ __forceinline__ void shared_add(uint32_t address, unsigned v) {
-  asm volatile("red.shared.add.u32 [%0], %1;\n" ::"r"(address), "r"(v) : "memory");
-}
-
 // Adds this lane's keys of a tile that are != 0 and match prefix under mask to their bins
 // (key >> shift) & (kBins - 1) of counts. Warp-wide: a tile without such keys costs a vote, and a
 // tile whose counted keys share one bin (a run of equal scores) one atomic.
@@ -234,14 +228,14 @@ __device__ __forceinline__ void count_keys(unsigned* counts, const uint32_t (&ke
   bool in_tile_bin = true;
 #pragma unroll
   for (int j = 0; j < kKeysPerLane; ++j) in_tile_bin = in_tile_bin && (!counted[j] || bin[j] == tile_bin);
-  const uint32_t counts_address = static_cast<uint32_t>(__cvta_generic_to_shared(counts));
+  const uint32_t counts_address = shared_address(counts);  // the adds below: add_shared_u32
   if (__all_sync(kFullMask, in_tile_bin)) {
     const unsigned tile_count = __reduce_add_sync(kFullMask, lane_count);
-    if (threadIdx.x % kWarpSize == 0) shared_add(counts_address + 4 * tile_bin, tile_count);
+    if (threadIdx.x % kWarpSize == 0) add_shared_u32(counts_address + 4 * tile_bin, tile_count);
   } else {
 #pragma unroll
     for (int j = 0; j < kKeysPerLane; ++j)
-      if (counted[j]) shared_add(counts_address + 4 * bin[j], 1u);
+      if (counted[j]) add_shared_u32(counts_address + 4 * bin[j], 1u);
   }
 }
 

@@ -407,8 +407,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kTokenRuns))
       };
 
       // The work of one unit (one token, one 64-row half of the stage), in the pieces both loop
-      // orders below share. The A operand of the warp's 16 rows from warp_row: rows g and g + 8 of
-      // each block, codes moved to e4m3.
+      // orders below share. The A operand of the warp's 16 rows of half `half`: rows g and g + 8
+      // of each block, codes moved to e4m3.
       auto load_a = [&](int half, uint32_t (&frag)[kBlocks][4]) {
 #pragma unroll
         for (int m = 0; m < kBlocks / 2; ++m) {
