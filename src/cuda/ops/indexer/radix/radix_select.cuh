@@ -103,6 +103,7 @@ enum TopkStamp {
   kTopkStampTotals = 8,     // write_picks: every CTA's totals published (after its cluster barrier)
   kTopkStampWritten = 9,    // write_picks: this thread's picks written
   kTopkStampEnd = 10,       // the CTA's last cluster wait passed
+  kTopkStampGathered = 11,  // streamed: the CTA's kept keys gathered into shared memory
 };
 
 inline constexpr int kKeysPerLane = 4;

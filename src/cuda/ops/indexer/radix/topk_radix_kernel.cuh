@@ -186,6 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) topk_radix_kernel(R
       __shared__ int scan_counts[2][kWarpSize];
       int32_t* const positions = reinterpret_cast<int32_t*>(keys + kGatherCapacity);
       const int gathered = gather_keys<kThreads>(chunk, state, keys, positions, scan_counts);
+      DSV4_PHASE_STAMP(radix_topk::kTopkStampGathered);
       select(radix_topk::GatheredKeys{keys, positions}, gathered);
     } else {
       select(chunk, count);
